@@ -1,0 +1,41 @@
+// Operator schemas of the ppma library (design §2). One place for every op and
+// every backward op; each backend registers its kernels with
+// TORCH_LIBRARY_IMPL(ppma, <Key>, m) at the bottom of its own file.
+//
+// Layout: q, k: [B, H, W, heads, d]; v: [B, H, W, heads, dv];
+// log_alpha, log_beta: [B, H, W, heads] (values <= 0).
+// lse: float32 [B, H, W, heads, 2] softmax log-sum-exp statistics:
+//   polyline_attention:    [..., 0] for softmax(S + M) (V2H), [..., 1] for softmax(S + M^T) (H2V)
+//   criss_cross_attention: [..., 0] for the row softmax,  [..., 1] for the column softmax
+// out_v2h: softmax(S + M) v (the V2H term alone), kept for the backward pass.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// ppma._C is imported only to run the static registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(ppma, m) {
+  m.def(
+      "polyline_attention(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
+      " -> (Tensor out, Tensor out_v2h, Tensor lse)");
+  m.def(
+      "polyline_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
+      " Tensor log_beta, Tensor out, Tensor out_v2h, Tensor lse, float scale)"
+      " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
+  m.def(
+      "criss_cross_attention(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
+      " -> (Tensor out, Tensor lse)");
+  m.def(
+      "criss_cross_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
+      " Tensor log_beta, Tensor lse, float scale)"
+      " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
+  m.def("polyline_scan(Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose) -> Tensor");
+  m.def(
+      "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"
+      " -> (Tensor grad_x, Tensor grad_log_alpha, Tensor grad_log_beta)");
+}
