@@ -1,0 +1,74 @@
+"""Build script for ppma: a pure-Python package plus the ``ppma._C`` operator library.
+
+The C++ CPU kernels are always built. The CUDA kernels are built when the installed torch is a
+CUDA build and a CUDA toolkit is found, or when ``FORCE_CUDA=1`` (design §4). ``PPMA_NO_CUDA=1``
+turns them off. Install with ``pip install --no-build-isolation -e .`` after installing torch,
+so that pip never downloads another torch into a build environment.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _extensions():
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
+    except ImportError:  # metadata-only runs (e.g. `pip show`); the package needs torch at build time
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension
+
+    csrc = os.path.join(ROOT, "csrc")
+    sources = [os.path.join("csrc", "ppma.cpp")] + sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(csrc, "cpu", "*.cpp"))
+    )
+    cuda_sources = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(csrc, "cuda", "*.cu")))
+
+    with_cuda = not _flag("PPMA_NO_CUDA") and (
+        _flag("FORCE_CUDA") or (torch.version.cuda is not None and CUDA_HOME is not None)
+    )
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    if _flag("PPMA_DEBUG"):
+        cxx = ["-O0", "-g", "-std=c++17", "-fopenmp"]
+    include_dirs = [csrc]
+    if with_cuda and cuda_sources:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            # No GPU is needed to build: pick the architectures we test on (Ampere, Hopper).
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        ext = CUDAExtension(
+            "ppma._C",
+            sources + cuda_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={
+                "cxx": cxx + ["-DPPMA_WITH_CUDA"],
+                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-DPPMA_WITH_CUDA",
+                         "--expt-relaxed-constexpr"],
+            },
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = CppExtension(
+            "ppma._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    packages=find_packages(include=["ppma", "ppma.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
