@@ -117,6 +117,7 @@ DEFAULTS: dict[str, Any] = {
         "save_every": 1,
         "progress": True,
         "max_steps_per_epoch": None,  # cut epochs short (smoke tests)
+        "stop_after_epoch": None,  # end the run after this epoch (the schedule still spans sched.epochs)
         "compile": False,
     },
 }

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "is_distributed", "rank", "world_size", "is_main", "all_reduce_sum", "barrier", "cleanup"]
+__all__ = ["init_distributed", "is_distributed", "rank", "world_size", "is_main", "all_reduce_sum", "broadcast_buffers", "barrier", "cleanup"]
 
 
 def init_distributed(device: torch.device) -> bool:
@@ -46,6 +46,14 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy every buffer (BatchNorm running statistics) of ``module`` from rank ``src`` to all ranks, so that
+    distributed evaluation runs one model: without SyncBN each process tracks its own BN statistics."""
+    if is_distributed():
+        for b in module.buffers():
+            dist.broadcast(b, src)
 
 
 def barrier() -> None:

@@ -64,6 +64,7 @@ def config_from_args(args: argparse.Namespace):
         "model": ("model", "name"), "epochs": ("sched", "epochs"), "batch_size": ("data", "batch_size"),
         "lr": ("optim", "lr"), "output": ("train", "output"), "amp": ("train", "amp"),
         "device": ("train", "device"), "num_workers": ("data", "num_workers"), "seed": ("train", "seed"),
+        "resume": ("train", "resume"),
     }.items():
         value = getattr(args, flag)
         if value is not None:
@@ -249,6 +250,10 @@ def train(cfg) -> dict:
             scheduler.step(epoch)  # official loop: step(epoch) at the end of the epoch (spec §6.1)
         record = {"epoch": epoch, "train_loss": stats["train_loss"], "lr": stats["lr"]}
         is_last = epoch == cfg.sched.epochs - 1
+        is_last = is_last or epoch == cfg.train.stop_after_epoch
+        D.broadcast_buffers(model_without_ddp)
+        if ema is not None:
+            D.broadcast_buffers(ema.module)
         if (epoch + 1) % cfg.train.eval_every == 0 or is_last:
             ev = evaluate(model_without_ddp, val_set, device, batch_size=cfg.data.eval_batch_size,
                           amp_dtype=amp_dtype, channels_last=cfg.train.channels_last)
@@ -298,6 +303,8 @@ def train(cfg) -> dict:
              f"{record['images_per_sec']:.0f} img/s ({record['epoch_time']:.1f} s)")
         last = record
         D.barrier()
+        if epoch == cfg.train.stop_after_epoch:
+            break
 
     wall = time.perf_counter() - wall_start
     summary = {"best_acc1": best["acc1"], "best_epoch": best["epoch"],
@@ -312,8 +319,6 @@ def train(cfg) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = config_from_args(args)
-    if args.resume is not None:
-        cfg.train.resume = args.resume
     train(cfg)
     return 0
 
