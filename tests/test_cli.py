@@ -97,3 +97,68 @@ def test_benchmark_cli_quick(tmp_path):
     assert res["settings"]["batch_size"] == 2 and res["env"]["torch"] == torch.__version__
     md = (tmp_path / "bench.md").read_text()
     assert "| model | impl |" in md and md.count("\n| ") >= 3
+
+
+# ------------------------------------------------------------------------------------------------ visualize
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (1, 4), (6, 1)])
+def test_mask_row_matches_dense_polyline_mask(shape):
+    from ppma.ops.reference import polyline_mask
+    from ppma.train.visualize import mask_row
+
+    H, W = shape
+    g = torch.Generator().manual_seed(0)
+    la = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    lb = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    L = polyline_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]  # [N, N]
+    for i, j in [(0, 0), (H - 1, W - 1), (H // 2, W // 3)]:
+        p = i * W + j
+        torch.testing.assert_close(mask_row(la, lb, (i, j)).reshape(-1), L[p], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mask_row(la, lb, (i, j), transpose=True).reshape(-1), L[:, p], rtol=1e-12,
+                                   atol=1e-12)
+    with pytest.raises(ValueError, match="outside"):
+        mask_row(la, lb, (H, 0))
+
+
+def test_attention_row_is_the_models_attention():
+    from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref, polyline_log_mask
+    from ppma.train.visualize import attention_row
+
+    H, W, d = 4, 5, 8
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, H, W, d, generator=g, dtype=torch.float64)
+    la = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    lb = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    query = (2, 3)
+    p = query[0] * W + query[1]
+    # full attention: 0.5 softmax(S + M) + 0.5 softmax(S + M^T), row p (spec §1.6)
+    M = polyline_log_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]
+    S = (q.reshape(-1, d) @ k.reshape(-1, d).T) * d**-0.5
+    expect = 0.5 * torch.softmax(S[p] + M[p], -1) + 0.5 * torch.softmax(S[p] + M[:, p], -1)
+    got = attention_row(q, k, la, lb, query, criss_cross=False)
+    torch.testing.assert_close(got.reshape(-1), expect)
+    # criss-cross: weights reproduce the operator's output for any v, and sum to 1
+    got = attention_row(q, k, la, lb, query, criss_cross=True)
+    v = torch.randn(1, H, W, 1, 3, generator=g, dtype=torch.float64)
+    out = criss_cross_attention_ref(q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
+                                    lb[None, :, :, None])
+    torch.testing.assert_close(got.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
+    assert got.sum().item() == pytest.approx(1.0)
+    assert polyline_attention_ref is not None
+
+
+def test_visualize_cli_writes_pngs(tmp_path, tiny_checkpoint):
+    from PIL import Image
+
+    from ppma.train.visualize import main
+
+    img = tmp_path / "in.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 30, 3), dtype=np.uint8)).save(img)
+    out = tmp_path / "vis"
+    assert main(["--image", str(img), "--checkpoint", str(tiny_checkpoint), "--output", str(out),
+                 "--query", "1", "2"]) == 0
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert len(pngs) == 3 and [n.split("_")[0] for n in pngs] == ["attn", "decay", "mask"]
+    for p in out.glob("*.png"):
+        assert Image.open(p).size[0] > 100
