@@ -160,12 +160,11 @@ def convert_official_state_dict(
         sd = {k[len("backbone.") :]: v for k, v in sd.items() if k.startswith("backbone.")}
         if verbose and dropped:
             _logger.info(f"ppma: kept the {len(sd)} backbone.* entries, dropped {len(dropped)} others (neck/heads)")
+    if any(k.startswith(("stem.", "stages.")) for k in sd):  # already in our naming
+        return sd
     out: dict[str, torch.Tensor] = {}
     unknown = []
     for k, v in sd.items():
-        if k.startswith(("stem.", "stages.", "head.", "out_norms.")):  # already ours
-            out[k] = v
-            continue
         new = _rename(k, _OFFICIAL_TO_OURS)
         if new is None:
             unknown.append(k)
