@@ -89,7 +89,7 @@ def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_cl
     overrides = {"impl": impl} if impl else {}
     model = ppma.create_model(name, num_classes=num_classes or 1000, **overrides)
     used, _ = _pick_state(ckpt, key, path)
-    state = convert_official_state_dict(ckpt if key == "auto" else ckpt[key])
+    state = convert_official_state_dict(ckpt, key=None if key == "auto" else key)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise KeyError(f"{path}: converted weights do not fit {name}: missing {missing[:8]}, unexpected {unexpected[:8]}")
