@@ -12,14 +12,9 @@ from ppma._compat import ensure_torchvision
 ensure_torchvision()  # timm imports torchvision (see ppma._compat)
 pytest.importorskip("timm")
 
-from test_train import TESTS, model_args, tiny_args  # noqa: E402
+from test_train import tiny_args  # noqa: E402
 
 from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _standin_importable(monkeypatch):
-    monkeypatch.syspath_prepend(TESTS)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +74,8 @@ def test_eval_cli_rejects_unknown_key(tmp_path, tiny_checkpoint):
 def test_benchmark_cli_quick(tmp_path):
     from ppma.train.benchmark import main
 
-    args = model_args()
-    extra = []
-    if "model.factory=test_train_standin:create_standin" in args:
-        extra = ["--factory", "test_train_standin:create_standin"]
-    else:
-        extra = ["--override", "embed_dims=[8, 16, 16, 16]", "--override", "depths=[1, 1, 1, 1]",
-                 "--override", "num_heads=[1, 2, 2, 2]"]
+    extra = ["--override", "embed_dims=[8, 16, 16, 16]", "--override", "depths=[1, 1, 1, 1]",
+             "--override", "num_heads=[1, 2, 2, 2]", "--override", "criss_cross=[true, true, false, false]"]
     out = tmp_path / "bench"
     assert main(["--batch-size", "2", "--img-size", "32", "--warmup", "1", "--iters", "2", "--device", "cpu",
                  "--num-classes", "10", "--output", str(out), *extra]) == 0

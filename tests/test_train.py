@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -21,23 +22,14 @@ from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "classification", "*.yaml")))
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def _has_real_model() -> bool:
-    import ppma
-
-    return hasattr(ppma, "create_model")
 
 
 def model_args() -> list[str]:
-    """A tiny model: the real PPMA with small overrides when it is importable, else the test stand-in."""
-    if _has_real_model():
-        return [
-            "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1], num_heads: [1, 2, 2, 2],"
-            " mlp_ratios: [2, 2, 2, 2], criss_cross: [true, true, false, false], impl: reference}",
-        ]
-    return ["--set", "model.factory=test_train_standin:create_standin"]
+    """A tiny PPMA: criss-cross attention in stages 1-2, full attention in stages 3-4, reference ops."""
+    return [
+        "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1], num_heads: [1, 2, 2, 2],"
+        " mlp_ratios: [2, 2, 2, 2], criss_cross: [true, true, false, false], impl: reference}",
+    ]
 
 
 def tiny_args(out, epochs=2, extra=()) -> list[str]:
@@ -50,11 +42,6 @@ def tiny_args(out, epochs=2, extra=()) -> list[str]:
         "--set", "sched.warmup_epochs=0", "--set", "sched.min_lr=1e-4",
         *model_args(), *extra,
     ]
-
-
-@pytest.fixture(autouse=True)
-def _standin_importable(monkeypatch):
-    monkeypatch.syspath_prepend(TESTS)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -158,13 +145,20 @@ def test_resume_is_bit_exact(tmp_path):
 
 def test_ddp_two_cpu_processes(tmp_path):
     """torchrun with 2 gloo processes for a few steps; distributed eval covers the whole val set once."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "ppma.train", *tiny_args(tmp_path, epochs=2, extra=["--device", "cpu"])]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "world 2" in proc.stdout
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+        stdout, stderr = proc.communicate()
+        pytest.fail("2-process run timed out:\n" + stdout[-3000:] + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "world 2" in stdout
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1]
     ckpt = load_checkpoint(str(tmp_path / "checkpoint.pth"))
@@ -182,3 +176,31 @@ def test_ddp_two_cpu_processes(tmp_path):
     _, val, _ = build_datasets(cfg, need_train=False)
     ev = evaluate(model, val, torch.device("cpu"), batch_size=5)
     assert ev["acc1"] == pytest.approx(records[-1]["test_acc1"])
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def test_digits_split_and_affine():
+    from ppma.train.data import BatchAffine, build_digits
+
+    train_set, test_set = build_digits(img_size=24)
+    assert (len(train_set), len(test_set)) == (1437, 360)
+    assert train_set.images.shape[1:] == (1, 24, 24) and test_set.images.shape[1:] == (1, 24, 24)
+    # stratified: every class has 35-37 test images
+    counts = torch.bincount(test_set.targets, minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 37
+    # fixed split: the same call gives the same tensors
+    _, again = build_digits(img_size=24)
+    assert torch.equal(again.images, test_set.images)
+    x = train_set.images[:8]
+    assert BatchAffine()(x) is x  # inactive: identity
+    aug = BatchAffine(degrees=10, translate=0.1, scale=(0.9, 1.1), shear=5, fill=float(x.min()))
+    torch.manual_seed(0)
+    y1 = aug(x)
+    torch.manual_seed(0)
+    y2 = aug(x)
+    assert y1.shape == x.shape and torch.equal(y1, y2) and not torch.equal(y1, x)
+    # pixels moved in from outside take the background value: a blank image stays blank
+    blank = torch.full_like(x, float(x.min()))
+    torch.testing.assert_close(aug(blank), blank)
