@@ -71,6 +71,37 @@ def test_eval_cli_rejects_unknown_key(tmp_path, tiny_checkpoint):
               "--num-workers", "0", "--device", "cpu"])
 
 
+def test_eval_cli_official_checkpoint(tmp_path):
+    """An official-format checkpoint (official key names, under 'models' and 'model_ema') goes through
+    ppma.models.convert_official_state_dict; the EMA weights are used by default."""
+    import ppma
+    from ppma.models import convert_to_official_state_dict
+    from ppma.train.evaluate import main
+
+    n = _write_image_folder(tmp_path / "data", classes=3, per_class=2, size=32)
+    torch.manual_seed(0)
+    raw, ema = ppma.create_model("ppma_tiny", num_classes=3), ppma.create_model("ppma_tiny", num_classes=3)
+    torch.save({"models": convert_to_official_state_dict(raw.state_dict()),
+                "model_ema": convert_to_official_state_dict(ema.state_dict()), "epoch": 299},
+               tmp_path / "best.pth")
+    out = tmp_path / "eval.json"
+    assert main(["--checkpoint", str(tmp_path / "best.pth"), "--model", "ppma_tiny", "--num-classes", "3",
+                 "--data", str(tmp_path / "data"), "--img-size", "32", "--crop-pct", "1.0", "--num-workers", "0",
+                 "--device", "cpu", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "official" and res["weights"] == "model_ema" and res["images"] == n
+    from torchvision.datasets import ImageFolder
+
+    from ppma.train.data import build_eval_transform
+
+    ds = ImageFolder(str(tmp_path / "data" / "val"),
+                     build_eval_transform(32, 1.0, "bicubic", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+    x, y = torch.stack([ds[i][0] for i in range(len(ds))]), torch.tensor(ds.targets)
+    with torch.no_grad():
+        top1 = 100.0 * (ema.eval()(x).argmax(1) == y).float().mean().item()
+    assert res["top1"] == pytest.approx(top1)
+
+
 def test_benchmark_cli_quick(tmp_path):
     from ppma.train.benchmark import main
 
