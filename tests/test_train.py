@@ -128,6 +128,8 @@ def test_resume_is_bit_exact(tmp_path):
     first.train.stop_after_epoch = 0
     train(first)
     assert json.loads((part / "metrics.jsonl").read_text().splitlines()[-1])["epoch"] == 0
+    with open(part / "metrics.jsonl", "a") as f:  # a stale line from a run that died after logging epoch 1
+        f.write(json.dumps({"epoch": 1, "train_loss": -1.0}) + "\n")
     resumed = config_from_args(parse_args(args + ["--resume", str(part / "checkpoint.pth")]))
     assert resumed.train.resume == str(part / "checkpoint.pth")
     train(resumed)

@@ -182,7 +182,8 @@ def train(cfg) -> dict:
     if distributed and device.type == "cuda" and cfg.train.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     n_params = sum(p.numel() for p in model.parameters())
-    _log(f"model {cfg.model.name}: {n_params / 1e6:.3f} M parameters; {num_classes} classes; "
+    custom = " (with overrides)" if cfg.model.overrides else ""
+    _log(f"model {cfg.model.name}{custom}: {n_params / 1e6:.3f} M parameters; {num_classes} classes; "
          f"{len(train_set)} train / {len(val_set)} val images; device {device}, world {world}, amp {amp_dtype}")
     ema = None
     if cfg.ema.enabled:
@@ -231,8 +232,13 @@ def train(cfg) -> dict:
 
     # ---------------------------------------------------------------- loop
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if start_epoch == 0 and D.is_main() and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    if D.is_main() and os.path.exists(metrics_path):
+        # a fresh run starts a new log; a resumed one keeps the epochs before the checkpoint's (the log may
+        # be ahead of the checkpoint when a run stopped between writing the two)
+        with open(metrics_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["epoch"] < start_epoch]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
     if rng_to_restore is not None:
         set_rng_state(rng_to_restore)
     last = {}
