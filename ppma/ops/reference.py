@@ -204,6 +204,7 @@ def criss_cross_attention_ref(
     B, H, W, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
     ct = _compute_dtype(q)
+    out_dtype = v.dtype
     q, k, v = q.to(ct), k.to(ct), v.to(ct)
     # Rows: [B, G, H, W, d]; columns: [B, G, W, H, d].
     q_r, k_r, v_r = (t.permute(0, 3, 1, 2, 4) for t in (q, k, v))
@@ -215,7 +216,7 @@ def criss_cross_attention_ref(
     z2 = Bm @ v_c  # columns first ...
     out2 = A @ z2.transpose(2, 3)  # ... then rows: V2H, [B, G, H, W, dv]
     out = 0.5 * out1.transpose(2, 3) + 0.5 * out2
-    return out.permute(0, 2, 3, 1, 4).to(v.dtype)
+    return out.permute(0, 2, 3, 1, 4).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
