@@ -155,8 +155,7 @@ def test_attention_noncontiguous(op):
     fused, ref = ATTENTION[op]
     inputs = [_noncontig(t) for t in make_attention_inputs((2, 5, 7, 3, 16, 8), torch.float64)]
     # heads-first storage, permuted to the heads-last layout
-    q = torch.randn(2, 3, 5, 7, 16, dtype=torch.float64).permute(0, 2, 3, 1, 4).requires_grad_()
-    inputs[0] = q.detach().requires_grad_() if False else q
+    inputs[0] = torch.randn(2, 3, 5, 7, 16, dtype=torch.float64).permute(0, 2, 3, 1, 4).requires_grad_()
     _check_against_ref(fused, ref, inputs, torch.float64, ATT_NAMES)
 
 
