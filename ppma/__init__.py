@@ -8,4 +8,13 @@ from ppma import ops
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "has_ext", "has_cuda_kernels", "__version__"]
+
+def create_model(name: str, *args, **kwargs):
+    """Build a PPMA model by name (``ppma_tiny``, ``ppma_small``, ``ppma_base``); see
+    :func:`ppma.models.create_model` for the arguments. Imports ``ppma.models`` on first use."""
+    from ppma.models import create_model as _create_model
+
+    return _create_model(name, *args, **kwargs)
+
+
+__all__ = ["ops", "has_ext", "has_cuda_kernels", "create_model", "__version__"]

@@ -1,0 +1,54 @@
+"""PPMA-T/S/B backbones (spec §4), ``create_model``, checkpoint conversion (spec §5) and FLOP counting.
+
+When timm is importable, importing this package also registers ``ppma_tiny/small/base`` with timm
+(``ppma.models.timm``); set ``PPMA_NO_TIMM=1`` to skip that. mmengine registration lives in
+``ppma.models.mm`` and is imported by mm configs (``custom_imports``).
+"""
+
+import importlib.util as _util
+import os as _os
+
+from ppma.models.ppma import MODEL_CONFIGS, PPMA, PPMAConfig, PPMAStage, ppma_base, ppma_small, ppma_tiny
+from ppma.models.registry import create_model, list_models
+from ppma.models.convert import (
+    DOWNSTREAM_KEYS,
+    EVAL_KEYS,
+    convert_official_state_dict,
+    convert_to_official_state_dict,
+    load_checkpoint,
+)
+from ppma.models.flops import count_macs, register_flop_formulas
+
+__all__ = [
+    "PPMA",
+    "PPMAConfig",
+    "PPMAStage",
+    "MODEL_CONFIGS",
+    "ppma_tiny",
+    "ppma_small",
+    "ppma_base",
+    "create_model",
+    "list_models",
+    "convert_official_state_dict",
+    "convert_to_official_state_dict",
+    "load_checkpoint",
+    "EVAL_KEYS",
+    "DOWNSTREAM_KEYS",
+    "count_macs",
+    "register_flop_formulas",
+    "TIMM_REGISTERED",
+]
+
+register_flop_formulas()
+
+TIMM_REGISTERED = False
+if _os.environ.get("PPMA_NO_TIMM", "0") != "1" and _util.find_spec("timm") is not None:
+    try:
+        from ppma.models import timm as _timm  # noqa: F401
+
+        TIMM_REGISTERED = True
+    except Exception as _exc:  # timm (or its torchvision) fails to import: ppma works without it
+        import warnings as _warnings
+
+        _warnings.warn(f"ppma: timm is installed but could not be imported ({_exc!r}); "
+                       "the timm registration of ppma models is skipped", RuntimeWarning, stacklevel=2)

@@ -1,0 +1,104 @@
+"""FLOP formulas of the fused ppma ops for ``torch.utils.flop_counter.FlopCounterMode`` (spec §4.1).
+
+Counting convention (the one behind the official 2.696 / 4.896 / 10.593 GMACs at 224², fvcore style):
+convolutions and matrix products only (``aten.convolution``, ``aten.mm``/``addmm``/``bmm``); no softmax,
+norms, activations or elementwise ops. FlopCounterMode counts ``2 * MACs`` per product, so GMACs are
+``total_flops / 2``. The reference ops decompose into ``bmm`` and are counted as-is; the fused ops are
+opaque to FlopCounterMode, so the formulas below count the same products:
+
+* ``polyline_attention`` ("full"): ``q k^T`` and ``P v`` over all ``N = H W`` tokens:
+  ``2 * B * heads * N^2 * (d + dv)`` FLOPs (one ``P``: the official code sums the two softmaxes
+  before the single ``P v``).
+* ``criss_cross_attention``: row logits ``B heads H W^2 d``, column logits ``B heads W H^2 d`` and four
+  map-times-value products ``2 B heads (H W^2 + W H^2) dv``, times 2 for FLOPs.
+
+Backward ops are counted as twice the forward products (each ``C = A B`` has two gradient products of the
+same size) plus the recomputation of the logits, as torch counts its fused attention backward.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+__all__ = ["register_flop_formulas", "polyline_attention_flops", "criss_cross_attention_flops", "count_macs"]
+
+_REGISTERED = False
+
+
+def polyline_attention_flops(q_shape, v_shape) -> int:
+    """FLOPs of the full-mode products for ``q: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``."""
+    B, H, W, G, d = q_shape
+    dv = v_shape[-1]
+    N = H * W
+    return 2 * B * G * N * N * (d + dv)
+
+
+def criss_cross_attention_flops(q_shape, v_shape) -> int:
+    """FLOPs of the criss-cross products for ``q: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``."""
+    B, H, W, G, d = q_shape
+    dv = v_shape[-1]
+    line_pairs = H * W * W + W * H * H  # (query, key) pairs of all row and column attentions
+    return 2 * B * G * line_pairs * (d + 2 * dv)
+
+
+def _logit_flops(q_shape, full: bool) -> int:
+    B, H, W, G, d = q_shape
+    pairs = (H * W) ** 2 if full else H * W * W + W * H * H
+    return 2 * B * G * pairs * d
+
+
+def register_flop_formulas() -> bool:
+    """Register the formulas for ``torch.ops.ppma.*`` if the compiled ops exist. Returns whether they do."""
+    global _REGISTERED
+    from ppma._ext import has_ext
+
+    if _REGISTERED:
+        return True
+    if not has_ext():
+        return False
+    from torch.utils.flop_counter import register_flop_formula
+
+    ops = torch.ops.ppma
+
+    @register_flop_formula(ops.polyline_attention)
+    def _pa(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return polyline_attention_flops(q, v)
+
+    @register_flop_formula(ops.criss_cross_attention)
+    def _cc(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return criss_cross_attention_flops(q, v)
+
+    @register_flop_formula(ops.polyline_attention_backward)
+    def _pa_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return 2 * polyline_attention_flops(q, v) + _logit_flops(q, True)
+
+    @register_flop_formula(ops.criss_cross_attention_backward)
+    def _cc_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return 2 * criss_cross_attention_flops(q, v) + _logit_flops(q, False)
+
+    _REGISTERED = True
+    return True
+
+
+def count_macs(model: torch.nn.Module, input_size=(1, 3, 224, 224)) -> int:
+    """Multiply-accumulates of one inference forward pass (``FlopCounterMode`` FLOPs / 2).
+
+    Counts convolutions and matrix products, including the attention products of the reference and
+    (with :func:`register_flop_formulas`) the fused ops. ``input_size``: ``(B, C, H, W)``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    register_flop_formulas()
+    p = next(model.parameters())
+    x = torch.zeros(input_size, dtype=p.dtype, device=p.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+    finally:
+        model.train(was_training)
+    return counter.get_total_flops() // 2
+
+

@@ -1,0 +1,336 @@
+"""The PPMA-T/S/B backbone (spec §4): stem -> 4 stages of PPMA blocks -> classification head.
+
+Follows timm's backbone contract (``forward_features``, ``forward_head``, ``forward_intermediates``,
+``feature_info``, ``reset_classifier``, ``set_grad_checkpointing``) with our own module names; official
+checkpoints are mapped onto them by :func:`ppma.models.convert.convert_official_state_dict`.
+
+Module layout (stride in brackets)::
+
+    stem                      ConvStem (4 convs)                     [4]
+    stages.0                  rope, blocks.*                         [4]
+    stages.{1,2,3}            downsample (conv3x3 s2 + BN), rope, blocks.*   [8, 16, 32]
+    head                      proj (Linear), norm (BN), swish, avgpool, fc
+
+The official code downsamples at the *end* of stages 0-2; putting the same layer at the start of the next
+stage (timm's convention) changes no numbers and makes every stage output a feature map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ppma.nn import ClassifierHead, ConvStem, PatchMerging, PPMAAttention, PPMABlock, RotaryEmbedding2D
+
+__all__ = ["PPMAConfig", "PPMA", "PPMAStage", "MODEL_CONFIGS", "ppma_tiny", "ppma_small", "ppma_base"]
+
+
+@dataclass(frozen=True)
+class PPMAConfig:
+    """Architecture of a PPMA model (spec §4.1). Per-stage tuples have 4 entries.
+
+    Attributes:
+        embed_dims: channels per stage.
+        depths: blocks per stage.
+        num_heads: attention heads per stage.
+        mlp_ratios: FFN expansion per stage.
+        criss_cross: per stage, criss-cross ("chunk") attention if True, full ("whole") attention if False.
+        layerscale: per stage, whether blocks use layer scale.
+        layer_init_values: initial layer-scale value.
+        drop_path_rate: stochastic depth, linearly increasing from 0 over all blocks.
+        head_hidden_dim: width of the head's ``proj`` layer (1024).
+        in_chans, num_classes: input channels and classes.
+        drop_rate: dropout before the classifier (0 in the official models).
+        impl: attention ops, ``"fused"`` or ``"reference"``.
+    """
+
+    embed_dims: tuple[int, ...] = (64, 128, 256, 512)
+    depths: tuple[int, ...] = (2, 2, 8, 2)
+    num_heads: tuple[int, ...] = (4, 4, 8, 16)
+    mlp_ratios: tuple[float, ...] = (3.0, 3.0, 3.0, 3.0)
+    criss_cross: tuple[bool, ...] = (True, True, False, False)
+    layerscale: tuple[bool, ...] = (False, False, False, False)
+    layer_init_values: float = 1e-6
+    drop_path_rate: float = 0.1
+    head_hidden_dim: int = 1024
+    in_chans: int = 3
+    num_classes: int = 1000
+    drop_rate: float = 0.0
+    impl: str = "fused"
+
+    def __post_init__(self) -> None:
+        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale"):
+            value = tuple(getattr(self, name))
+            object.__setattr__(self, name, value)
+            if len(value) != 4:
+                raise ValueError(f"PPMAConfig.{name} must have 4 entries (one per stage), got {value}")
+        for s, (c, h) in enumerate(zip(self.embed_dims, self.num_heads)):
+            if c % h or (c // h) % 2:
+                raise ValueError(
+                    f"PPMAConfig: stage {s} embed_dim {c} must be divisible by num_heads {h} into an even head_dim"
+                )
+
+
+MODEL_CONFIGS: dict[str, PPMAConfig] = {
+    "ppma_tiny": PPMAConfig(),
+    "ppma_small": PPMAConfig(
+        depths=(3, 4, 18, 4),
+        mlp_ratios=(4.0, 4.0, 3.0, 3.0),
+        criss_cross=(True, True, True, False),
+        drop_path_rate=0.15,
+    ),
+    "ppma_base": PPMAConfig(
+        embed_dims=(80, 160, 320, 512),
+        depths=(4, 8, 25, 8),
+        num_heads=(5, 5, 10, 16),
+        mlp_ratios=(4.0, 4.0, 3.0, 3.0),
+        criss_cross=(True, True, True, False),
+        layerscale=(False, False, True, True),
+        layer_init_values=1e-6,
+        drop_path_rate=0.4,
+    ),
+}
+
+
+class PPMAStage(nn.Module):
+    """Optional downsampling, then ``depth`` PPMA blocks sharing one rotary embedding.
+
+    ``[B, H, W, in_dim] -> [B, H', W', dim]`` (``H' = ceil(H/2)`` when downsampling).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float,
+        mode: str,
+        drop_path: Sequence[float],
+        downsample: bool,
+        layerscale: bool = False,
+        layer_init_values: float = 1e-6,
+        impl: str = "fused",
+    ) -> None:
+        super().__init__()
+        self.downsample = PatchMerging(in_dim, dim) if downsample else nn.Identity()
+        self.rope = RotaryEmbedding2D(dim // num_heads)
+        self.blocks = nn.ModuleList(
+            PPMABlock(dim, num_heads, mlp_ratio, mode, drop_path[b], layerscale, layer_init_values, impl)
+            for b in range(depth)
+        )
+        self.grad_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
+        rope = self.rope(x.shape[1], x.shape[2])
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
+        return x
+
+
+def _init_weights(module: nn.Module) -> None:
+    """Official effective init (spec §3.6): trunc_normal(0.02) for every Linear, bias 0; LayerNorm 1/0."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class PPMA(nn.Module):
+    """PPMA vision backbone and classifier (spec §4).
+
+    ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]``; any ``H, W`` (odd sizes round up at every
+    stride-2 conv). ``forward_features`` returns the last stage map ``[B, embed_dims[3], H/32, W/32]``.
+
+    Args:
+        cfg: architecture (a :class:`PPMAConfig`); keyword arguments override its fields.
+    """
+
+    def __init__(self, cfg: PPMAConfig | None = None, **overrides) -> None:
+        super().__init__()
+        cfg = dataclasses.replace(cfg or PPMAConfig(), **overrides)
+        self.cfg = cfg
+        self.num_classes = cfg.num_classes
+        self.embed_dims = cfg.embed_dims
+        self.num_features = cfg.embed_dims[-1]
+        self.head_hidden_size = cfg.head_hidden_dim
+        self.grad_checkpointing = False
+
+        self.stem = ConvStem(cfg.in_chans, cfg.embed_dims[0])
+        dpr = torch.linspace(0, cfg.drop_path_rate, sum(cfg.depths)).tolist()
+        stages, self.feature_info, start = [], [], 0
+        for s in range(4):
+            stages.append(
+                PPMAStage(
+                    in_dim=cfg.embed_dims[s - 1] if s else cfg.embed_dims[0],
+                    dim=cfg.embed_dims[s],
+                    depth=cfg.depths[s],
+                    num_heads=cfg.num_heads[s],
+                    mlp_ratio=cfg.mlp_ratios[s],
+                    mode="criss_cross" if cfg.criss_cross[s] else "full",
+                    drop_path=dpr[start : start + cfg.depths[s]],
+                    downsample=s > 0,
+                    layerscale=cfg.layerscale[s],
+                    layer_init_values=cfg.layer_init_values,
+                    impl=cfg.impl,
+                )
+            )
+            start += cfg.depths[s]
+            self.feature_info.append(dict(num_chs=cfg.embed_dims[s], reduction=2 ** (s + 2), module=f"stages.{s}"))
+        self.stages = nn.ModuleList(stages)
+        self.head = ClassifierHead(cfg.embed_dims[-1], cfg.head_hidden_dim, cfg.num_classes, cfg.drop_rate)
+        self.apply(_init_weights)
+
+    # ------------------------------------------------------------------ configuration
+    def set_impl(self, impl: str) -> "PPMA":
+        """Switch every attention module to ``"fused"`` or ``"reference"`` ops. Returns ``self``."""
+        for m in self.modules():
+            if isinstance(m, PPMAAttention):
+                m.impl = impl
+        self.cfg = dataclasses.replace(self.cfg, impl=impl)
+        return self
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute every block in the backward pass (activation checkpointing)."""
+        self.grad_checkpointing = enable
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Names of the decay-module parameters ``dt_bias`` and ``A_log`` (1-D, which timm's optimiser
+        factory skips anyway, as in the official recipe, spec §1.4)."""
+        return {n for n, _ in self.named_parameters() if n.endswith((".dt_bias", ".A_log"))}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for layer-wise schedules (timm contract)."""
+        return dict(stem=r"^stem", blocks=r"^stages\.(\d+)" if coarse else [(r"^stages\.(\d+)\.downsample", (0,)),
+                                                                              (r"^stages\.(\d+)\.blocks\.(\d+)", None)])
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return getattr(self.head, "fc", self.head)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the classifier by a new one with ``num_classes`` outputs (0: no classifier)."""
+        if global_pool not in (None, "avg"):
+            raise ValueError(f"PPMA.reset_classifier: only global_pool='avg' is supported, got {global_pool!r}")
+        if not isinstance(self.head, ClassifierHead):
+            raise RuntimeError("PPMA.reset_classifier: the head was pruned (prune_intermediate_layers)")
+        self.num_classes = num_classes
+        self.head.reset(num_classes)
+
+    # ------------------------------------------------------------------ forward
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, in_chans, H, W] -> [B, embed_dims[3], H/32, W/32]`` (sizes rounded up)."""
+        if x.dim() != 4 or x.shape[1] != self.cfg.in_chans:
+            raise ValueError(f"PPMA: x must be [B, {self.cfg.in_chans}, H, W], got shape {tuple(x.shape)}")
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return x.permute(0, 3, 1, 2)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """``[B, C, h, w]`` -> logits ``[B, num_classes]`` (pooled ``[B, 1024]`` with ``pre_logits``)."""
+        if isinstance(self.head, nn.Identity):  # pruned by prune_intermediate_layers
+            return x
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
+        """Stage outputs (timm contract).
+
+        Args:
+            x: ``[B, in_chans, H, W]``.
+            indices: stage indices to return (negative allowed), or an int ``n`` for the last ``n`` stages;
+                default all four.
+            norm: accepted for the timm contract; PPMA has no final norm before the head, so it is a no-op.
+            stop_early: stop after the last requested stage.
+            output_fmt: ``"NCHW"`` or ``"NHWC"``.
+            intermediates_only: return only the list of feature maps.
+
+        Returns:
+            ``list`` of ``[B, C_s, H/2**(s+2), W/2**(s+2)]`` maps (or NHWC), or ``(final, list)`` where
+            ``final`` is ``forward_features(x)``.
+        """
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"PPMA.forward_intermediates: output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
+        take = _take_indices(len(self.stages), indices)
+        last = max(take)
+        x = self.stem(x)
+        intermediates = []
+        stages = self.stages if not (stop_early or intermediates_only) else self.stages[: last + 1]
+        for s, stage in enumerate(stages):
+            x = stage(x)
+            if s in take:
+                intermediates.append(x.permute(0, 3, 1, 2) if output_fmt == "NCHW" else x)
+        if intermediates_only:
+            return intermediates
+        return x.permute(0, 3, 1, 2), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """Drop the stages after the last requested one (and the head). Returns the kept indices."""
+        take = _take_indices(len(self.stages), indices)
+        self.stages = self.stages[: max(take) + 1]
+        if prune_head:  # no head: forward_head returns its input
+            self.head = nn.Identity()
+            self.num_classes = 0
+        return take
+
+
+def _take_indices(n: int, indices: int | Sequence[int] | None) -> list[int]:
+    if indices is None:
+        return list(range(n))
+    if isinstance(indices, int):
+        if not 0 < indices <= n:
+            raise ValueError(f"indices as a count must be in [1, {n}], got {indices}")
+        return list(range(n - indices, n))
+    take = [i % n if -n <= i < n else None for i in indices]
+    if None in take:
+        raise ValueError(f"indices must lie in [-{n}, {n - 1}], got {list(indices)}")
+    return take
+
+
+def _variant(name: str, **overrides) -> PPMA:
+    return PPMA(MODEL_CONFIGS[name], **overrides)
+
+
+def ppma_tiny(**overrides) -> PPMA:
+    """PPMA-T: 14,335,272 parameters, 2.696 GMACs at 224² (spec §4.1)."""
+    return _variant("ppma_tiny", **overrides)
+
+
+def ppma_small(**overrides) -> PPMA:
+    """PPMA-S: 26,969,472 parameters, 4.896 GMACs at 224² (spec §4.1)."""
+    return _variant("ppma_small", **overrides)
+
+
+def ppma_base(**overrides) -> PPMA:
+    """PPMA-B: 54,158,524 parameters, 10.593 GMACs at 224² (spec §4.1)."""
+    return _variant("ppma_base", **overrides)

@@ -1,0 +1,61 @@
+"""``create_model``: build a PPMA variant by name, optionally with weights (spec §4.1, §5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ppma.models.ppma import MODEL_CONFIGS, PPMA
+
+__all__ = ["create_model", "list_models"]
+
+_OVERRIDES = {f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} - {"num_classes", "drop_path_rate"}
+
+
+def list_models() -> list[str]:
+    """Names accepted by :func:`create_model`."""
+    return sorted(MODEL_CONFIGS)
+
+
+def create_model(
+    name: str,
+    pretrained: bool = False,
+    num_classes: int = 1000,
+    drop_path_rate: float | None = None,
+    checkpoint_path: str | os.PathLike | None = None,
+    checkpoint_key: str | None = None,
+    **overrides,
+) -> PPMA:
+    """Build ``ppma_tiny``, ``ppma_small`` or ``ppma_base``.
+
+    Args:
+        name: model name (see :func:`list_models`).
+        pretrained: load weights from ``checkpoint_path`` (required: no model hub is contacted).
+        num_classes: classifier outputs; 0 for none. A 1000-class checkpoint head is dropped when it differs.
+        drop_path_rate: stochastic depth; ``None`` keeps the variant default (0.1 / 0.15 / 0.4).
+        checkpoint_path: an official or ppma checkpoint (``.pth`` or ``.safetensors``); loading it implies
+            ``pretrained``.
+        checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present, spec §5.2).
+        **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
+            ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``layer_init_values``,
+            ``in_chans``, ``impl``, ``head_hidden_dim``, ``drop_rate``.
+    """
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"create_model: unknown model {name!r}; available: {list_models()}")
+    unknown = set(overrides) - _OVERRIDES
+    if unknown:
+        raise TypeError(f"create_model: unknown arguments {sorted(unknown)}; accepted: {sorted(_OVERRIDES)}")
+    cfg = dataclasses.replace(MODEL_CONFIGS[name], num_classes=num_classes, **overrides)
+    if drop_path_rate is not None:
+        cfg = dataclasses.replace(cfg, drop_path_rate=drop_path_rate)
+    model = PPMA(cfg)
+    if pretrained and checkpoint_path is None:
+        raise ValueError(
+            f"create_model({name!r}, pretrained=True) needs checkpoint_path: download the official weights "
+            "(Hugging Face ZhongchenZhao/PPMA, checkpoints/classification/*/best.pth) and pass the file"
+        )
+    if checkpoint_path is not None:
+        from ppma.models.convert import load_checkpoint
+
+        load_checkpoint(model, checkpoint_path, key=checkpoint_key, strict=True)
+    return model

@@ -1,0 +1,74 @@
+"""Per-token path decays of PPMA (spec §1.4; the official ``PathEmbeding2D``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import torch.nn.functional as F
+
+__all__ = ["PathDecay"]
+
+
+class PathDecay(nn.Module):
+    """Horizontal and vertical log-decays of every token, Mamba2's Δ/A parametrisation (spec §1.4).
+
+    ``log_alpha = softplus(x_g . w_alpha + dt_bias[g]) * (-exp(A_log[g]))`` and the same for ``log_beta``
+    with ``w_beta``, where ``x_g`` is the ``head_dim``-channel slice of head ``g``. ``dt_linear`` is one
+    bias-free ``Linear(head_dim, 2)`` shared by all heads; ``dt_bias`` and ``A_log`` are per head and
+    shared by both directions.
+
+    Args:
+        dim: channels ``C`` of the input.
+        num_heads: number of heads; ``C`` must be divisible by it.
+        A_init_range: ``A = -exp(A_log)`` is initialised from ``-U(A_init_range)`` (official: (1, 1.1)).
+        dt_min, dt_max, dt_init_floor: ``softplus(dt_bias)`` is initialised log-uniformly in
+            ``[dt_min, dt_max]`` and clamped below at ``dt_init_floor``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        A_init_range: tuple[float, float] = (1.0, 1.1),
+        dt_min: float = 1e-3,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"PathDecay: dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.A_init_range, self.dt_min, self.dt_max, self.dt_init_floor = A_init_range, dt_min, dt_max, dt_init_floor
+        self.dt_linear = nn.Linear(self.head_dim, 2, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Mamba2-style init (spec §1.4). ``dt_linear`` is re-initialised by the model's weight init."""
+        nn.init.trunc_normal_(self.dt_linear.weight, std=0.02)
+        dt = torch.exp(
+            torch.rand(self.num_heads) * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min)
+        ).clamp(min=self.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.A_log.copy_(torch.log(torch.empty(self.num_heads).uniform_(*self.A_init_range)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x: [B, H, W, C]`` (the attention input after LayerNorm) -> ``(log_alpha, log_beta)``,
+        each ``[B, H, W, heads]``, ``<= 0``, in fp32 (fp64 for fp64 input)."""
+        if x.dim() != 4 or x.shape[-1] != self.dim:
+            raise ValueError(f"PathDecay: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
+        B, H, W, _ = x.shape
+        u = self.dt_linear(x.reshape(B, H, W, self.num_heads, self.head_dim))  # [B, H, W, heads, 2]
+        # softplus/exp in fp32 (fp64 for fp64), like the official code under autocast (spec §3.5).
+        ct = torch.float64 if u.dtype == torch.float64 else torch.float32
+        A = -torch.exp(self.A_log.to(ct))
+        d = F.softplus(u.to(ct) + self.dt_bias.to(ct)[:, None]) * A[:, None]
+        return d[..., 0], d[..., 1]
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}"

@@ -1,0 +1,145 @@
+"""Building blocks of the PPMA backbone (spec §4): depthwise convs, FFN, stem, patch merging, head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead"]
+
+
+class DWConv2d(nn.Module):
+    """Depthwise ``k x k`` convolution (stride 1, same padding, with bias) on channels-last maps.
+
+    ``[B, H, W, C] -> [B, H, W, C]`` (the official ``DWConv2d``; used for CPE, LePE and the FFN).
+    """
+
+    def __init__(self, dim: int, kernel_size: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+
+def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Stochastic depth per sample: zero whole samples with probability ``drop_prob``, rescale the rest."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep = 1.0 - drop_prob
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+    return x * mask / keep
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (``drop_path``) as a module."""
+
+    def __init__(self, drop_prob: float = 0.0) -> None:
+        super().__init__()
+        self.drop_prob = float(drop_prob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.drop_prob, self.training)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:.3f}"
+
+
+class LayerScale(nn.Module):
+    """Per-channel scaling ``x * gamma`` (``gamma: [C]``, initialised to ``init_values``), channels last."""
+
+    def __init__(self, dim: int, init_values: float = 1e-6) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class ConvFFN(nn.Module):
+    """``fc2(h + dwconv3x3(h))`` with ``h = GELU(fc1(x))`` (spec §4, the official ``FeedForwardNetwork``).
+
+    ``[B, H, W, C] -> [B, H, W, C]``; hidden width ``hidden_dim``.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.dwconv = DWConv2d(hidden_dim, 3)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.fc1(x))
+        x = x + self.dwconv(x)
+        return self.fc2(x)
+
+
+class ConvStem(nn.Module):
+    """Four 3x3 convs (strides 2, 1, 2, 1) with BatchNorm and GELU between (spec §4, stride 4).
+
+    ``[B, in_chans, H, W] -> [B, ceil(H/4), ceil(W/4), out_dim]`` (channels last).
+    """
+
+    def __init__(self, in_chans: int, out_dim: int) -> None:
+        super().__init__()
+        mid = out_dim // 2
+        self.conv1 = nn.Conv2d(in_chans, mid, 3, 2, 1)
+        self.bn1 = nn.BatchNorm2d(mid)
+        self.conv2 = nn.Conv2d(mid, mid, 3, 1, 1)
+        self.bn2 = nn.BatchNorm2d(mid)
+        self.conv3 = nn.Conv2d(mid, out_dim, 3, 2, 1)
+        self.bn3 = nn.BatchNorm2d(out_dim)
+        self.conv4 = nn.Conv2d(out_dim, out_dim, 3, 1, 1)
+        self.bn4 = nn.BatchNorm2d(out_dim)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.bn1(self.conv1(x)))
+        x = self.act(self.bn2(self.conv2(x)))
+        x = self.act(self.bn3(self.conv3(x)))
+        x = self.bn4(self.conv4(x))
+        return x.permute(0, 2, 3, 1)
+
+
+class PatchMerging(nn.Module):
+    """3x3 stride-2 conv + BatchNorm: ``[B, H, W, C_in] -> [B, ceil(H/2), ceil(W/2), C_out]``."""
+
+    def __init__(self, dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(dim, out_dim, 3, 2, 1)
+        self.norm = nn.BatchNorm2d(out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x.permute(0, 3, 1, 2))).permute(0, 2, 3, 1)
+
+
+class ClassifierHead(nn.Module):
+    """``fc(avgpool(swish(BN(proj(x)))))`` (spec §4 classification head).
+
+    ``x: [B, C, H, W]`` -> logits ``[B, num_classes]`` (or the pooled ``[B, hidden_dim]`` with
+    ``pre_logits=True``). ``num_classes=0`` makes ``fc`` the identity.
+    """
+
+    def __init__(self, in_dim: int, hidden_dim: int, num_classes: int, drop_rate: float = 0.0) -> None:
+        super().__init__()
+        self.in_dim, self.hidden_dim, self.num_features = in_dim, hidden_dim, hidden_dim
+        self.proj = nn.Linear(in_dim, hidden_dim)
+        self.norm = nn.BatchNorm2d(hidden_dim)
+        self.drop = nn.Dropout(drop_rate)
+        self.fc = nn.Linear(hidden_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+    def reset(self, num_classes: int) -> None:
+        """Replace ``fc`` by a fresh ``Linear(hidden_dim, num_classes)`` (identity for 0)."""
+        self.fc = nn.Linear(self.hidden_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if isinstance(self.fc, nn.Linear):
+            nn.init.trunc_normal_(self.fc.weight, std=0.02)
+            nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.proj(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = F.silu(self.norm(x))  # swish
+        x = x.flatten(2).mean(-1)
+        x = self.drop(x)
+        return x if pre_logits else self.fc(x)

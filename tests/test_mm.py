@@ -1,0 +1,110 @@
+"""mmengine backbone registration and the MMDetection / MMSegmentation configs (spec §4.2, §6.2, §6.3)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+
+import pytest
+import torch
+
+mmengine = pytest.importorskip("mmengine")
+from mmengine import Config  # noqa: E402
+from mmengine.registry import MODELS  # noqa: E402
+
+import ppma.models.mm  # noqa: E402,F401
+from ppma.models import PPMA, convert_to_official_state_dict  # noqa: E402
+from ppma.models.mm import PPMABackbone  # noqa: E402
+
+FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "segmentation", "*.py"))) + sorted(
+    glob.glob(os.path.join(ROOT, "configs", "detection", "*.py"))
+)
+warnings.filterwarnings("ignore", message="ppma._C is not available")
+
+
+def test_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    for arch in ("tiny", "small", "base"):
+        assert f"upernet_ppma_{arch}_512x512_160k_ade20k.py" in names
+        for sched in ("1x", "3x"):
+            assert f"mask_rcnn_ppma_{arch}_fpn_{sched}_coco.py" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_backbone_builds(path):
+    cfg = Config.fromfile(path)
+    assert "ppma.models.mm" in cfg.custom_imports["imports"]
+    assert "_base_" not in cfg
+    bb = cfg.model.backbone.to_dict()
+    assert bb["type"] == "PPMA" and bb["init_cfg"]["type"] == "Pretrained"
+    arch = bb["arch"]
+    expected_dpr = {"tiny": 0.1, "small": 0.15, "base": 0.4}[arch]
+    assert bb["drop_path_rate"] == expected_dpr
+    dims = [64, 128, 256, 512] if arch != "base" else [80, 160, 320, 512]
+    neck_or_head = cfg.model.get("neck") or cfg.model.decode_head
+    assert list(neck_or_head.in_channels) == dims
+    assert cfg.optim_wrapper.optimizer.weight_decay == 0.05
+    assert cfg.optim_wrapper.paramwise_cfg.custom_keys["norm"]["decay_mult"] == 0.0
+    if arch != "tiny" and not FULL:
+        return
+    bb.pop("init_cfg")  # no checkpoint file here; Pretrained loading is tested below
+    model = MODELS.build(bb).eval()
+    assert isinstance(model, PPMABackbone)
+    with torch.no_grad():
+        outs = model(torch.randn(1, 3, 72, 100))
+    assert [tuple(o.shape) for o in outs] == [
+        (1, dims[0], 18, 25), (1, dims[1], 9, 13), (1, dims[2], 5, 7), (1, dims[3], 3, 4)
+    ]
+
+
+def test_backbone_out_indices_norms_and_equivalence():
+    torch.manual_seed(0)
+    bb = MODELS.build(dict(type="PPMA", arch="tiny", out_indices=(1, 3), drop_path_rate=0.0)).eval()
+    assert set(bb.out_norms.keys()) == {"1", "3"}
+    assert all(n.eps == 1e-5 for n in bb.out_norms.values())
+    net = PPMA(bb.cfg).eval()
+    missing = net.load_state_dict({k: v for k, v in bb.state_dict().items() if not k.startswith("out_norms")},
+                                  strict=False)
+    assert all(k.startswith("head.") for k in missing.missing_keys)
+    x = torch.randn(1, 3, 64, 96)
+    with torch.no_grad():
+        outs = bb(x)
+        ref = net.forward_intermediates(x, indices=[1, 3], intermediates_only=True, output_fmt="NHWC")
+    for o, r, i in zip(outs, ref, (1, 3)):
+        torch.testing.assert_close(o, bb.out_norms[str(i)](r).permute(0, 3, 1, 2))
+
+
+def test_backbone_pretrained_from_official_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    net = PPMA()  # ppma_tiny defaults
+    official = convert_to_official_state_dict(net.state_dict())
+    path = tmp_path / "best.pth"
+    torch.save({"model": official, "model_ema": {k: v + 1 for k, v in official.items()}, "epoch": 3}, path)
+    bb = MODELS.build(dict(type="PPMA", arch="tiny", init_cfg=dict(type="Pretrained", checkpoint=str(path))))
+    bb.init_weights()
+    sd = bb.state_dict()
+    for k, v in net.state_dict().items():
+        if not k.startswith("head."):
+            torch.testing.assert_close(sd[k], v, rtol=0, atol=0)  # the `model` entry, not `model_ema`
+
+
+def test_mm_style_checkpoint_roundtrip(tmp_path):
+    bb = MODELS.build(dict(type="PPMA", arch="tiny"))
+    official = convert_to_official_state_dict(bb.state_dict())
+    assert any(k.startswith("outnorm3.") for k in official)
+    ckpt = {"meta": {}, "state_dict": {**{"backbone." + k: v for k, v in official.items()},
+                                        "neck.lateral_convs.0.conv.weight": torch.zeros(1)}}
+    path = tmp_path / "epoch_12.pth"
+    torch.save(ckpt, path)
+    bb2 = MODELS.build(dict(type="PPMA", arch="tiny", init_cfg=dict(type="Pretrained", checkpoint=str(path))))
+    bb2.init_weights()
+    for k, v in bb.state_dict().items():
+        torch.testing.assert_close(bb2.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_bad_arch():
+    with pytest.raises(ValueError, match="arch"):
+        MODELS.build(dict(type="PPMA", arch="huge"))
