@@ -22,10 +22,9 @@ pytestmark = pytest.mark.skipif(
     reason="needs a GPU and ppma._C built with its CUDA kernels",
 )
 
-try:  # the shared per-dtype tolerance table, when it exists
-    from tests.tolerances import TOL  # type: ignore
-except Exception:  # pragma: no cover - fallback table (relative norm error)
-    TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+from tolerances import TOLERANCES  # the one per-dtype table shared with the CPU tests
+
+TOL = {dtype: fwd for dtype, (fwd, _) in TOLERANCES.items()}  # relative norm error, forward
 
 FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
