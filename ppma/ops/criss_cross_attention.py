@@ -1,10 +1,18 @@
-"""``ppma.ops.criss_cross_attention``: the official "chunk" mode (spec §3.3, design §2)."""
+"""``ppma.ops.criss_cross_attention``: the official "chunk" mode (spec §3.3, design §2).
+
+The fused kernel is ``torch.ops.ppma.criss_cross_attention``; its fake (meta) kernel and autograd
+formula are registered here, next to the wrapper.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ppma import _ext
+from ppma.ops._validate import check_attention_inputs, lse_dtype, no_double_backward, use_fused
 from ppma.ops.reference import criss_cross_attention_ref
+
+_OP = "criss_cross_attention"
 
 
 def criss_cross_attention(
@@ -17,5 +25,53 @@ def criss_cross_attention(
 ) -> torch.Tensor:
     """``out = 0.5 B (A v) + 0.5 A (B v)`` with ``A`` the decay-masked row attention and ``B`` the column
     attention (spec §1.6). ``[B, H, W, heads, d]`` inputs -> ``[B, H, W, heads, dv]``.
+
+    Args:
+        q, k: ``[B, H, W, heads, d]``; v: ``[B, H, W, heads, dv]`` (same dtype and device).
+        log_alpha, log_beta: ``[B, H, W, heads]`` log-decays (<= 0) along rows / columns.
+        scale: logit scale, ``d ** -0.5`` when None.
+
+    Returns:
+        ``[B, H, W, heads, dv]`` in the dtype of ``v``.
     """
-    return criss_cross_attention_ref(q, k, v, log_alpha, log_beta, scale)
+    check_attention_inputs(_OP, q, k, v, log_alpha, log_beta)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not use_fused(q):
+        return criss_cross_attention_ref(q, k, v, log_alpha, log_beta, scale)
+    return torch.ops.ppma.criss_cross_attention(q, k, v, log_alpha, log_beta, float(scale))[0]
+
+
+def _fake(q, k, v, log_alpha, log_beta, scale):
+    B, H, W, G, _ = q.shape
+    return v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+
+
+def _fake_backward(grad_out, q, k, v, log_alpha, log_beta, lse, scale):
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        log_alpha.new_empty(log_alpha.shape),
+        log_beta.new_empty(log_beta.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, log_alpha, log_beta, scale = inputs
+    _, lse = output
+    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, log_alpha, log_beta, lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    no_double_backward(_OP)
+    q, k, v, log_alpha, log_beta, lse = ctx.saved_tensors
+    grads = torch.ops.ppma.criss_cross_attention_backward(grad_out, q, k, v, log_alpha, log_beta, lse, ctx.scale)
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,)
+
+
+if _ext.has_ext():
+    torch.library.register_fake("ppma::criss_cross_attention")(_fake)
+    torch.library.register_fake("ppma::criss_cross_attention_backward")(_fake_backward)
+    torch.library.register_autograd("ppma::criss_cross_attention", _backward, setup_context=_setup_context)

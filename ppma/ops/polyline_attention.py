@@ -1,10 +1,18 @@
-"""``ppma.ops.polyline_attention``: the official "whole" mode (spec §3.4, design §2)."""
+"""``ppma.ops.polyline_attention``: the official "whole" mode (spec §3.4, design §2).
+
+The fused kernel is ``torch.ops.ppma.polyline_attention``; its fake (meta) kernel and autograd formula
+are registered here, next to the wrapper (extension-cpp pattern).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ppma import _ext
+from ppma.ops._validate import check_attention_inputs, lse_dtype, no_double_backward, use_fused
 from ppma.ops.reference import polyline_attention_ref
+
+_OP = "polyline_attention"
 
 
 def polyline_attention(
@@ -17,5 +25,57 @@ def polyline_attention(
 ) -> torch.Tensor:
     """``out = 0.5 softmax(S + M) v + 0.5 softmax(S + M^T) v`` with ``S = scale q k^T`` and ``M`` the
     V2H polyline log-mask (spec §1.6). ``[B, H, W, heads, d]`` inputs -> ``[B, H, W, heads, dv]``.
+
+    Args:
+        q, k: ``[B, H, W, heads, d]``; v: ``[B, H, W, heads, dv]`` (same dtype and device).
+        log_alpha, log_beta: ``[B, H, W, heads]`` log-decays (<= 0) along rows / columns.
+        scale: logit scale, ``d ** -0.5`` when None.
+
+    Returns:
+        ``[B, H, W, heads, dv]`` in the dtype of ``v``. Never materialises an ``N x N`` tensor.
     """
-    return polyline_attention_ref(q, k, v, log_alpha, log_beta, scale)
+    check_attention_inputs(_OP, q, k, v, log_alpha, log_beta)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not use_fused(q):
+        return polyline_attention_ref(q, k, v, log_alpha, log_beta, scale)
+    return torch.ops.ppma.polyline_attention(q, k, v, log_alpha, log_beta, float(scale))[0]
+
+
+def _fake(q, k, v, log_alpha, log_beta, scale):
+    B, H, W, G, _ = q.shape
+    out = v.new_empty(v.shape)
+    return out, v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+
+
+def _fake_backward(grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, scale):
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        log_alpha.new_empty(log_alpha.shape),
+        log_beta.new_empty(log_beta.shape),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, log_alpha, log_beta, scale = inputs
+    out, out_v2h, lse = output
+    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, log_alpha, log_beta, out, out_v2h, lse)
+
+
+def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
+    # Only `out` is returned by the public wrapper; out_v2h and lse are saved statistics.
+    no_double_backward(_OP)
+    q, k, v, log_alpha, log_beta, out, out_v2h, lse = ctx.saved_tensors
+    grads = torch.ops.ppma.polyline_attention_backward(
+        grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, ctx.scale
+    )
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,)
+
+
+if _ext.has_ext():
+    torch.library.register_fake("ppma::polyline_attention")(_fake)
+    torch.library.register_fake("ppma::polyline_attention_backward")(_fake_backward)
+    torch.library.register_autograd("ppma::polyline_attention", _backward, setup_context=_setup_context)

@@ -1,0 +1,342 @@
+"""Benchmark of the fused ppma operators against the pure-PyTorch reference (the official formulation).
+
+Two levels, at the real stage shapes of PPMA-T/S/B (spec §4.1):
+
+* ``op``: ``polyline_attention`` / ``criss_cross_attention`` (``ppma.ops``) vs ``ppma.ops.reference`` on
+  the same inputs, forward and forward+backward;
+* ``layer``: ``ppma.nn.PPMAAttention`` (q/k/v projections, RoPE, LePE 5x5 depthwise conv, decay module,
+  output projection) with ``impl="fused"`` vs ``impl="reference"``, same weights and inputs.
+
+Times: median over repeats after warm-up, both implementations timed in this process on the same inputs.
+Peak memory: every (case, implementation, pass) is run once more in a fresh subprocess, which builds the
+inputs, runs a tiny warm-up, resets its resident-set high-water mark (``/proc/self/clear_refs``), runs the
+pass once, and reports ``VmHWM - VmRSS(before)``, the increase of the peak resident set size. That is the extra memory the pass needed (activations, saved
+tensors, temporaries), including allocator overheads; it is honest for CPU where torch has no allocator
+statistics. Cases whose dense reference would need more than ``--ref-limit-gib`` (16 GiB by default) are
+not run for the reference (marked "skipped" in the table).
+
+Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all] [--cases substr ...]``.
+Results go to ``benchmarks/results/`` as markdown and JSON, with the machine and torch version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import ppma  # noqa: E402
+from ppma.ops import reference  # noqa: E402
+
+# Spec §4.1: (channels, heads) per stage and the criss-cross flag per stage.
+VARIANTS = {
+    "T": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), chunk=(True, True, False, False)),
+    "S": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), chunk=(True, True, True, False)),
+    "B": dict(dims=(80, 160, 320, 512), heads=(5, 5, 10, 16), chunk=(True, True, True, False)),
+}
+# Input sizes (H, W): stem /4 by two stride-2 convs, then a stride-2 conv per stage (ceil halving).
+RESOLUTIONS = {"224": (224, 224), "512": (512, 512), "1333x800": (800, 1344)}  # COCO padded to 32
+
+
+def stage_grids(h: int, w: int):
+    grids = []
+    h, w = math.ceil(math.ceil(h / 2) / 2), math.ceil(math.ceil(w / 2) / 2)
+    for _ in range(4):
+        grids.append((h, w))
+        h, w = math.ceil(h / 2), math.ceil(w / 2)
+    return grids
+
+
+def op_cases(batch: int):
+    """Unique (op, H, W, heads, head_dim) over T/S/B x resolutions x stages."""
+    seen, cases = set(), []
+    for res, (h, w) in RESOLUTIONS.items():
+        for vname, cfg in VARIANTS.items():
+            for s, (H, W) in enumerate(stage_grids(h, w)):
+                op = "criss_cross_attention" if cfg["chunk"][s] else "polyline_attention"
+                G = cfg["heads"][s]
+                d = cfg["dims"][s] // G
+                key = (op, H, W, G, d)
+                if key in seen:
+                    continue
+                seen.add(key)
+                cases.append(dict(level="op", op=op, B=batch, H=H, W=W, G=G, d=d, where=f"{vname}{s + 1}@{res}"))
+    return cases
+
+
+def layer_cases(quick: bool):
+    # The two target cases first (see the README of benchmarks/), then more stages.
+    cases = [
+        dict(level="layer", mode="full", B=2, H=32, W=32, C=256, G=8, where="T3@512"),
+        dict(level="layer", mode="criss_cross", B=4, H=56, W=56, C=64, G=4, where="T1@224"),
+    ]
+    if not quick:
+        cases += [
+            dict(level="layer", mode="full", B=8, H=14, W=14, C=256, G=8, where="T3@224"),
+            dict(level="layer", mode="full", B=8, H=7, W=7, C=512, G=16, where="T4@224"),
+            dict(level="layer", mode="criss_cross", B=4, H=28, W=28, C=128, G=4, where="T2@224"),
+            dict(level="layer", mode="criss_cross", B=2, H=128, W=128, C=64, G=4, where="T1@512"),
+            dict(level="layer", mode="full", B=1, H=50, W=84, C=256, G=8, where="T3@1333x800"),
+        ]
+    return cases
+
+
+def ref_bytes(case) -> int:
+    """Rough peak of the dense reference for fwd+bwd: ~8 live fp32 score-sized tensors."""
+    B, H, W = case["B"], case["H"], case["W"]
+    G = case["G"]
+    full = case.get("op") == "polyline_attention" or case.get("mode") == "full"
+    per_head = (H * W) ** 2 if full else H * W * W + W * H * H
+    return 8 * 4 * B * G * per_head
+
+
+def label(case) -> str:
+    if case["level"] == "op":
+        return f"{case['op']} {case['where']} B{case['B']} {case['H']}x{case['W']} h{case['G']} d{case['d']}"
+    return f"layer {case['mode']} {case['where']} B{case['B']} {case['H']}x{case['W']} C{case['C']} h{case['G']}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Building and running one case
+# ------------------------------------------------------------------------------------------------
+
+
+def build(case, impl: str, backward: bool):
+    """Returns a zero-argument callable running the pass once."""
+    g = torch.Generator().manual_seed(0)
+    B, H, W, G = case["B"], case["H"], case["W"], case["G"]
+    if case["level"] == "op":
+        d = case["d"]
+        q, k, v = (torch.randn(B, H, W, G, d, generator=g) for _ in range(3))
+        la, lb = (-0.1 * torch.rand(B, H, W, G, generator=g) for _ in range(2))
+        args = [t.requires_grad_(backward) for t in (q, k, v, la, lb)]
+        name = case["op"]
+        fn = getattr(ppma.ops, name) if impl == "fused" else getattr(reference, name + "_ref")
+        run = lambda: fn(*args)  # noqa: E731
+    else:
+        from ppma.nn import PPMAAttention
+
+        torch.manual_seed(0)
+        layer = PPMAAttention(case["C"], G, mode=case["mode"], impl=impl)
+        x = torch.randn(B, H, W, case["C"], generator=g).requires_grad_(backward)
+        args = [x]
+        run = lambda: layer(x)  # noqa: E731
+        if not backward:
+            layer.requires_grad_(False)
+
+    if backward:
+
+        def step():
+            out = run()
+            out.backward(torch.ones_like(out))
+            for a in args:
+                a.grad = None
+
+        return step
+
+    def fwd():
+        with torch.no_grad():
+            run()
+
+    return fwd
+
+
+def time_case(case, impl, backward, warmup, repeat):
+    f = build(case, impl, backward)
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def child_peak(case, impl, backward) -> float | None:
+    """Peak-RSS increase (MiB) of one pass, measured in a fresh process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(dict(case=case, impl=impl, bwd=backward))]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=dict(os.environ))
+        return float(out.stdout.strip().splitlines()[-1])
+    except Exception as exc:  # report, never fake a number
+        print(f"  memory measurement failed for {label(case)} {impl}: {exc}", file=sys.stderr)
+        return None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _child(spec):
+    # ru_maxrss survives exec (it would report the parent's peak), so read the high-water mark of this
+    # process's own address space (VmHWM), reset to the current RSS just before the pass.
+    case, impl, backward = spec["case"], spec["impl"], spec["bwd"]
+    tiny = dict(case, B=1, H=2, W=2)
+    build(tiny, impl, backward)()  # load kernels, thread pools
+    f = build(case, impl, backward)
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    base = _status_kib("VmRSS")
+    f()
+    peak = _status_kib("VmHWM")
+    print((peak - base) / 1024.0)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def machine_info():
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        fused_kernels=ppma.has_ext(),
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+    )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="few cases and repeats (2-core machines)")
+    p.add_argument("--level", choices=["op", "layer", "all"], default="all")
+    p.add_argument("--cases", nargs="*", default=None, help="only cases whose label contains one of these")
+    p.add_argument("--batch", type=int, default=1, help="batch of the op-level cases")
+    p.add_argument("--repeat", type=int, default=None)
+    p.add_argument("--ref-limit-gib", type=float, default=16.0)
+    p.add_argument("--max-tokens", type=int, default=None, help="skip op cases with more tokens (quick: 4200)")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--tag", default="cpu")
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._child:
+        _child(json.loads(a._child))
+        return
+    if not ppma.has_ext():
+        print("warning: ppma._C is not built; 'fused' runs the reference", file=sys.stderr)
+    repeat = a.repeat or (3 if a.quick else 7)
+    warmup = 1
+    cases = []
+    if a.level in ("layer", "all"):
+        cases += layer_cases(a.quick)
+    if a.level in ("op", "all"):
+        ocs = op_cases(a.batch)
+        max_tokens = a.max_tokens or (4200 if a.quick else None)
+        if max_tokens:
+            ocs = [c for c in ocs if c["H"] * c["W"] <= max_tokens]
+        if a.quick:  # one case per (op, resolution family) shape class is enough
+            ocs = [c for c in ocs if c["where"].endswith("@224") or c["where"].endswith("@512")]
+        cases += ocs
+    if a.cases:
+        cases = [c for c in cases if any(s in label(c) for s in a.cases)]
+
+    info = machine_info()
+    rows = []
+    limit = a.ref_limit_gib * 2**30
+    for case in cases:
+        for backward in (False, True):
+            row = dict(case=label(case), pass_="fwd+bwd" if backward else "fwd", **case)
+            for impl in ("fused", "reference"):
+                if impl == "reference" and ref_bytes(case) > limit:
+                    row[impl] = None
+                    continue
+                t, tmin = time_case(case, impl, backward, warmup, repeat)
+                m = None if a.no_memory else child_peak(case, impl, backward)
+                row[impl] = dict(time_s=t, min_time_s=tmin, peak_mib=m)
+            f, r = row["fused"], row["reference"]
+            row["speedup"] = r["time_s"] / f["time_s"] if r else None
+            row["speedup_min"] = r["min_time_s"] / f["min_time_s"] if r else None
+            row["mem_ratio"] = (r["peak_mib"] / max(f["peak_mib"], 1e-3)) if (r and f["peak_mib"] and r["peak_mib"]) else None
+            rows.append(row)
+            print(format_row(row), flush=True)
+
+    os.makedirs(a.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(a.out, f"ops_{a.tag}_{stamp}")
+    with open(base + ".json", "w") as fh:
+        json.dump(dict(machine=info, repeat=repeat, quick=a.quick, rows=rows), fh, indent=1)
+    with open(base + ".md", "w") as fh:
+        fh.write(markdown(info, rows, repeat))
+    print(f"wrote {base}.md and .json")
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def format_row(r):
+    f, ref = r["fused"], r["reference"]
+    if ref is None:
+        return f"{r['case']:<75} {r['pass_']:<8} fused {f['time_s'] * 1e3:9.2f} ms {_fmt(f['peak_mib'], '8.1f')} MiB | reference skipped (dense > limit)"
+    return (
+        f"{r['case']:<75} {r['pass_']:<8} fused {f['time_s'] * 1e3:9.2f} ms {_fmt(f['peak_mib'], '8.1f')} MiB | "
+        f"ref {ref['time_s'] * 1e3:9.2f} ms {_fmt(ref['peak_mib'], '8.1f')} MiB | x{r['speedup']:.2f} time, "
+        f"x{_fmt(r['mem_ratio'], '.2f')} memory (min-time x{r['speedup_min']:.2f})"
+    )
+
+
+def markdown(info, rows, repeat):
+    lines = [
+        "# ppma CPU benchmark: fused ops vs the reference (official formulation)",
+        "",
+        f"Machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads); torch {info['torch']}, "
+        f"Python {info['python']}; {info['date']}. Median of {repeat} runs after a warm-up, fp32.",
+        "",
+        "Peak memory = increase of the peak resident set size of a fresh process running the pass once "
+        "(after building the inputs), i.e. the extra memory the pass needs. Ratios: reference / fused.",
+        "'skipped': the dense reference would need more than the memory limit.",
+        "",
+        "On a shared machine the median is disturbed by other load; 'speed-up (min)' compares the fastest runs.",
+        "",
+        "| case | pass | fused ms | fused peak MiB | ref ms | ref peak MiB | speed-up | speed-up (min) | memory ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        f, ref = r["fused"], r["reference"]
+        if ref is None:
+            lines.append(
+                f"| {r['case']} | {r['pass_']} | {f['time_s'] * 1e3:.2f} | {_fmt(f['peak_mib'], '.1f')} | skipped | skipped | - | - | - |"
+            )
+        else:
+            lines.append(
+                f"| {r['case']} | {r['pass_']} | {f['time_s'] * 1e3:.2f} | {_fmt(f['peak_mib'], '.1f')} | "
+                f"{ref['time_s'] * 1e3:.2f} | {_fmt(ref['peak_mib'], '.1f')} | {r['speedup']:.2f}x | {r['speedup_min']:.2f}x | "
+                f"{_fmt(r['mem_ratio'], '.2f')}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

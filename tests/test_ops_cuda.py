@@ -1,0 +1,231 @@
+"""CUDA kernels of ``torch.ops.ppma`` against the pure-PyTorch reference and the CPU kernels (design §5).
+
+Skipped without a GPU or without the CUDA kernels in ``ppma._C``. Forward and every gradient are checked
+(the backward ops are called directly, against autograd through ``ppma.ops.reference``), plus determinism
+of the backward (two runs bitwise equal), ``opcheck`` and ``torch.compile`` through the public wrappers,
+and the large shapes (200x336 criss-cross, 64x64 full attention). ``PPMA_TEST_FULL=1`` widens the sweep.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ppma  # noqa: F401  (loads ppma._C when built)
+from ppma._ext import has_cuda_kernels, has_ext
+from ppma.ops import reference as ref
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_ext() and has_cuda_kernels()),
+    reason="needs a GPU and ppma._C built with its CUDA kernels",
+)
+
+from tolerances import TOLERANCES  # the one per-dtype table shared with the CPU tests
+
+TOL = {dtype: fwd for dtype, (fwd, _) in TOLERANCES.items()}  # relative norm error, forward
+
+FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [  # (B, H, W, heads, d, dv)
+    (1, 1, 1, 1, 16, 16),
+    (2, 1, 7, 2, 16, 16),
+    (1, 7, 1, 1, 32, 32),
+    (2, 3, 8, 2, 32, 32),
+    (1, 13, 7, 3, 64, 64),
+    (1, 8, 13, 2, 24, 40),  # generic head dims (padded path)
+    (3, 2, 3, 1, 96, 128),
+]
+if FULL:
+    SHAPES += [(2, 56, 56, 2, 16, 16), (1, 13, 70, 2, 32, 32), (1, 70, 9, 1, 64, 64), (2, 14, 14, 4, 32, 32)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_inputs(shape, dtype, decay_scale=1.0, seed=0, noncontig=False):
+    B, H, W, G, d, dv = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, W, G, d, generator=g)
+    k = torch.randn(B, H, W, G, d, generator=g)
+    v = torch.randn(B, H, W, G, dv, generator=g)
+    la = -decay_scale * torch.rand(B, H, W, G, generator=g)
+    lb = -decay_scale * torch.rand(B, H, W, G, generator=g)
+    dev = "cuda"
+    q, k, v = (t.to(dev, dtype) for t in (q, k, v))
+    la, lb = la.to(dev), lb.to(dev)
+    if noncontig:  # same values, permuted storage
+        q = q.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+        k = k.transpose(3, 0).contiguous().transpose(3, 0)
+    return q, k, v, la, lb
+
+
+def ref_grads(fn, q, k, v, la, lb, scale, go):
+    """Reference forward and gradients in float64 on the same device."""
+    ins = [t.detach().double().requires_grad_(True) for t in (q, k, v, la, lb)]
+    out = fn(*ins, scale)
+    gs = torch.autograd.grad(out, ins, go.double())
+    return out, gs
+
+
+def check(name, got, want, dtype, mult=1.0):
+    tol = TOL[dtype] * mult
+    err = rel_err(got, want)
+    assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# polyline_attention
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_polyline_attention_vs_reference(shape, dtype):
+    q, k, v, la, lb = make_inputs(shape, dtype, noncontig=shape[1] > 1)
+    scale = shape[4] ** -0.5
+    out, out_v2h, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, scale)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.polyline_attention_ref, q, k, v, la, lb, scale, go)
+    check("out", out, want, dtype)
+    grads = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, out_v2h, lse, scale)
+    for n, g, w in zip(("q", "k", "v", "log_alpha", "log_beta"), grads, wgrads):
+        check(f"grad_{n}", g, w, dtype, mult=2.0)
+    assert grads[3][:, :, 0].abs().max() == 0 and grads[4][:, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_polyline_attention_extreme_decays(dtype):
+    for scale_d in (0.0, 1e4):
+        q, k, v, la, lb = make_inputs((1, 5, 6, 2, 32, 32), dtype, decay_scale=scale_d)
+        out, ov, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.2)
+        go = torch.randn_like(out)
+        want, wgrads = ref_grads(ref.polyline_attention_ref, q, k, v, la, lb, 0.2, go)
+        check("out", out, want, dtype)
+        grads = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, ov, lse, 0.2)
+        for n, g, w in zip(("q", "k", "v"), grads[:3], wgrads[:3]):
+            check(f"grad_{n}", g, w, dtype, mult=2.0)
+        assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_polyline_attention_large_and_deterministic():
+    q, k, v, la, lb = make_inputs((1, 64, 64, 2, 32, 32), torch.float32, seed=3)
+    out, ov, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.18)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.polyline_attention_ref, q, k, v, la, lb, 0.18, go)
+    check("out", out, want, torch.float32)
+    g1 = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, ov, lse, 0.18)
+    g2 = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, ov, lse, 0.18)
+    for a, b, w in zip(g1, g2, wgrads):
+        assert torch.equal(a, b), "backward is not deterministic"
+        check("grad", a, w, torch.float32, mult=4.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# criss_cross_attention
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_criss_cross_vs_reference(shape, dtype):
+    q, k, v, la, lb = make_inputs(shape, dtype, noncontig=shape[1] > 1)
+    scale = shape[4] ** -0.5
+    out, lse = torch.ops.ppma.criss_cross_attention(q, k, v, la, lb, scale)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.criss_cross_attention_ref, q, k, v, la, lb, scale, go)
+    check("out", out, want, dtype)
+    grads = torch.ops.ppma.criss_cross_attention_backward(go, q, k, v, la, lb, lse, scale)
+    for n, g, w in zip(("q", "k", "v", "log_alpha", "log_beta"), grads, wgrads):
+        check(f"grad_{n}", g, w, dtype, mult=2.0)
+
+
+def test_criss_cross_large_and_deterministic():
+    q, k, v, la, lb = make_inputs((1, 200, 336, 1, 32, 32), torch.float32, seed=5)
+    out, lse = torch.ops.ppma.criss_cross_attention(q, k, v, la, lb, 0.18)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.criss_cross_attention_ref, q, k, v, la, lb, 0.18, go)
+    check("out", out, want, torch.float32)
+    g1 = torch.ops.ppma.criss_cross_attention_backward(go, q, k, v, la, lb, lse, 0.18)
+    g2 = torch.ops.ppma.criss_cross_attention_backward(go, q, k, v, la, lb, lse, 0.18)
+    for a, b, w in zip(g1, g2, wgrads):
+        assert torch.equal(a, b), "backward is not deterministic"
+        check("grad", a, w, torch.float32, mult=4.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# polyline_scan
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_polyline_scan_vs_reference(shape, dtype, transpose):
+    B, H, W, G, _, c = shape
+    x, _, _, la, lb = make_inputs((B, H, W, G, c, c), dtype)
+    y = torch.ops.ppma.polyline_scan(x, la, lb, transpose)
+    gy = torch.randn_like(y)
+    ins = [t.detach().double().requires_grad_(True) for t in (x, la, lb)]
+    want = ref.polyline_scan_ref(*ins, transpose)
+    wgrads = torch.autograd.grad(want, ins, gy.double())
+    check("y", y, want, dtype)
+    grads = torch.ops.ppma.polyline_scan_backward(gy, x, la, lb, transpose)
+    for n, g, w in zip(("x", "log_alpha", "log_beta"), grads, wgrads):
+        check(f"grad_{n}", g, w, dtype, mult=2.0)
+    g2 = torch.ops.ppma.polyline_scan_backward(gy, x, la, lb, transpose)
+    assert all(torch.equal(a, b) for a, b in zip(grads, g2))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA vs CPU kernels, opcheck, torch.compile (through the public wrappers)
+# ---------------------------------------------------------------------------------------------
+
+
+def _has_cpu_kernel(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"ppma::{op}", "CPU")
+
+
+@pytest.mark.parametrize("op", ["polyline_attention", "criss_cross_attention"])
+def test_cuda_vs_cpu(op):
+    if not _has_cpu_kernel(op):
+        pytest.skip("CPU kernel not built")
+    q, k, v, la, lb = make_inputs((2, 5, 7, 2, 32, 32), torch.float32)
+    f = getattr(torch.ops.ppma, op)
+    a = f(q, k, v, la, lb, 0.2)
+    b = f(q.cpu(), k.cpu(), v.cpu(), la.cpu(), lb.cpu(), 0.2)
+    for x, y in zip(a, b):
+        check(op, x.cpu(), y, torch.float32)
+
+
+def _wrapper(op):
+    import ppma.ops as ops
+
+    return getattr(ops, op)
+
+
+@pytest.mark.parametrize("op", ["polyline_attention", "criss_cross_attention"])
+def test_opcheck(op):
+    q, k, v, la, lb = make_inputs((1, 3, 4, 2, 16, 16), torch.float32)
+    args = [t.requires_grad_(True) for t in (q, k, v, la, lb)] + [0.25]
+    torch.library.opcheck(getattr(torch.ops.ppma, op).default, args)
+
+
+def test_opcheck_scan():
+    x, _, _, la, lb = make_inputs((1, 3, 4, 2, 8, 8), torch.float32)
+    torch.library.opcheck(torch.ops.ppma.polyline_scan.default, (x.requires_grad_(True), la, lb, False))
+
+
+@pytest.mark.parametrize("op", ["polyline_attention", "criss_cross_attention"])
+def test_compile(op):
+    fn = _wrapper(op)
+    q, k, v, la, lb = make_inputs((1, 6, 5, 2, 32, 32), torch.float32)
+    ins = [t.requires_grad_(True) for t in (q, k, v, la, lb)]
+    cfn = torch.compile(fn, fullgraph=True, dynamic=True)
+    out = cfn(*ins, 0.2)
+    want = fn(*ins, 0.2)
+    check(op, out, want, torch.float32)
+    out.sum().backward()
