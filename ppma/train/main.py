@@ -131,6 +131,8 @@ def train(cfg) -> dict:
     from ppma.train.engine import evaluate, train_one_epoch
 
     wall_start = time.perf_counter()
+    if cfg.train.num_threads:
+        torch.set_num_threads(int(cfg.train.num_threads))
     device = _device(cfg.train.device)
     distributed = D.init_distributed(device)
     rank, world = D.rank(), D.world_size()
@@ -184,7 +186,8 @@ def train(cfg) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     custom = " (with overrides)" if cfg.model.overrides else ""
     _log(f"model {cfg.model.name}{custom}: {n_params / 1e6:.3f} M parameters; {num_classes} classes; "
-         f"{len(train_set)} train / {len(val_set)} val images; device {device}, world {world}, amp {amp_dtype}")
+         f"{len(train_set)} train / {len(val_set)} val images; device {device}, world {world}, amp {amp_dtype}"
+         + (f", {torch.get_num_threads()} CPU threads" if device.type == "cpu" else ""))
     ema = None
     if cfg.ema.enabled:
         ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup)
