@@ -17,6 +17,15 @@ from test_train import tiny_args  # noqa: E402
 from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
 
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and on a shared CPU OpenMP oversubscription slows them a lot."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")

@@ -1,11 +1,13 @@
 """Training machinery: configs, a few steps reduce the loss, exact resume, metrics.jsonl, DDP on 2 CPU processes."""
 
+import contextlib
 import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 import torch
@@ -43,6 +45,15 @@ def tiny_args(out, epochs=2, extra=()) -> list[str]:
         *model_args(), *extra,
     ]
 
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and on a shared CPU OpenMP oversubscription slows them a lot."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 # ------------------------------------------------------------------------------------------------ config
 
@@ -145,20 +156,38 @@ def test_resume_is_bit_exact(tmp_path):
     assert [r["test_acc1"] for r in fa] == [r["test_acc1"] for r in fb]
 
 
+def _kill_run(proc, run_id: str) -> None:
+    """Kill torchrun (its process group) and every worker of this run: torchrun starts each worker in a
+    session of its own, so they are found by ``PPMA_TEST_RUN_ID`` in their environment (Linux /proc)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"PPMA_TEST_RUN_ID={run_id}".encode() in f.read().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def test_ddp_two_cpu_processes(tmp_path):
     """torchrun with 2 gloo processes for a few steps; distributed eval covers the whole val set once."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "ppma.train", *tiny_args(tmp_path, epochs=2, extra=["--device", "cpu"])]
+    run_id = uuid.uuid4().hex
+    env["PPMA_TEST_RUN_ID"] = run_id  # inherited by the workers, to find them
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
-        stdout, stderr = proc.communicate()
+        _kill_run(proc, run_id)
+        stdout, stderr = proc.communicate(timeout=30)
         pytest.fail("2-process run timed out:\n" + stdout[-3000:] + stderr[-3000:])
+    finally:
+        _kill_run(proc, run_id)  # never leave a worker behind
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert "world 2" in stdout
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

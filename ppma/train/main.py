@@ -16,6 +16,7 @@ Writes ``<output>/config.yaml``, ``<output>/metrics.jsonl`` (one JSON object per
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -321,6 +322,13 @@ def train(cfg) -> dict:
     ema_txt = f", best EMA test acc1 {best['ema_acc1']:.2f}%" if ema is not None else ""
     _log(f"SUMMARY: best test acc1 {best['acc1']:.2f}% (epoch {best['epoch']}){ema_txt}, "
          f"wall time {wall:.1f} s ({wall / 60:.1f} min), output {out_dir}")
+    if distributed:
+        # Tear down the DDP wrapper (its reducer holds process-group work) while the group still exists:
+        # freeing it only when train() returns, after destroy_process_group, sometimes hung a gloo rank.
+        D.barrier()
+        del model
+        gc.collect()
+        D.barrier()
     D.cleanup()
     return summary
 
