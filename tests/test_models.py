@@ -221,3 +221,19 @@ def test_compile_inductor_train_step():
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     for size in ((64, 96), (80, 72)):
         compiled(torch.randn(2, 3, *size)).sum().backward()
+
+
+@pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
+def test_flop_formulas_of_fused_ops_match_reference():
+    model = small_model(criss_cross=(True, False, True, False)).eval()
+    fused = count_macs(model, (1, 3, 96, 72))
+    assert fused == count_macs(model.set_impl("reference"), (1, 3, 96, 72))
+
+
+def test_low_precision_model_keeps_fp32_rope():
+    model = small_model().eval()
+    x = torch.randn(1, 3, 64, 64)
+    y32 = model(x)
+    y16 = model.bfloat16()(x.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert ((y16.float() - y32).norm() / y32.norm()) < 0.1
