@@ -68,8 +68,9 @@ def path_log_decays_ref(
     if C % num_heads:
         raise ValueError(f"channels ({C}) must be divisible by num_heads ({num_heads})")
     u = F.linear(x.reshape(B, H, W, num_heads, C // num_heads), weight)  # [B, H, W, heads, 2]
-    A = -torch.exp(A_log.float())
-    d = F.softplus(u.float() + dt_bias.float()[:, None]) * A[:, None]
+    ct = _compute_dtype(x)  # fp32 for fp32/fp16/bf16 (as under the official autocast), fp64 for fp64
+    A = -torch.exp(A_log.to(ct))
+    d = F.softplus(u.to(ct) + dt_bias.to(ct)[:, None]) * A[:, None]
     return d[..., 0], d[..., 1]
 
 
@@ -203,7 +204,7 @@ def criss_cross_attention_ref(
     _check_qkv(q, k, v, log_alpha, log_beta)
     B, H, W, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
-    ct = _compute_dtype(q)
+    ct, out_dtype = _compute_dtype(q), v.dtype
     q, k, v = q.to(ct), k.to(ct), v.to(ct)
     # Rows: [B, G, H, W, d]; columns: [B, G, W, H, d].
     q_r, k_r, v_r = (t.permute(0, 3, 1, 2, 4) for t in (q, k, v))
@@ -215,7 +216,7 @@ def criss_cross_attention_ref(
     z2 = Bm @ v_c  # columns first ...
     out2 = A @ z2.transpose(2, 3)  # ... then rows: V2H, [B, G, H, W, dv]
     out = 0.5 * out1.transpose(2, 3) + 0.5 * out2
-    return out.permute(0, 2, 3, 1, 4).to(v.dtype)
+    return out.permute(0, 2, 3, 1, 4).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

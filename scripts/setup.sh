@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs torch, ppma's dependencies and ppma itself (editable, with its C++ operators) into the Python
+# environment of `${PYTHON:-python3}`. Safe to run again: what is installed already is kept.
+#
+# torch is pinned and installed first, and ppma is built with --no-build-isolation against it, so pip
+# never downloads another (multi-GB CUDA) torch. torchvision must be the release that matches torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCHVISION_VERSION=${TORCHVISION_VERSION:-0.28.0}   # the torchvision release built for torch 2.13
+
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  echo "[setup] installing torch==$TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
+fi
+echo "[setup] installing build, test and training dependencies"
+pip_install "setuptools>=64" wheel ninja numpy pyyaml tqdm pillow \
+  pytest expecttest hypothesis \
+  "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" timm scikit-learn safetensors matplotlib \
+  "mmengine>=0.10"
+echo "[setup] building ppma (C++ operators$( [ "${FORCE_CUDA:-0}" = 1 ] && echo ' + CUDA'))"
+MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation --no-deps -e .
+"$PY" -c "import ppma; assert ppma.has_ext(), 'ppma._C did not build'; print('[setup] ppma', ppma.__version__, 'with fused ops')"

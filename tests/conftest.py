@@ -1,0 +1,21 @@
+"""Shared pytest setup."""
+
+import os
+
+import pytest
+
+from ppma._compat import ensure_torchvision
+
+# PyPI's torchvision is a CUDA build; beside a CPU torch its ops cannot load (see ppma._compat).
+ensure_torchvision()
+
+FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL:
+        return
+    skip = pytest.mark.skip(reason="long sweep: set PPMA_TEST_FULL=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
