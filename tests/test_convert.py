@@ -147,6 +147,9 @@ def test_load_checkpoint_files(tmp_path, fmt):
     # create_model(checkpoint_path=...)
     m = create_model("ppma_tiny", checkpoint_path=path, **kw)
     assert torch.equal(m.head.fc.weight, model.head.fc.weight)
+    # checkpoints without the RoPE angle buffers load too
+    torch.save({k: v for k, v in official.items() if not k.endswith("Relpos.angle")}, tmp_path / "noangle.pth")
+    load_checkpoint(other, tmp_path / "noangle.pth")
     with pytest.raises(FileNotFoundError):
         load_checkpoint(other, tmp_path / "missing.pth")
     deeper = create_model("ppma_tiny", **dict(kw, depths=(1, 2, 2, 1)))
