@@ -1,0 +1,100 @@
+"""Model, optimiser, scheduler, loss and mixup construction from a config (spec §6.1)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+
+__all__ = ["build_model", "resolve_factory", "build_optimizer", "build_scheduler", "build_mixup_and_loss", "scaled_lr"]
+
+
+def resolve_factory(factory: str | None):
+    """``None`` -> ``ppma.create_model``; ``"package.module:callable"`` -> that callable."""
+    if not factory:
+        import ppma
+
+        if not hasattr(ppma, "create_model"):
+            raise ImportError("ppma.create_model is not available in this installation (ppma.models missing)")
+        return ppma.create_model
+    if ":" not in factory:
+        raise ValueError(f"model.factory must look like 'package.module:callable', got {factory!r}")
+    mod, name = factory.split(":", 1)
+    return getattr(importlib.import_module(mod), name)
+
+
+def build_model(model_cfg, num_classes: int, in_chans: int = 3) -> nn.Module:
+    """Instantiate ``model_cfg.name`` with its overrides; ``in_chans`` is passed when it differs from 3
+    (or when the overrides set it)."""
+    overrides = dict(model_cfg.overrides or {})
+    if in_chans != 3:
+        overrides.setdefault("in_chans", in_chans)
+    # YAML gives lists; the model's config takes tuples
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    create = resolve_factory(model_cfg.factory)
+    return create(
+        model_cfg.name,
+        pretrained=False,
+        num_classes=num_classes,
+        drop_path_rate=model_cfg.drop_path_rate,
+        checkpoint_path=model_cfg.checkpoint_path,
+        **overrides,
+    )
+
+
+def scaled_lr(optim_cfg, total_batch: int) -> float:
+    """``optim.lr`` if set, else the linear scaling rule ``base_lr * total_batch / base_batch``."""
+    if optim_cfg.lr is not None:
+        return float(optim_cfg.lr)
+    return float(optim_cfg.base_lr) * total_batch / float(optim_cfg.base_batch)
+
+
+def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optimizer:
+    """timm ``create_optimizer_v2``: weight decay on every parameter except 1-D ones, biases and the names
+    in ``model.no_weight_decay()`` (timm's ``filter_bias_and_bn``, the official ``add_weight_decay``)."""
+    from timm.optim import create_optimizer_v2
+
+    kwargs = {}
+    if optim_cfg.opt.lower() in ("adamw", "adam", "lamb", "nadamw"):
+        kwargs = {"eps": float(optim_cfg.eps), "betas": tuple(optim_cfg.betas)}
+    return create_optimizer_v2(
+        model, opt=optim_cfg.opt, lr=lr, weight_decay=float(optim_cfg.weight_decay), filter_bias_and_bn=True,
+        **kwargs,
+    )
+
+
+def build_scheduler(optimizer, sched_cfg, steps_per_epoch: int):
+    """timm ``CosineLRScheduler``: cosine from the peak lr to ``min_lr`` over ``epochs`` after a linear warmup
+    of ``warmup_epochs`` from ``warmup_lr``; in epochs (stepped at epoch ends) or in iterations."""
+    from timm.scheduler import CosineLRScheduler
+
+    s = sched_cfg
+    if s.per_iteration:
+        return CosineLRScheduler(
+            optimizer, t_initial=max(1, s.epochs * steps_per_epoch), lr_min=float(s.min_lr),
+            warmup_t=int(round(s.warmup_epochs * steps_per_epoch)), warmup_lr_init=float(s.warmup_lr),
+            t_in_epochs=False,
+        )
+    return CosineLRScheduler(
+        optimizer, t_initial=s.epochs, lr_min=float(s.min_lr), warmup_t=int(s.warmup_epochs),
+        warmup_lr_init=float(s.warmup_lr), t_in_epochs=True,
+    )
+
+
+def build_mixup_and_loss(aug_cfg, num_classes: int):
+    """``(mixup_fn or None, train criterion)``: timm Mixup/CutMix with label smoothing folded into soft
+    targets and SoftTargetCrossEntropy; else label-smoothing cross-entropy; else plain cross-entropy."""
+    from timm.data import Mixup
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+    a = aug_cfg
+    if (a.mixup or 0) > 0 or (a.cutmix or 0) > 0:
+        mixup = Mixup(
+            mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mixup_prob, switch_prob=a.mixup_switch_prob,
+            mode=a.mixup_mode, label_smoothing=a.smoothing, num_classes=num_classes,
+        )
+        return mixup, SoftTargetCrossEntropy()
+    if (a.smoothing or 0) > 0:
+        return None, LabelSmoothingCrossEntropy(smoothing=a.smoothing)
+    return None, nn.CrossEntropyLoss()

@@ -1,0 +1,205 @@
+"""Command-line tools: ppma-eval on a tiny ImageFolder, ppma-benchmark quick run, ppma-visualize PNGs."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ppma._compat import ensure_torchvision
+
+ensure_torchvision()  # timm imports torchvision (see ppma._compat)
+pytest.importorskip("timm")
+
+from test_train import tiny_args  # noqa: E402
+
+from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    train(config_from_args(parse_args(tiny_args(out, epochs=1))))
+    return out / "checkpoint.pth"
+
+
+def _write_image_folder(root, classes=4, per_class=3, size=20, split="val"):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        d = root / split / f"class_{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    return classes * per_class
+
+
+def test_eval_cli_on_image_folder(tmp_path, tiny_checkpoint):
+    from ppma.train.evaluate import load_model_from_checkpoint, main
+
+    n = _write_image_folder(tmp_path / "data")
+    out = tmp_path / "eval.json"
+    assert main(["--checkpoint", str(tiny_checkpoint), "--data", str(tmp_path / "data"), "--num-workers", "0",
+                 "--batch-size", "5", "--device", "cpu", "--output", str(out), "--crop-pct", "1.0"]) == 0
+    res = json.loads(out.read_text())
+    assert res["images"] == n and res["weights"] == "model_ema" and res["kind"] == "ppma-train"
+    assert 0.0 <= res["top1"] <= res["top5"] <= 100.0
+    # the same numbers as evaluating the loaded model directly on the same tensors
+    from torchvision.datasets import ImageFolder
+
+    from ppma.train.data import build_eval_transform
+
+    model, info = load_model_from_checkpoint(str(tiny_checkpoint))
+    cfg = info["config"]
+    ds = ImageFolder(str(tmp_path / "data" / "val"),
+                     build_eval_transform(cfg.data.img_size, 1.0, cfg.data.interpolation, cfg.data.mean, cfg.data.std))
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    y = torch.tensor(ds.targets)
+    with torch.no_grad():
+        top1 = 100.0 * (model.eval()(x).argmax(1) == y).float().mean().item()
+    assert res["top1"] == pytest.approx(top1)
+
+
+def test_train_imagefolder_with_the_imagenet_recipe(tmp_path):
+    """The ImageNet config's pipeline end to end on a tiny ImageFolder: timm transforms with RandAugment and
+    random erasing, Mixup/CutMix with SoftTargetCrossEntropy, repeated augmentation, EMA."""
+    from ppma.train.main import main
+
+    _write_image_folder(tmp_path / "data", classes=4, per_class=4, size=40, split="train")
+    _write_image_folder(tmp_path / "data", classes=4, per_class=2, size=40, split="val")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert main(["--config", os.path.join(root, "configs", "classification", "ppma_tiny_imagenet.yaml"),
+                 "--data", str(tmp_path / "data"), "--epochs", "2", "--batch-size", "4", "--amp", "none",
+                 "--device", "cpu", "--num-workers", "0", "--output", str(tmp_path / "out"), "--no-progress",
+                 "--set", "data.img_size=32", "--set", "data.repeated_aug_round=4",
+                 "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1],"
+                 " num_heads: [1, 2, 2, 2], impl: reference}"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    assert records[0]["lr"] == pytest.approx(1e-6)  # warm-up from 1e-6, stepped at the epoch end (spec §6.1)
+    assert all(r["test_ema_acc1"] is not None for r in records)
+
+
+def test_eval_cli_rejects_unknown_key(tmp_path, tiny_checkpoint):
+    from ppma.train.evaluate import main
+
+    _write_image_folder(tmp_path / "data", classes=4, per_class=1)
+    with pytest.raises(KeyError, match="no weights under key"):
+        main(["--checkpoint", str(tiny_checkpoint), "--data", str(tmp_path / "data"), "--key", "nope",
+              "--num-workers", "0", "--device", "cpu"])
+
+
+def test_eval_cli_official_checkpoint(tmp_path):
+    """An official-format checkpoint (official key names, under 'models' and 'model_ema') goes through
+    ppma.models.convert_official_state_dict; the EMA weights are used by default."""
+    import ppma
+    from ppma.models import convert_to_official_state_dict
+    from ppma.train.evaluate import main
+
+    n = _write_image_folder(tmp_path / "data", classes=3, per_class=2, size=32)
+    torch.manual_seed(0)
+    raw, ema = ppma.create_model("ppma_tiny", num_classes=3), ppma.create_model("ppma_tiny", num_classes=3)
+    torch.save({"models": convert_to_official_state_dict(raw.state_dict()),
+                "model_ema": convert_to_official_state_dict(ema.state_dict()), "epoch": 299},
+               tmp_path / "best.pth")
+    out = tmp_path / "eval.json"
+    assert main(["--checkpoint", str(tmp_path / "best.pth"), "--model", "ppma_tiny", "--num-classes", "3",
+                 "--data", str(tmp_path / "data"), "--img-size", "32", "--crop-pct", "1.0", "--num-workers", "0",
+                 "--device", "cpu", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "official" and res["weights"] == "model_ema" and res["images"] == n
+    from torchvision.datasets import ImageFolder
+
+    from ppma.train.data import build_eval_transform
+
+    ds = ImageFolder(str(tmp_path / "data" / "val"),
+                     build_eval_transform(32, 1.0, "bicubic", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+    x, y = torch.stack([ds[i][0] for i in range(len(ds))]), torch.tensor(ds.targets)
+    with torch.no_grad():
+        top1 = 100.0 * (ema.eval()(x).argmax(1) == y).float().mean().item()
+    assert res["top1"] == pytest.approx(top1)
+
+
+def test_benchmark_cli_quick(tmp_path):
+    from ppma.train.benchmark import main
+
+    extra = ["--override", "embed_dims=[8, 16, 16, 16]", "--override", "depths=[1, 1, 1, 1]",
+             "--override", "num_heads=[1, 2, 2, 2]", "--override", "criss_cross=[true, true, false, false]"]
+    out = tmp_path / "bench"
+    assert main(["--batch-size", "2", "--img-size", "32", "--warmup", "1", "--iters", "2", "--device", "cpu",
+                 "--num-classes", "10", "--output", str(out), *extra]) == 0
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["impl"] for r in res["rows"]] == ["fused", "reference"]
+    for r in res["rows"]:
+        assert r["infer_images_per_sec"] > 0 and r["train_images_per_sec"] > 0
+        assert r["infer_peak_mem_mib"] is None  # CPU: not measured
+    assert res["settings"]["batch_size"] == 2 and res["env"]["torch"] == torch.__version__
+    md = (tmp_path / "bench.md").read_text()
+    assert "| model | impl |" in md and md.count("\n| ") >= 3
+
+
+# ------------------------------------------------------------------------------------------------ visualize
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (1, 4), (6, 1)])
+def test_mask_row_matches_dense_polyline_mask(shape):
+    from ppma.ops.reference import polyline_mask
+    from ppma.train.visualize import mask_row
+
+    H, W = shape
+    g = torch.Generator().manual_seed(0)
+    la = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    lb = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    L = polyline_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]  # [N, N]
+    for i, j in [(0, 0), (H - 1, W - 1), (H // 2, W // 3)]:
+        p = i * W + j
+        torch.testing.assert_close(mask_row(la, lb, (i, j)).reshape(-1), L[p], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mask_row(la, lb, (i, j), transpose=True).reshape(-1), L[:, p], rtol=1e-12,
+                                   atol=1e-12)
+    with pytest.raises(ValueError, match="outside"):
+        mask_row(la, lb, (H, 0))
+
+
+def test_attention_row_is_the_models_attention():
+    from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref, polyline_log_mask
+    from ppma.train.visualize import attention_row
+
+    H, W, d = 4, 5, 8
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, H, W, d, generator=g, dtype=torch.float64)
+    la = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    lb = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    query = (2, 3)
+    p = query[0] * W + query[1]
+    # full attention: 0.5 softmax(S + M) + 0.5 softmax(S + M^T), row p (spec §1.6)
+    M = polyline_log_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]
+    S = (q.reshape(-1, d) @ k.reshape(-1, d).T) * d**-0.5
+    expect = 0.5 * torch.softmax(S[p] + M[p], -1) + 0.5 * torch.softmax(S[p] + M[:, p], -1)
+    got = attention_row(q, k, la, lb, query, criss_cross=False)
+    torch.testing.assert_close(got.reshape(-1), expect)
+    # criss-cross: weights reproduce the operator's output for any v, and sum to 1
+    got = attention_row(q, k, la, lb, query, criss_cross=True)
+    v = torch.randn(1, H, W, 1, 3, generator=g, dtype=torch.float64)
+    out = criss_cross_attention_ref(q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
+                                    lb[None, :, :, None])
+    torch.testing.assert_close(got.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
+    assert got.sum().item() == pytest.approx(1.0)
+    assert polyline_attention_ref is not None
+
+
+def test_visualize_cli_writes_pngs(tmp_path, tiny_checkpoint):
+    from PIL import Image
+
+    from ppma.train.visualize import main
+
+    img = tmp_path / "in.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 30, 3), dtype=np.uint8)).save(img)
+    out = tmp_path / "vis"
+    assert main(["--image", str(img), "--checkpoint", str(tiny_checkpoint), "--output", str(out),
+                 "--query", "1", "2"]) == 0
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert len(pngs) == 3 and [n.split("_")[0] for n in pngs] == ["attn", "decay", "mask"]
+    for p in out.glob("*.png"):
+        assert Image.open(p).size[0] > 100

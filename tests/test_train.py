@@ -1,0 +1,208 @@
+"""Training machinery: configs, a few steps reduce the loss, exact resume, metrics.jsonl, DDP on 2 CPU processes."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppma._compat import ensure_torchvision  # noqa: E402
+
+ensure_torchvision()  # timm imports torchvision (see ppma._compat)
+pytest.importorskip("timm")
+pytest.importorskip("yaml")
+
+from ppma.train.checkpoint import load_checkpoint  # noqa: E402
+from ppma.train.config import DEFAULTS, load_config  # noqa: E402
+from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "classification", "*.yaml")))
+
+
+def model_args() -> list[str]:
+    """A tiny PPMA: criss-cross attention in stages 1-2, full attention in stages 3-4, reference ops."""
+    return [
+        "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1], num_heads: [1, 2, 2, 2],"
+        " mlp_ratios: [2, 2, 2, 2], criss_cross: [true, true, false, false], impl: reference}",
+    ]
+
+
+def tiny_args(out, epochs=2, extra=()) -> list[str]:
+    return [
+        "--data", "synthetic", "--epochs", str(epochs), "--batch-size", "8", "--output", str(out),
+        "--num-workers", "0", "--no-progress", "--lr", "3e-3",
+        "--set", "data.img_size=16", "--set", "data.num_classes=4", "--set", "data.repeated_aug=1",
+        "--set", "data.synthetic_train_size=32", "--set", "data.synthetic_val_size=16",
+        "--set", "aug.mixup=0", "--set", "aug.cutmix=0", "--set", "ema.decay=0.9",
+        "--set", "sched.warmup_epochs=0", "--set", "sched.min_lr=1e-4",
+        *model_args(), *extra,
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+def test_configs_load(path):
+    cfg = load_config(path)
+    assert set(cfg.to_dict()) == set(DEFAULTS)
+    assert cfg.sched.epochs > 0 and cfg.data.batch_size > 0
+
+
+def test_imagenet_configs_follow_the_recipe():
+    for variant, dpr in (("tiny", 0.1), ("small", 0.15), ("base", 0.4)):
+        cfg = load_config(os.path.join(ROOT, "configs", "classification", f"ppma_{variant}_imagenet.yaml"))
+        assert cfg.model.name == f"ppma_{variant}" and cfg.model.drop_path_rate == dpr
+        assert cfg.optim.base_lr * 1024 / cfg.optim.base_batch == pytest.approx(1e-3)
+        assert (cfg.sched.epochs, cfg.sched.warmup_epochs, cfg.sched.warmup_lr, cfg.sched.min_lr) == (300, 5, 1e-6, 1e-5)
+        assert cfg.aug.auto_augment == "rand-m9-mstd0.5-inc1" and cfg.aug.re_prob == 0.25
+        assert (cfg.aug.mixup, cfg.aug.cutmix, cfg.aug.smoothing) == (0.8, 1.0, 0.1)
+        assert cfg.data.repeated_aug == 3 and cfg.ema.decay == 0.99992 and cfg.optim.weight_decay == 0.05
+
+
+def test_config_overrides_and_errors(tmp_path):
+    args = parse_args(["--config", os.path.join(ROOT, "configs", "classification", "demo_digits.yaml"),
+                       "--epochs", "3", "--batch-size", "7", "--output", str(tmp_path), "--data", "/some/folder",
+                       "--set", "optim.weight_decay=0.01", "--set", "aug.affine_scale=[0.8, 1.2]"])
+    cfg = config_from_args(args)
+    assert (cfg.sched.epochs, cfg.data.batch_size, cfg.train.output) == (3, 7, str(tmp_path))
+    assert (cfg.data.dataset, cfg.data.path) == ("imagefolder", "/some/folder")
+    assert cfg.optim.weight_decay == 0.01 and cfg.aug.affine_scale == [0.8, 1.2]
+    with pytest.raises(KeyError, match="optim.weigth_decay"):
+        load_config(None, ["optim.weigth_decay=0.1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sched:\n  epoch: 3\n")
+    with pytest.raises(KeyError, match="sched.epoch"):
+        load_config(str(bad))
+
+
+def test_weight_decay_groups():
+    """Weight decay on matrices and conv kernels only, never on 1-D parameters or biases (spec §6.1)."""
+    from ppma.train.build import build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.LazyLinear(2))
+    model(torch.randn(1, 3, 5, 5))
+    opt = build_optimizer(model, load_config().optim, lr=1e-3)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decayed) == (p.ndim > 1 and not name.endswith(".bias")), name
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def test_few_steps_reduce_loss_and_metrics_format(tmp_path):
+    summary = train(config_from_args(parse_args(tiny_args(tmp_path, epochs=4))))
+    lines = (tmp_path / "metrics.jsonl").read_text().strip().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        for key in ("epoch", "train_loss", "lr", "test_acc1", "test_acc5", "test_ema_acc1", "images_per_sec"):
+            assert key in r, key
+        assert 0.0 <= r["test_acc1"] <= r["test_acc5"] <= 100.0
+        assert r["images_per_sec"] > 0 and r["lr"] > 0
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert summary["best_acc1"] == max(r["test_acc1"] for r in records)
+    assert (tmp_path / "checkpoint.pth").is_file() and (tmp_path / "best.pth").is_file()
+    assert not list(tmp_path.glob(".*.tmp.*"))  # atomic writes leave no temporary file
+    ckpt = load_checkpoint(str(tmp_path / "checkpoint.pth"))  # weights_only=True
+    assert ckpt["epoch"] == 3 and ckpt["model_ema"] is not None and len(ckpt["rng"]) == 1
+    for key in ("model", "optimizer", "scheduler", "scaler", "global_step", "config", "best"):
+        assert key in ckpt
+
+
+def test_resume_is_bit_exact(tmp_path):
+    """2 epochs in one go == 1 epoch, then --resume, then 1 more (CPU, num_workers=0)."""
+    extra = ["--set", "aug.affine_degrees=10", "--set", "aug.smoothing=0.1"]  # RNG users: dropout, shuffling
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(config_from_args(parse_args(tiny_args(full, epochs=2, extra=extra))))
+    # The first half: the same 2-epoch run (same schedule), stopped after epoch 0.
+    args = tiny_args(part, epochs=2, extra=extra)
+    first = config_from_args(parse_args(args))
+    first.train.stop_after_epoch = 0
+    train(first)
+    assert json.loads((part / "metrics.jsonl").read_text().splitlines()[-1])["epoch"] == 0
+    with open(part / "metrics.jsonl", "a") as f:  # a stale line from a run that died after logging epoch 1
+        f.write(json.dumps({"epoch": 1, "train_loss": -1.0}) + "\n")
+    resumed = config_from_args(parse_args(args + ["--resume", str(part / "checkpoint.pth")]))
+    assert resumed.train.resume == str(part / "checkpoint.pth")
+    train(resumed)
+    a, b = load_checkpoint(str(full / "checkpoint.pth")), load_checkpoint(str(part / "checkpoint.pth"))
+    assert b["epoch"] == a["epoch"] == 1
+    for name in ("model", "model_ema"):
+        for key, value in a[name].items():
+            assert torch.equal(value, b[name][key]), f"{name}.{key} differs after resume"
+    fa = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    fb = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in fb] == [0, 1]  # the resumed run appended epoch 1
+    assert [r["train_loss"] for r in fa] == [r["train_loss"] for r in fb]
+    assert [r["test_acc1"] for r in fa] == [r["test_acc1"] for r in fb]
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    """torchrun with 2 gloo processes for a few steps; distributed eval covers the whole val set once."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "ppma.train", *tiny_args(tmp_path, epochs=2, extra=["--device", "cpu"])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+        stdout, stderr = proc.communicate()
+        pytest.fail("2-process run timed out:\n" + stdout[-3000:] + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "world 2" in stdout
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]
+    ckpt = load_checkpoint(str(tmp_path / "checkpoint.pth"))
+    assert len(ckpt["rng"]) == 2  # one RNG state per process
+    assert not any(k.startswith("module.") for k in ckpt["model"])
+    # distributed evaluation is exact: re-evaluate the saved model in one process and compare
+    from ppma.train.build import build_model
+    from ppma.train.config import Config
+    from ppma.train.data import build_datasets
+    from ppma.train.engine import evaluate
+
+    cfg = Config(ckpt["config"])
+    model = build_model(cfg.model, ckpt["num_classes"], ckpt["in_chans"])
+    model.load_state_dict(ckpt["model"])
+    _, val, _ = build_datasets(cfg, need_train=False)
+    ev = evaluate(model, val, torch.device("cpu"), batch_size=5)
+    assert ev["acc1"] == pytest.approx(records[-1]["test_acc1"])
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def test_digits_split_and_affine():
+    from ppma.train.data import BatchAffine, build_digits
+
+    train_set, test_set = build_digits(img_size=24)
+    assert (len(train_set), len(test_set)) == (1437, 360)
+    assert train_set.images.shape[1:] == (1, 24, 24) and test_set.images.shape[1:] == (1, 24, 24)
+    # stratified: every class has 35-37 test images
+    counts = torch.bincount(test_set.targets, minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 37
+    # fixed split: the same call gives the same tensors
+    _, again = build_digits(img_size=24)
+    assert torch.equal(again.images, test_set.images)
+    x = train_set.images[:8]
+    assert BatchAffine()(x) is x  # inactive: identity
+    aug = BatchAffine(degrees=10, translate=0.1, scale=(0.9, 1.1), shear=5, fill=float(x.min()))
+    torch.manual_seed(0)
+    y1 = aug(x)
+    torch.manual_seed(0)
+    y2 = aug(x)
+    assert y1.shape == x.shape and torch.equal(y1, y2) and not torch.equal(y1, x)
+    # pixels moved in from outside take the background value: a blank image stays blank
+    blank = torch.full_like(x, float(x.min()))
+    torch.testing.assert_close(aug(blank), blank)
