@@ -44,6 +44,9 @@ register_flop_formulas()
 TIMM_REGISTERED = False
 if _os.environ.get("PPMA_NO_TIMM", "0") != "1" and _util.find_spec("timm") is not None:
     try:
+        from ppma._compat import ensure_torchvision as _ensure_torchvision
+
+        _ensure_torchvision()  # timm imports torchvision, whose PyPI build may not load beside a CPU torch
         from ppma.models import timm as _timm  # noqa: F401
 
         TIMM_REGISTERED = True

@@ -201,7 +201,8 @@ def load_checkpoint(
 ):
     """Load an official or ppma checkpoint file (``.pth``/``.pt`` or ``.safetensors``) into ``model``.
 
-    ``.pth`` files are read with ``torch.load(weights_only=True)``. Entries whose shape differs from the
+    ``.pth`` files are read with ``torch.load(weights_only=True)``. Missing RoPE ``angle`` buffers (a fixed
+    function of the head dim) are taken from the model. Entries whose shape differs from the
     model's (e.g. a 1000-class ``head.fc`` into a 10-class model) are dropped and reported; with
     ``strict=True`` every other mismatch (missing or unexpected keys) raises.
 
@@ -219,6 +220,9 @@ def load_checkpoint(
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     sd = convert_official_state_dict(checkpoint, key=key, verbose=verbose)
     own = model.state_dict()
+    for k, v in own.items():  # the RoPE angles are a fixed function of head_dim; tolerate checkpoints without them
+        if k.endswith(".rope.angle") and k not in sd:
+            sd[k] = v
     mismatched = [k for k, v in sd.items() if k in own and own[k].shape != v.shape]
     for k in mismatched:
         if verbose:

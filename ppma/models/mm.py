@@ -105,15 +105,11 @@ class PPMABackbone(BaseModule):
         return tuple(outs)
 
 
-def _register(registry) -> None:
-    if registry.get("PPMA") is not PPMABackbone:
-        registry.register_module(name="PPMA", module=PPMABackbone, force=True)
-
-
-_register(MODELS)
+# `force=True`: re-importing this module (or another copy of it) replaces the entry instead of failing.
+# Registry.get() is avoided on purpose: it imports the registry's locations (mmseg.models needs mmcv ops).
+MODELS.register_module(name="PPMA", module=PPMABackbone, force=True)
 for _mod in ("mmdet.registry", "mmseg.registry"):
     try:
-        _reg = __import__(_mod, fromlist=["MODELS"]).MODELS
+        __import__(_mod, fromlist=["MODELS"]).MODELS.register_module(name="PPMA", module=PPMABackbone, force=True)
     except Exception:  # not installed (or not importable without mmcv)
-        continue
-    _register(_reg)
+        pass

@@ -169,7 +169,7 @@ class PPMA(nn.Module):
         self.grad_checkpointing = False
 
         self.stem = ConvStem(cfg.in_chans, cfg.embed_dims[0])
-        dpr = torch.linspace(0, cfg.drop_path_rate, sum(cfg.depths)).tolist()
+        dpr = torch.linspace(0, cfg.drop_path_rate, sum(cfg.depths), device="cpu").tolist()
         stages, self.feature_info, start = [], [], 0
         for s in range(4):
             stages.append(

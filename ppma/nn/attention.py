@@ -9,7 +9,7 @@ import ppma.ops as ops
 from ppma.ops import reference
 from ppma.nn.decay import PathDecay
 from ppma.nn.layers import DWConv2d
-from ppma.nn.rope import RotaryEmbedding2D, apply_rotary
+from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
 
 __all__ = ["PPMAAttention", "ATTENTION_MODES", "IMPLS"]
 
@@ -78,7 +78,8 @@ class PPMAAttention(nn.Module):
             raise ValueError(f"PPMAAttention: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
         B, H, W, C = x.shape
         if rope is None:
-            rope = RotaryEmbedding2D(self.head_dim).to(x.device)(H, W)
+            angle = rotary_angle(self.head_dim, x.device).to(torch.promote_types(x.dtype, torch.float32))
+            rope = rotary_sin_cos(angle, H, W)
         sin, cos = rope
         q, k, v = self.q(x), self.k(x), self.v(x)
         lepe = self.lepe(v)
@@ -86,9 +87,12 @@ class PPMAAttention(nn.Module):
         shape = (B, H, W, self.num_heads, self.head_dim)
         q = apply_rotary(q.reshape(shape), sin, cos)
         k = apply_rotary(k.reshape(shape), sin, cos)
+        # RoPE's fp32 tables promote low-precision q, k; return them to v's dtype, as autocast does to the
+        # official q k^T matmul inputs (a no-op in fp32 / fp64).
+        q, k = q.to(v.dtype), k.to(v.dtype)
         log_alpha, log_beta = self.decay(x)
         out = self._attention_fn()(q, k, v.reshape(shape), log_alpha, log_beta, 1.0)
-        return self.proj(out.reshape(B, H, W, C) + lepe)
+        return self.proj(out.reshape(B, H, W, C).to(v.dtype) + lepe)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, mode={self.mode!r}, impl={self._impl!r}"

@@ -20,7 +20,9 @@ class DWConv2d(nn.Module):
         self.conv = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        # contiguous(): free in eager when the conv keeps channels-last; inductor with dynamic shapes
+        # fails on permuted conv outputs (torch 2.13, "ValueRangeError: Invalid ranges")
+        return self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).contiguous()
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -100,7 +102,7 @@ class ConvStem(nn.Module):
         x = self.act(self.bn2(self.conv2(x)))
         x = self.act(self.bn3(self.conv3(x)))
         x = self.bn4(self.conv4(x))
-        return x.permute(0, 2, 3, 1)
+        return x.permute(0, 2, 3, 1).contiguous()  # see DWConv2d
 
 
 class PatchMerging(nn.Module):
@@ -112,7 +114,10 @@ class PatchMerging(nn.Module):
         self.norm = nn.BatchNorm2d(out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.conv(x.permute(0, 3, 1, 2))).permute(0, 2, 3, 1)
+        # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
+        # channels-last input (torch 2.13); the copy is one stage output, three times per forward
+        x = self.norm(self.conv(x.permute(0, 3, 1, 2).contiguous()))
+        return x.permute(0, 2, 3, 1).contiguous()
 
 
 class ClassifierHead(nn.Module):

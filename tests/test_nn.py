@@ -1,0 +1,115 @@
+"""ppma.nn modules: path decays (spec §1.4), rotary embedding (spec §3.1), attention contract (spec §3.2)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ppma.nn import PathDecay, PPMAAttention, PPMABlock, RotaryEmbedding2D, apply_rotary, rotate_every_two
+from ppma.ops import reference
+
+warnings.filterwarnings("ignore", message="ppma._C is not available")
+
+
+def test_path_decay_init_and_values():
+    torch.manual_seed(0)
+    m = PathDecay(64, 8)
+    assert m.dt_linear.weight.shape == (2, 8) and m.dt_linear.bias is None
+    assert m.dt_bias.shape == m.A_log.shape == (8,)
+    dt = F.softplus(m.dt_bias)
+    assert torch.all((dt > 1e-3 - 1e-7) & (dt < 0.1 + 1e-7))
+    assert torch.all((m.A_log >= 0) & (m.A_log <= math.log(1.1)))
+    x = torch.randn(2, 5, 7, 64, dtype=torch.float64)
+    m = m.double()
+    la, lb = m(x)
+    assert la.shape == lb.shape == (2, 5, 7, 8) and la.dtype == torch.float64
+    assert torch.all(la < 0) and torch.all(lb < 0)
+    # literal formula of spec §1.4: head g reads channels [g*hd, (g+1)*hd)
+    xh = x.view(2, 5, 7, 8, 8)
+    u = xh @ m.dt_linear.weight.T
+    expect = F.softplus(u + m.dt_bias[:, None]) * -torch.exp(m.A_log)[:, None]
+    torch.testing.assert_close(la, expect[..., 0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(lb, expect[..., 1], rtol=1e-12, atol=0)
+    # same numbers as the shared reference in fp32
+    m32 = m.float()
+    ref = reference.path_log_decays_ref(x.float(), m32.dt_linear.weight, m32.dt_bias, m32.A_log, 8)
+    for a, b in zip(m32(x.float()), ref):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="divisible"):
+        PathDecay(10, 4)
+    with pytest.raises(ValueError, match=r"\[B, H, W, 64\]"):
+        m32(torch.randn(2, 64))
+
+
+def test_rotary_embedding():
+    rope = RotaryEmbedding2D(8)
+    assert "angle" in rope.state_dict()
+    theta = 1.0 / 10000 ** torch.linspace(0, 1, 4)
+    torch.testing.assert_close(rope.angle, theta.repeat_interleave(2))
+    sin, cos = rope(3, 5)
+    assert sin.shape == cos.shape == (3, 5, 8)
+    p = 2 * 5 + 3  # raster index of (2, 3)
+    torch.testing.assert_close(sin[2, 3], torch.sin(p * rope.angle))
+    x = torch.arange(8.0)
+    assert rotate_every_two(x).tolist() == [-1, 0, -3, 2, -5, 4, -7, 6]
+    q = torch.randn(1, 3, 5, 2, 8)
+    out = apply_rotary(q, sin, cos)
+    # pairs are rotated by p * theta_m: norms kept, rotation of (x_{2m}, x_{2m+1})
+    torch.testing.assert_close(out.norm(dim=-1), q.norm(dim=-1))
+    c, s = math.cos(p * theta[1]), math.sin(p * theta[1])
+    x0, x1 = q[0, 2, 3, 1, 2], q[0, 2, 3, 1, 3]
+    torch.testing.assert_close(out[0, 2, 3, 1, 2:4], torch.stack([x0 * c - x1 * s, x1 * c + x0 * s]))
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding2D(7)
+
+
+@pytest.mark.parametrize("mode", ["full", "criss_cross"])
+def test_attention_contract(mode):
+    torch.manual_seed(0)
+    attn = PPMAAttention(32, 2, mode=mode)
+    x = torch.randn(2, 6, 9, 32)
+    y = attn(x)
+    assert y.shape == x.shape
+    rope = RotaryEmbedding2D(16)(6, 9)
+    torch.testing.assert_close(attn(x, rope), y)
+    attn.impl = "reference"
+    torch.testing.assert_close(attn(x, rope), y, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="impl"):
+        attn.impl = "triton"
+    with pytest.raises(ValueError, match="mode"):
+        PPMAAttention(32, 2, mode="chunk")
+    with pytest.raises(ValueError, match=r"\[B, H, W, 32\]"):
+        attn(torch.randn(2, 6, 9, 16))
+
+
+@pytest.mark.parametrize("mode", ["full", "criss_cross"])
+def test_attention_matches_literal_formula(mode):
+    """q/k/v projections, LePE on v, k scaled by d^-0.5 before RoPE, out = proj(attn + lepe) (spec §3.2)."""
+    torch.manual_seed(0)
+    attn = PPMAAttention(16, 2, mode=mode).double()
+    with torch.no_grad():
+        attn.decay.A_log.uniform_(-1, 1)
+    x = torch.randn(1, 4, 5, 16, dtype=torch.float64)
+    sin, cos = RotaryEmbedding2D(8).double()(4, 5)
+    q, k, v = attn.q(x), attn.k(x), attn.v(x)
+    lepe = F.conv2d(v.permute(0, 3, 1, 2), attn.lepe.conv.weight, attn.lepe.conv.bias, padding=2, groups=16)
+    k = k * 8**-0.5
+    q, k = (apply_rotary(t.view(1, 4, 5, 2, 8), sin, cos) for t in (q, k))
+    la, lb = attn.decay(x)
+    fn = reference.polyline_attention_ref if mode == "full" else reference.criss_cross_attention_ref
+    o = fn(q, k, v.view(1, 4, 5, 2, 8), la, lb, 1.0).reshape(1, 4, 5, 16)
+    expect = attn.proj(o + lepe.permute(0, 2, 3, 1))
+    torch.testing.assert_close(attn(x, (sin, cos)), expect, rtol=1e-12, atol=1e-12)
+
+
+def test_block_residual_structure():
+    torch.manual_seed(0)
+    blk = PPMABlock(16, 2, mlp_ratio=2.0, mode="criss_cross", layerscale=True, layer_init_values=0.0).eval()
+    x = torch.randn(1, 3, 4, 16)
+    # with zero layer scale both branches vanish: only the CPE residual remains
+    torch.testing.assert_close(blk(x), x + blk.cpe(x))
+    assert blk.mlp.fc1.out_features == 32 and blk.norm1.eps == blk.norm2.eps == 1e-6
