@@ -258,3 +258,16 @@ def test_low_precision_model_keeps_fp32_rope():
     y16 = model.bfloat16()(x.bfloat16())
     assert y16.dtype == torch.bfloat16
     assert ((y16.float() - y32).norm() / y32.norm()) < 0.1
+
+
+@pytest.mark.skipif(not FULL, reason="AOT-autograd tracing of the training graph is slow on CPU (PPMA_TEST_FULL=1)")
+def test_compile_aot_eager_dynamic_training_no_recompile():
+    torch._dynamo.reset()
+    model = small_model(depths=(1, 1, 1, 1)).train()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for size in ((100, 130), (120, 104)):
+        compiled(torch.randn(2, 3, *size)).sum().backward()
+    assert counter.frame_count == 1
