@@ -105,6 +105,23 @@ def test_weight_decay_groups():
         assert (id(p) in decayed) == (p.ndim > 1 and not name.endswith(".bias")), name
 
 
+
+def test_weight_decay_groups_follow_the_official_recipe_on_ppma():
+    """dt_bias / A_log / norms / biases undecayed; layer-scale gammas decayed (4-D in the official model)."""
+    import ppma
+    from ppma.train.build import build_optimizer
+
+    model = ppma.create_model("ppma_tiny", num_classes=3, embed_dims=(16, 16, 16, 16), depths=(1, 1, 1, 1),
+                              num_heads=(1, 1, 1, 1), layerscale=(True, True, True, True))
+    opt = build_optimizer(model, load_config().optim, lr=1e-3)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert any(n.endswith("ls1.gamma") for n in names)
+    for name, p in names.items():
+        expect = name.endswith((".ls1.gamma", ".ls2.gamma")) or (p.ndim > 1 and not name.endswith(".bias"))
+        assert (id(p) in decayed) == expect, name
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 

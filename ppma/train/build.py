@@ -50,18 +50,33 @@ def scaled_lr(optim_cfg, total_batch: int) -> float:
     return float(optim_cfg.base_lr) * total_batch / float(optim_cfg.base_batch)
 
 
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Parameter groups of the official recipe (spec §6.1, timm 0.5.4 ``add_weight_decay``): no weight decay
+    on 1-D parameters (norms, ``dt_bias``, ``A_log``), biases and ``model.no_weight_decay()``; decay on everything
+    else. Layer-scale ``gamma`` is 1-D here but ``[1, 1, 1, C]`` in the official model, where it is decayed: so
+    it is decayed here too."""
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        layer_scale = name.endswith((".ls1.gamma", ".ls2.gamma"))
+        if (p.ndim <= 1 or name.endswith(".bias") or name in skip) and not layer_scale:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
 def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optimizer:
-    """timm ``create_optimizer_v2``: weight decay on every parameter except 1-D ones, biases and the names
-    in ``model.no_weight_decay()`` (timm's ``filter_bias_and_bn``, the official ``add_weight_decay``)."""
+    """timm ``create_optimizer_v2`` over the parameter groups of ``weight_decay_groups``."""
     from timm.optim import create_optimizer_v2
 
     kwargs = {}
     if optim_cfg.opt.lower() in ("adamw", "adam", "lamb", "nadamw"):
         kwargs = {"eps": float(optim_cfg.eps), "betas": tuple(optim_cfg.betas)}
-    return create_optimizer_v2(
-        model, opt=optim_cfg.opt, lr=lr, weight_decay=float(optim_cfg.weight_decay), filter_bias_and_bn=True,
-        **kwargs,
-    )
+    wd = float(optim_cfg.weight_decay)
+    return create_optimizer_v2(weight_decay_groups(model, wd), opt=optim_cfg.opt, lr=lr, weight_decay=wd, **kwargs)
 
 
 def build_scheduler(optimizer, sched_cfg, steps_per_epoch: int):
