@@ -26,16 +26,87 @@ namespace ppma {
 namespace cpu {
 namespace {
 
+// Small dense product of the line kernels (register-blocked, four rows by eight columns):
+//   C[r][c] = alpha * sum_k A[r * ar + k * ak] * Bt[k * bs + c]      (accumulate: C += ...)
+// for r < R, c < Cn, k < K. A is read through two strides (so A or A^T), Bt row-major with row stride bs.
+// The sum over k runs in order for every element (deterministic, independent of the blocking).
+template <typename T>
+inline void small_gemm(int64_t R, int64_t Cn, int64_t K, const T* A, int64_t ar, int64_t ak, const T* Bt,
+                       int64_t bs, T* C, int64_t ldc, bool accumulate, T alpha = T(1)) {
+  for (int64_t r = 0; r < R; ++r) {
+    T* cr = C + r * ldc;
+    for (int64_t c = 0; c < Cn; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += A[r * ar + k * ak] * Bt[k * bs + c];
+      cr[c] = accumulate ? cr[c] + alpha * acc : alpha * acc;
+    }
+  }
+}
+
+#ifdef PPMA_HAVE_V4
+template <>
+inline void small_gemm<float>(int64_t R, int64_t Cn, int64_t K, const float* A, int64_t ar, int64_t ak,
+                              const float* Bt, int64_t bs, float* C, int64_t ldc, bool accumulate, float alpha) {
+  auto put = [&](float* c, ppma_v4f v) {
+    v = v * alpha;
+    if (accumulate) v += load4(c);
+    store4(c, v);
+  };
+  int64_t c0 = 0;
+  for (; c0 + 8 <= Cn; c0 += 8) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      ppma_v4f s00{}, s01{}, s10{}, s11{}, s20{}, s21{}, s30{}, s31{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        const ppma_v4f b0 = load4(Bt + k * bs + c0), b1 = load4(Bt + k * bs + c0 + 4);
+        const float* ak0 = a0 + k * ak;
+        const float x0 = ak0[0], x1 = ak0[ar], x2 = ak0[2 * ar], x3 = ak0[3 * ar];
+        s00 += x0 * b0;
+        s01 += x0 * b1;
+        s10 += x1 * b0;
+        s11 += x1 * b1;
+        s20 += x2 * b0;
+        s21 += x2 * b1;
+        s30 += x3 * b0;
+        s31 += x3 * b1;
+      }
+      float* cp = C + r0 * ldc + c0;
+      put(cp, s00), put(cp + 4, s01);
+      put(cp + ldc, s10), put(cp + ldc + 4, s11);
+      put(cp + 2 * ldc, s20), put(cp + 2 * ldc + 4, s21);
+      put(cp + 3 * ldc, s30), put(cp + 3 * ldc + 4, s31);
+    }
+    for (; r0 < R; ++r0) {
+      ppma_v4f s0{}, s1{};
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = A[r0 * ar + k * ak];
+        s0 += x * load4(Bt + k * bs + c0);
+        s1 += x * load4(Bt + k * bs + c0 + 4);
+      }
+      put(C + r0 * ldc + c0, s0), put(C + r0 * ldc + c0 + 4, s1);
+    }
+  }
+  for (; c0 + 4 <= Cn; c0 += 4) {
+    for (int64_t r0 = 0; r0 < R; ++r0) {
+      ppma_v4f s0{};
+      for (int64_t k = 0; k < K; ++k) s0 += A[r0 * ar + k * ak] * load4(Bt + k * bs + c0);
+      put(C + r0 * ldc + c0, s0);
+    }
+  }
+  if (c0 < Cn) {
+    small_gemm<float>(R, Cn - c0, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha) ;
+  }
+}
+#endif
+
 // X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n];
 // c holds the line's prefix sums; bias = c_max - c_min (position order).
 template <typename T, int DC>
-inline void line_logits(int64_t n, int64_t d_rt, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
-  const int64_t d = DC ? DC : d_rt;
+inline void line_logits(int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
+  small_gemm<T>(n, n, d, Q, qs, 1, Kt, n, X, n, false);
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
-    const T* qj = Q + j * qs;
-    std::fill(x, x + n, T(0));
-    for (int64_t e = 0; e < d; ++e) axpy(n, qj[e], Kt + e * n, x);
     const T cj = c[j];
 #pragma omp simd
     for (int64_t l = 0; l < j; ++l) x[l] += cj - c[l];
@@ -64,47 +135,14 @@ inline void line_softmax_from_lse(int64_t n, T* X, const T* lse, int64_t ls) {
 
 // out[j] = sum_l P[j][l] V[l] (rows of V / out with strides vs / os, dv columns).
 template <typename T, int DVC>
-inline void line_apply(int64_t n, int64_t dv_rt, const T* P, const T* V, int64_t vs, T* out, int64_t os) {
-  const int64_t dv = DVC ? DVC : dv_rt;
-  for (int64_t j = 0; j < n; ++j) {
-    T* o = out + j * os;
-    const T* p = P + j * n;
-    if constexpr (DVC != 0) {
-      T r[DVC ? DVC : 1] = {};
-      for (int64_t l = 0; l < n; ++l) {
-        const T w = p[l];
-        const T* vr = V + l * vs;
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) r[e] += w * vr[e];
-      }
-      for (int64_t e = 0; e < dv; ++e) o[e] = r[e];
-    } else {
-      std::fill(o, o + dv, T(0));
-      for (int64_t l = 0; l < n; ++l) axpy(dv, p[l], V + l * vs, o);
-    }
-  }
+inline void line_apply(int64_t n, int64_t dv, const T* P, const T* V, int64_t vs, T* out, int64_t os) {
+  small_gemm<T>(n, dv, n, P, n, 1, V, vs, out, os, false);
 }
 
 // out[l] = sum_j P[j][l] G[j] (the transposed map).
 template <typename T, int DVC>
-inline void line_apply_t(int64_t n, int64_t dv_rt, const T* P, const T* Gm, int64_t gs, T* out, int64_t os) {
-  const int64_t dv = DVC ? DVC : dv_rt;
-  for (int64_t l = 0; l < n; ++l) {
-    T* o = out + l * os;
-    if constexpr (DVC != 0) {
-      T r[DVC ? DVC : 1] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        const T w = P[j * n + l];
-        const T* gr = Gm + j * gs;
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) r[e] += w * gr[e];
-      }
-      for (int64_t e = 0; e < dv; ++e) o[e] = r[e];
-    } else {
-      std::fill(o, o + dv, T(0));
-      for (int64_t j = 0; j < n; ++j) axpy(dv, P[j * n + l], Gm + j * gs, o);
-    }
-  }
+inline void line_apply_t(int64_t n, int64_t dv, const T* P, const T* Gm, int64_t gs, T* out, int64_t os) {
+  small_gemm<T>(n, dv, n, P, 1, n, Gm, gs, out, os, false);
 }
 
 // Backward of one line's softmax attention, given the map P [n][n] and the gradient of the map
@@ -113,21 +151,15 @@ inline void line_apply_t(int64_t n, int64_t dv_rt, const T* P, const T* Gm, int6
 //   prefix-sum gradient of the line into gc (then reverse-cumsummed by the caller),
 //   dq_j = scale * sum_l dX[j][l] K_l (written, stride dqs), dk_l += sum_j dX[j][l] Qs_j (accumulated).
 template <typename T, int DC, int DVC>
-inline void line_backward(int64_t n, int64_t d_rt, int64_t dv_rt, const T* P, const T* G1, const T* G2,
-                          int64_t gs, const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks,
-                          T scale, T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks) {
-  const int64_t d = DC ? DC : d_rt, dv = DVC ? DVC : dv_rt;
+inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* G1, const T* G2, int64_t gs,
+                          const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
+                          T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks) {
+  small_gemm<T>(n, n, dv, G1, gs, 1, U1t, n, DX, n, false);
+  small_gemm<T>(n, n, dv, G2, gs, 1, U2t, n, DX, n, true);
   std::fill(gc, gc + n, T(0));
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = DX + j * n;
     const T* p = P + j * n;
-    std::fill(x, x + n, T(0));
-    const T* g1 = G1 + j * gs;
-    const T* g2 = G2 + j * gs;
-    for (int64_t e = 0; e < dv; ++e) {
-      axpy(n, g1[e], U1t + e * n, x);
-      axpy(n, g2[e], U2t + e * n, x);
-    }
     const T rs = dot(n, p, x);
     T sneg = 0, spos = 0;
 #pragma omp simd reduction(+ : sneg)
@@ -145,28 +177,9 @@ inline void line_backward(int64_t n, int64_t d_rt, int64_t dv_rt, const T* P, co
       spos += v;
     }
     gc[j] += sneg - spos;
-    // dq_j
-    T* o = dq + j * dqs;
-    std::fill(o, o + d, T(0));
-    for (int64_t l = 0; l < n; ++l) axpy(d, scale * x[l], K + l * ks, o);
   }
-  // dk_l (key-major so each output row is accumulated in one place)
-  for (int64_t l = 0; l < n; ++l) {
-    T* o = dk + l * dks;
-    if constexpr (DC != 0) {
-      T r[DC ? DC : 1];
-      for (int64_t e = 0; e < d; ++e) r[e] = o[e];
-      for (int64_t j = 0; j < n; ++j) {
-        const T w = DX[j * n + l];
-        const T* qj = Q + j * qs;
-#pragma omp simd
-        for (int64_t e = 0; e < d; ++e) r[e] += w * qj[e];
-      }
-      for (int64_t e = 0; e < d; ++e) o[e] = r[e];
-    } else {
-      for (int64_t j = 0; j < n; ++j) axpy(d, DX[j * n + l], Q + j * qs, o);
-    }
-  }
+  small_gemm<T>(n, d, n, DX, n, 1, K, ks, dq, dqs, false, scale);  // dq = scale dX K
+  small_gemm<T>(n, d, n, DX, 1, n, Q, qs, dk, dks, true);          // dk += dX^T Qs
 }
 
 // Rows of a line gathered into contiguous per-thread scratch: dst[r][e] = a * src[r * ss + e].
