@@ -94,8 +94,13 @@ inline void small_gemm<float>(int64_t R, int64_t Cn, int64_t K, const float* A, 
       put(C + r0 * ldc + c0, s0);
     }
   }
-  if (c0 < Cn) {
-    small_gemm<float>(R, Cn - c0, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha) ;
+  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 4 columns
+    float* cr = C + r * ldc;
+    for (int64_t c = c0; c < Cn; ++c) {
+      float acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += A[r * ar + k * ak] * Bt[k * bs + c];
+      cr[c] = accumulate ? cr[c] + alpha * acc : alpha * acc;
+    }
   }
 }
 #endif
