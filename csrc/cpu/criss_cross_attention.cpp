@@ -364,9 +364,9 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   const int64_t B = D.B, G = D.G, H = D.H, W = D.W, N = D.N, d = D.d, dv = D.dv;
   const int64_t BG = B * G, n = std::max(H, W);
   // Phase 1: rows. A, lse0, z1 = A v.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    LineScratch<T> S(n, d, dv, false);
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
+    {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
       gather_rows(W, d, D.q + tok * d, G * d, S.q, D.scale);
       gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
@@ -377,9 +377,9 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
     }
   });
   // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
-  at::parallel_for(0, BG * W, 1, [&](int64_t begin, int64_t end) {
-    LineScratch<T> S(n, d, dv, false);
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_tasks(
+      BG * W, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
+    {
       const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
       const int64_t cs = W * G;  // token stride along a column
       gather_rows(H, d, D.q + tok * d, cs * d, S.q, D.scale);
@@ -397,9 +397,9 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
     }
   });
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    LineScratch<T> S(n, d, dv, false);
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
+    {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
       gather_rows(W, d, D.q + tok * d, G * d, S.q, D.scale);
       gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
@@ -425,9 +425,9 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
   const int64_t BG = B * G, n = std::max(H, W);
   const T scale = D.scale;
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    LineScratch<T> S(n, d, dv, true);
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
+    {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
       gather_rows(W, d, D.q + tok * d, G * d, S.q, scale);
       gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
@@ -440,9 +440,9 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
     }
   });
   // Phase 2: columns. z2 = B v, dz1 = B^T g; dB = g z1^T + dz2 v^T; column grads; grad log_beta.
-  at::parallel_for(0, BG * W, 1, [&](int64_t begin, int64_t end) {
-    LineScratch<T> S(n, d, dv, true);
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_tasks(
+      BG * W, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
+    {
       const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
       const int64_t cs = W * G;
       gather_rows(H, d, D.q + tok * d, cs * d, S.q, scale);
@@ -469,9 +469,9 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
     }
   });
   // Phase 3: rows. dA = dz1 v^T + g z2^T; row grads; grad log_alpha; final sums.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    LineScratch<T> S(n, d, dv, true);
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
+    {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
       gather_rows(W, d, D.q + tok * d, G * d, S.q, scale);
       gather_rows(W, d, D.k + tok * d, G * d, S.k);

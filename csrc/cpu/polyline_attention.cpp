@@ -104,14 +104,15 @@ template <typename T>
 void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
   const int64_t N = D.N, G = D.G, dv = D.dv;
   const int64_t nqb = ceil_div(N, TQ);
-  at::parallel_for(0, D.B * G * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(2 * TQ * N + 2 * TQ * dv);
+  parallel_tasks(
+      D.B * G * nqb, [&] { return std::vector<T>(2 * TQ * N + 2 * TQ * dv); },
+      [&](int64_t task, std::vector<T>& buf) {
     T* X1 = buf.data();
     T* X2 = X1 + TQ * N;
     T* O1 = X2 + TQ * N;
     T* O2 = O1 + TQ * dv;
     at::Tensor o1 = mat(O1, TQ, dv, dv), o2 = mat(O2, TQ, dv, dv);
-    for (int64_t task = begin; task < end; ++task) {
+    {
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G;
       logits_block(D, bg, p0, tq, X1, X2);
@@ -212,14 +213,15 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
   const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
   const int64_t part_size = N * (d + dv + 2);
   const double scale = static_cast<double>(D.scale);
-  at::parallel_for(0, D.B * G * nchunk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(4 * TQ * N + TQ * d);
+  parallel_tasks(
+      D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + TQ * d); },
+      [&](int64_t task, std::vector<T>& buf) {
     T* X1 = buf.data();
     T* X2 = X1 + TQ * N;
     T* DP = X2 + TQ * N;
     T* G1 = DP + TQ * N;
     T* DQ = G1 + TQ * N;
-    for (int64_t task = begin; task < end; ++task) {
+    {
       const int64_t bg = task / nchunk, chunk = task % nchunk;
       const int64_t b = bg / G, g = bg % G;
       T* pdk = part + (bg * nchunk + chunk) * part_size;
