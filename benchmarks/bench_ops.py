@@ -15,7 +15,7 @@ tensors, temporaries), including allocator overheads; it is honest for CPU where
 statistics. Cases whose dense reference would need more than ``--ref-limit-gib`` (16 GiB by default) are
 not run for the reference (marked "skipped" in the table).
 
-Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all] [--cases substr ...]``.
+Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all] [--cases substr ...] [--threads N]``.
 Results go to ``benchmarks/results/`` as markdown and JSON, with the machine and torch version.
 """
 
@@ -167,8 +167,9 @@ def time_case(case, impl, backward, warmup, repeat):
 
 
 def child_peak(case, impl, backward) -> float | None:
-    """Peak-RSS increase (MiB) of one pass, measured in a fresh process."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(dict(case=case, impl=impl, bwd=backward))]
+    """Peak-RSS increase (MiB) of one pass, measured in a fresh process (same torch thread count)."""
+    spec = dict(case=case, impl=impl, bwd=backward, threads=torch.get_num_threads())
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=dict(os.environ))
         return float(out.stdout.strip().splitlines()[-1])
@@ -189,6 +190,8 @@ def _child(spec):
     # ru_maxrss survives exec (it would report the parent's peak), so read the high-water mark of this
     # process's own address space (VmHWM), reset to the current RSS just before the pass.
     case, impl, backward = spec["case"], spec["impl"], spec["bwd"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     tiny = dict(case, B=1, H=2, W=2)
     build(tiny, impl, backward)()  # load kernels, thread pools
     f = build(case, impl, backward)
@@ -239,11 +242,16 @@ def main(argv=None):
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default="cpu")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's); 1 is steadier on a shared machine"
+    )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._child:
         _child(json.loads(a._child))
         return
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if not ppma.has_ext():
         print("warning: ppma._C is not built; 'fused' runs the reference", file=sys.stderr)
     repeat = a.repeat or (3 if a.quick else 7)

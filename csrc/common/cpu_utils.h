@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -75,6 +77,21 @@ inline void dispatch_head_dims(int64_t d, int64_t dv, F&& f) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Runs body(task, scratch) for task in [0, ntasks) on the torch thread pool, tasks claimed one at a
+// time from a shared counter (dynamic scheduling: on a loaded machine a thread that is descheduled
+// does not hold up a static half of the work). scratch = init() is created once per worker thread.
+// Every task must write only its own outputs, so results do not depend on which thread ran it.
+template <typename Init, typename Body>
+inline void parallel_tasks(int64_t ntasks, const Init& init, const Body& body) {
+  if (ntasks <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), ntasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    auto scratch = init();
+    for (int64_t t = next.fetch_add(1); t < ntasks; t = next.fetch_add(1)) body(t, scratch);
+  });
+}
 
 }  // namespace cpu
 }  // namespace ppma

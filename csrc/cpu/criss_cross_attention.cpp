@@ -7,7 +7,9 @@
 //             out = 0.5 out1 + 0.5 A z2)
 //   backward: rows (z1 = A v, dz2 = A^T g) -> columns (z2 = B v, dz1 = B^T g, dB, softmax backward,
 //             column grads, grad log_beta) -> rows (dA, softmax backward, row grads, grad log_alpha)
-// with g = 0.5 grad_out. Every output element is written by exactly one task: deterministic.
+// with g = 0.5 grad_out. Every output element is written by exactly one task per phase: deterministic.
+// Memory: the inputs are read in place (each line gathered into per-thread scratch); the forward needs
+// one input-sized buffer (z1, then z2), the backward two ((z1, dz2), then (z2, dz1)) besides its outputs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,16 +26,188 @@ namespace ppma {
 namespace cpu {
 namespace {
 
+// Small dense product of the line kernels (register-blocked, four rows by eight columns):
+//   C[r][c] = alpha * sum_k A[r * ar + k * ak] * Bt[k * bs + c]      (accumulate: C += ...)
+// for r < R, c < Cn, k < K. A is read through two strides (so A or A^T), Bt row-major with row stride bs.
+// The sum over k runs in order for every element (deterministic, independent of the blocking).
+template <typename T>
+inline void small_gemm(int64_t R, int64_t Cn, int64_t K, const T* A, int64_t ar, int64_t ak, const T* Bt,
+                       int64_t bs, T* C, int64_t ldc, bool accumulate, T alpha = T(1)) {
+  for (int64_t r = 0; r < R; ++r) {
+    T* cr = C + r * ldc;
+    for (int64_t c = 0; c < Cn; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += A[r * ar + k * ak] * Bt[k * bs + c];
+      cr[c] = accumulate ? cr[c] + alpha * acc : alpha * acc;
+    }
+  }
+}
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+// The float product again for CPUs with AVX and FMA (eight lanes, fused multiply-add), chosen at run
+// time: the build targets baseline x86-64. Same blocking and the same order of the sum over k.
+typedef float ppma_v8f_avx __attribute__((vector_size(32)));
+
+__attribute__((target("avx,fma"))) static void small_gemm_f32_avx(int64_t R, int64_t Cn, int64_t K,
+                                                                   const float* A, int64_t ar, int64_t ak,
+                                                                   const float* Bt, int64_t bs, float* C,
+                                                                   int64_t ldc, bool accumulate, float alpha) {
+#define PPMA_PUT8(cptr, v)                        \
+  do {                                            \
+    ppma_v8f_avx t_ = (v) * alpha;                \
+    if (accumulate) {                             \
+      ppma_v8f_avx o_;                            \
+      std::memcpy(&o_, (cptr), sizeof(o_));       \
+      t_ += o_;                                   \
+    }                                             \
+    std::memcpy((cptr), &t_, sizeof(t_));         \
+  } while (0)
+  int64_t c0 = 0;
+  for (; c0 + 16 <= Cn; c0 += 16) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      ppma_v8f_avx s00{}, s01{}, s10{}, s11{}, s20{}, s21{}, s30{}, s31{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        ppma_v8f_avx b0, b1;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        std::memcpy(&b1, Bt + k * bs + c0 + 8, sizeof(b1));
+        const float* ak0 = a0 + k * ak;
+        const float x0 = ak0[0], x1 = ak0[ar], x2 = ak0[2 * ar], x3 = ak0[3 * ar];
+        s00 += x0 * b0;
+        s01 += x0 * b1;
+        s10 += x1 * b0;
+        s11 += x1 * b1;
+        s20 += x2 * b0;
+        s21 += x2 * b1;
+        s30 += x3 * b0;
+        s31 += x3 * b1;
+      }
+      float* cp = C + r0 * ldc + c0;
+      PPMA_PUT8(cp, s00);
+      PPMA_PUT8(cp + 8, s01);
+      PPMA_PUT8(cp + ldc, s10);
+      PPMA_PUT8(cp + ldc + 8, s11);
+      PPMA_PUT8(cp + 2 * ldc, s20);
+      PPMA_PUT8(cp + 2 * ldc + 8, s21);
+      PPMA_PUT8(cp + 3 * ldc, s30);
+      PPMA_PUT8(cp + 3 * ldc + 8, s31);
+    }
+    for (; r0 < R; ++r0) {
+      ppma_v8f_avx s0{}, s1{};
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = A[r0 * ar + k * ak];
+        ppma_v8f_avx b0, b1;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        std::memcpy(&b1, Bt + k * bs + c0 + 8, sizeof(b1));
+        s0 += x * b0;
+        s1 += x * b1;
+      }
+      PPMA_PUT8(C + r0 * ldc + c0, s0);
+      PPMA_PUT8(C + r0 * ldc + c0 + 8, s1);
+    }
+  }
+  for (; c0 + 8 <= Cn; c0 += 8) {
+    for (int64_t r0 = 0; r0 < R; ++r0) {
+      ppma_v8f_avx s0{};
+      for (int64_t k = 0; k < K; ++k) {
+        ppma_v8f_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        s0 += A[r0 * ar + k * ak] * b0;
+      }
+      PPMA_PUT8(C + r0 * ldc + c0, s0);
+    }
+  }
+#undef PPMA_PUT8
+  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 8 columns
+    float* cr = C + r * ldc;
+    for (int64_t c = c0; c < Cn; ++c) {
+      float acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += A[r * ar + k * ak] * Bt[k * bs + c];
+      cr[c] = accumulate ? cr[c] + alpha * acc : alpha * acc;
+    }
+  }
+}
+
+inline bool cpu_has_avx_fma() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma");
+  return has;
+}
+#define PPMA_HAVE_AVX_GEMM 1
+#endif
+
+#ifdef PPMA_HAVE_V4
+template <>
+inline void small_gemm<float>(int64_t R, int64_t Cn, int64_t K, const float* A, int64_t ar, int64_t ak,
+                              const float* Bt, int64_t bs, float* C, int64_t ldc, bool accumulate, float alpha) {
+#ifdef PPMA_HAVE_AVX_GEMM
+  if (cpu_has_avx_fma()) return small_gemm_f32_avx(R, Cn, K, A, ar, ak, Bt, bs, C, ldc, accumulate, alpha);
+#endif
+  auto put = [&](float* c, ppma_v4f v) {
+    v = v * alpha;
+    if (accumulate) v += load4(c);
+    store4(c, v);
+  };
+  int64_t c0 = 0;
+  for (; c0 + 8 <= Cn; c0 += 8) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      ppma_v4f s00{}, s01{}, s10{}, s11{}, s20{}, s21{}, s30{}, s31{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        const ppma_v4f b0 = load4(Bt + k * bs + c0), b1 = load4(Bt + k * bs + c0 + 4);
+        const float* ak0 = a0 + k * ak;
+        const float x0 = ak0[0], x1 = ak0[ar], x2 = ak0[2 * ar], x3 = ak0[3 * ar];
+        s00 += x0 * b0;
+        s01 += x0 * b1;
+        s10 += x1 * b0;
+        s11 += x1 * b1;
+        s20 += x2 * b0;
+        s21 += x2 * b1;
+        s30 += x3 * b0;
+        s31 += x3 * b1;
+      }
+      float* cp = C + r0 * ldc + c0;
+      put(cp, s00), put(cp + 4, s01);
+      put(cp + ldc, s10), put(cp + ldc + 4, s11);
+      put(cp + 2 * ldc, s20), put(cp + 2 * ldc + 4, s21);
+      put(cp + 3 * ldc, s30), put(cp + 3 * ldc + 4, s31);
+    }
+    for (; r0 < R; ++r0) {
+      ppma_v4f s0{}, s1{};
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = A[r0 * ar + k * ak];
+        s0 += x * load4(Bt + k * bs + c0);
+        s1 += x * load4(Bt + k * bs + c0 + 4);
+      }
+      put(C + r0 * ldc + c0, s0), put(C + r0 * ldc + c0 + 4, s1);
+    }
+  }
+  for (; c0 + 4 <= Cn; c0 += 4) {
+    for (int64_t r0 = 0; r0 < R; ++r0) {
+      ppma_v4f s0{};
+      for (int64_t k = 0; k < K; ++k) s0 += A[r0 * ar + k * ak] * load4(Bt + k * bs + c0);
+      put(C + r0 * ldc + c0, s0);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 4 columns
+    float* cr = C + r * ldc;
+    for (int64_t c = c0; c < Cn; ++c) {
+      float acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += A[r * ar + k * ak] * Bt[k * bs + c];
+      cr[c] = accumulate ? cr[c] + alpha * acc : alpha * acc;
+    }
+  }
+}
+#endif
+
 // X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n];
 // c holds the line's prefix sums; bias = c_max - c_min (position order).
 template <typename T, int DC>
-inline void line_logits(int64_t n, int64_t d_rt, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
-  const int64_t d = DC ? DC : d_rt;
+inline void line_logits(int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
+  small_gemm<T>(n, n, d, Q, qs, 1, Kt, n, X, n, false);
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
-    const T* qj = Q + j * qs;
-    std::fill(x, x + n, T(0));
-    for (int64_t e = 0; e < d; ++e) axpy(n, qj[e], Kt + e * n, x);
     const T cj = c[j];
 #pragma omp simd
     for (int64_t l = 0; l < j; ++l) x[l] += cj - c[l];
@@ -62,47 +236,14 @@ inline void line_softmax_from_lse(int64_t n, T* X, const T* lse, int64_t ls) {
 
 // out[j] = sum_l P[j][l] V[l] (rows of V / out with strides vs / os, dv columns).
 template <typename T, int DVC>
-inline void line_apply(int64_t n, int64_t dv_rt, const T* P, const T* V, int64_t vs, T* out, int64_t os) {
-  const int64_t dv = DVC ? DVC : dv_rt;
-  for (int64_t j = 0; j < n; ++j) {
-    T* o = out + j * os;
-    const T* p = P + j * n;
-    if constexpr (DVC != 0) {
-      T r[DVC ? DVC : 1] = {};
-      for (int64_t l = 0; l < n; ++l) {
-        const T w = p[l];
-        const T* vr = V + l * vs;
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) r[e] += w * vr[e];
-      }
-      for (int64_t e = 0; e < dv; ++e) o[e] = r[e];
-    } else {
-      std::fill(o, o + dv, T(0));
-      for (int64_t l = 0; l < n; ++l) axpy(dv, p[l], V + l * vs, o);
-    }
-  }
+inline void line_apply(int64_t n, int64_t dv, const T* P, const T* V, int64_t vs, T* out, int64_t os) {
+  small_gemm<T>(n, dv, n, P, n, 1, V, vs, out, os, false);
 }
 
 // out[l] = sum_j P[j][l] G[j] (the transposed map).
 template <typename T, int DVC>
-inline void line_apply_t(int64_t n, int64_t dv_rt, const T* P, const T* Gm, int64_t gs, T* out, int64_t os) {
-  const int64_t dv = DVC ? DVC : dv_rt;
-  for (int64_t l = 0; l < n; ++l) {
-    T* o = out + l * os;
-    if constexpr (DVC != 0) {
-      T r[DVC ? DVC : 1] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        const T w = P[j * n + l];
-        const T* gr = Gm + j * gs;
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) r[e] += w * gr[e];
-      }
-      for (int64_t e = 0; e < dv; ++e) o[e] = r[e];
-    } else {
-      std::fill(o, o + dv, T(0));
-      for (int64_t j = 0; j < n; ++j) axpy(dv, P[j * n + l], Gm + j * gs, o);
-    }
-  }
+inline void line_apply_t(int64_t n, int64_t dv, const T* P, const T* Gm, int64_t gs, T* out, int64_t os) {
+  small_gemm<T>(n, dv, n, P, 1, n, Gm, gs, out, os, false);
 }
 
 // Backward of one line's softmax attention, given the map P [n][n] and the gradient of the map
@@ -111,21 +252,15 @@ inline void line_apply_t(int64_t n, int64_t dv_rt, const T* P, const T* Gm, int6
 //   prefix-sum gradient of the line into gc (then reverse-cumsummed by the caller),
 //   dq_j = scale * sum_l dX[j][l] K_l (written, stride dqs), dk_l += sum_j dX[j][l] Qs_j (accumulated).
 template <typename T, int DC, int DVC>
-inline void line_backward(int64_t n, int64_t d_rt, int64_t dv_rt, const T* P, const T* G1, const T* G2,
-                          int64_t gs, const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks,
-                          T scale, T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks) {
-  const int64_t d = DC ? DC : d_rt, dv = DVC ? DVC : dv_rt;
+inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* G1, const T* G2, int64_t gs,
+                          const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
+                          T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks) {
+  small_gemm<T>(n, n, dv, G1, gs, 1, U1t, n, DX, n, false);
+  small_gemm<T>(n, n, dv, G2, gs, 1, U2t, n, DX, n, true);
   std::fill(gc, gc + n, T(0));
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = DX + j * n;
     const T* p = P + j * n;
-    std::fill(x, x + n, T(0));
-    const T* g1 = G1 + j * gs;
-    const T* g2 = G2 + j * gs;
-    for (int64_t e = 0; e < dv; ++e) {
-      axpy(n, g1[e], U1t + e * n, x);
-      axpy(n, g2[e], U2t + e * n, x);
-    }
     const T rs = dot(n, p, x);
     T sneg = 0, spos = 0;
 #pragma omp simd reduction(+ : sneg)
@@ -143,155 +278,222 @@ inline void line_backward(int64_t n, int64_t d_rt, int64_t dv_rt, const T* P, co
       spos += v;
     }
     gc[j] += sneg - spos;
-    // dq_j
-    T* o = dq + j * dqs;
-    std::fill(o, o + d, T(0));
-    for (int64_t l = 0; l < n; ++l) axpy(d, scale * x[l], K + l * ks, o);
   }
-  // dk_l (key-major so each output row is accumulated in one place)
-  for (int64_t l = 0; l < n; ++l) {
-    T* o = dk + l * dks;
-    if constexpr (DC != 0) {
-      T r[DC ? DC : 1];
-      for (int64_t e = 0; e < d; ++e) r[e] = o[e];
-      for (int64_t j = 0; j < n; ++j) {
-        const T w = DX[j * n + l];
-        const T* qj = Q + j * qs;
-#pragma omp simd
-        for (int64_t e = 0; e < d; ++e) r[e] += w * qj[e];
-      }
-      for (int64_t e = 0; e < d; ++e) o[e] = r[e];
+  small_gemm<T>(n, d, n, DX, n, 1, K, ks, dq, dqs, false, scale);  // dq = scale dX K
+  small_gemm<T>(n, d, n, DX, 1, n, Q, qs, dk, dks, true);          // dk += dX^T Qs
+}
+
+// Rows of a line gathered into contiguous per-thread scratch: dst[r][e] = a * src[r * ss + e].
+template <typename T>
+inline void gather_rows(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst, T a = T(1)) {
+  for (int64_t r = 0; r < n; ++r) {
+    const T* s = src + r * ss;
+    T* o = dst + r * c;
+    if (a == T(1)) {
+      for (int64_t e = 0; e < c; ++e) o[e] = s[e];
     } else {
-      for (int64_t j = 0; j < n; ++j) axpy(d, DX[j * n + l], Q + j * qs, o);
+      for (int64_t e = 0; e < c; ++e) o[e] = a * s[e];
     }
   }
 }
 
-// u [n rows, stride us, dv] -> ut [dv][n]
+// Rows of a line gathered transposed: dst[e][r] = src[r * ss + e].
 template <typename T>
-inline void transpose_rows(int64_t n, int64_t dv, const T* u, int64_t us, T* ut) {
-  for (int64_t l = 0; l < n; ++l)
-    for (int64_t e = 0; e < dv; ++e) ut[e * n + l] = u[l * us + e];
+inline void gather_rows_t(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
 }
 
+template <typename T>
+inline void scatter_rows(int64_t n, int64_t c, const T* __restrict src, T* dst, int64_t ds) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t e = 0; e < c; ++e) dst[r * ds + e] = src[r * c + e];
+}
+
+// The inputs are read in their own layout [B, N, G, *] (no packed copies): a row line of head (b, g)
+// starts at token b * N + i * W with row stride G * c, a column line at b * N + l with stride W * G * c.
+// Every line is gathered into per-thread scratch before its products.
 template <typename T>
 struct CCData {
-  const T* q;    // [BG, N, d], pre-multiplied by scale
-  const T* k;    // [BG, N, d] (backward)
-  const T* ktr;  // [BG, H, d, W]
-  const T* ktc;  // [BG, W, d, H]
-  const T* v;    // [BG, N, dv]
-  const T* vtr;  // [BG, H, dv, W] (backward)
-  const T* vtc;  // [BG, W, dv, H] (backward)
-  const T* cr;   // [BG, H, W]
+  const T* q;    // [B, N, G, d]
+  const T* k;    // [B, N, G, d]
+  const T* v;    // [B, N, G, dv]
+  const T* cr;   // [BG, H, W] row prefix sums
   const T* cct;  // [BG, W, H] column prefix sums, transposed
   int64_t B, G, H, W, N, d, dv;
+  T scale;
 };
 
+// Per-thread scratch of the line kernels (n = max(H, W)).
+template <typename T>
+struct LineScratch {
+  std::vector<T> buf;
+  T *X, *DX, *q, *k, *kt, *v, *vt, *g, *u1, *u1t, *u2, *u3, *rq, *rk, *gc;
+  LineScratch(int64_t n, int64_t d, int64_t dv, bool backward) {
+    const int64_t nn = n * n, nd = n * d, nv = n * dv;
+    buf.resize(backward ? 2 * nn + 5 * nd + 6 * nv + n : nn + 2 * nd + 3 * nv + n);
+    T* p = buf.data();
+    auto take = [&](int64_t m) {
+      T* r = p;
+      p += m;
+      return r;
+    };
+    X = take(nn);
+    q = take(nd);
+    kt = take(nd);
+    v = take(nv);
+    u1 = take(nv);
+    u2 = take(nv);
+    gc = take(n);
+    DX = k = vt = g = u1t = u3 = rq = rk = nullptr;
+    if (backward) {
+      DX = take(nn);
+      k = take(nd);
+      rq = take(nd);
+      rk = take(nd);
+      vt = take(nv);
+      g = take(nv);
+      u1t = take(nv);
+    }
+  }
+};
+
+// Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column).
 template <typename T, int DC, int DVC>
-void forward_kernel(const CCData<T>& D, T* out, T* lse, T* z1, T* o1, T* z2) {
+void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   const int64_t B = D.B, G = D.G, H = D.H, W = D.W, N = D.N, d = D.d, dv = D.dv;
-  const int64_t BG = B * G;
-  // lse of token p of head (b, g): lse[((b * N + p) * G + g) * 2 + which]
-  // Phase 1: rows.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> X(W * W);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, base = bg * N + i * W;
-      line_logits<T, DC>(W, d, D.q + base * d, d, D.ktr + (bg * H + i) * d * W, D.cr + base, X.data());
-      line_softmax(W, X.data(), lse + ((b * N + i * W) * G + g) * 2, G * 2);
-      line_apply<T, DVC>(W, dv, X.data(), D.v + base * dv, dv, z1 + base * dv, dv);
+  const int64_t BG = B * G, n = std::max(H, W);
+  // Phase 1: rows. A, lse0, z1 = A v.
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
+    {
+      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
+      gather_rows(W, d, D.q + tok * d, G * d, S.q, D.scale);
+      gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
+      gather_rows(W, dv, D.v + tok * dv, G * dv, S.v);
+      line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
+      line_softmax(W, S.X, lse + tok * 2, G * 2);
+      line_apply<T, DVC>(W, dv, S.X, S.v, dv, Z + tok * dv, G * dv);
     }
   });
-  // Phase 2: columns.
-  at::parallel_for(0, BG * W, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> X(H * H);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, base = bg * N + l;
-      line_logits<T, DC>(H, d, D.q + base * d, W * d, D.ktc + (bg * W + l) * d * H, D.cct + bg * N + l * H,
-                         X.data());
-      line_softmax(H, X.data(), lse + ((b * N + l) * G + g) * 2 + 1, W * G * 2);
-      line_apply<T, DVC>(H, dv, X.data(), z1 + base * dv, W * dv, o1 + base * dv, W * dv);
-      line_apply<T, DVC>(H, dv, X.data(), D.v + base * dv, W * dv, z2 + base * dv, W * dv);
+  // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
+  parallel_tasks(
+      BG * W, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
+    {
+      const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
+      const int64_t cs = W * G;  // token stride along a column
+      gather_rows(H, d, D.q + tok * d, cs * d, S.q, D.scale);
+      gather_rows_t(H, d, D.k + tok * d, cs * d, S.kt);
+      gather_rows(H, dv, D.v + tok * dv, cs * dv, S.v);
+      gather_rows(H, dv, Z + tok * dv, cs * dv, S.u1);
+      line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
+      line_softmax(H, S.X, lse + tok * 2 + 1, cs * 2);
+      line_apply<T, DVC>(H, dv, S.X, S.u1, dv, S.u2, dv);  // o1 = B z1
+      for (int64_t k = 0; k < H; ++k) {
+        T* o = out + (tok + k * cs) * dv;
+        for (int64_t e = 0; e < dv; ++e) o[e] = T(0.5) * S.u2[k * dv + e];
+      }
+      line_apply<T, DVC>(H, dv, S.X, S.v, dv, Z + tok * dv, cs * dv);  // z2 = B v
     }
   });
-  // Phase 3: rows again, A from its statistics.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> X(W * W), o2(W * dv);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, base = bg * N + i * W;
-      line_logits<T, DC>(W, d, D.q + base * d, d, D.ktr + (bg * H + i) * d * W, D.cr + base, X.data());
-      line_softmax_from_lse(W, X.data(), lse + ((b * N + i * W) * G + g) * 2, G * 2);
-      line_apply<T, DVC>(W, dv, X.data(), z2 + base * dv, dv, o2.data(), dv);
+  // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
+    {
+      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
+      gather_rows(W, d, D.q + tok * d, G * d, S.q, D.scale);
+      gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
+      gather_rows(W, dv, Z + tok * dv, G * dv, S.u1);
+      line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
+      line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
+      line_apply<T, DVC>(W, dv, S.X, S.u1, dv, S.u2, dv);
       for (int64_t j = 0; j < W; ++j) {
-        T* o = out + ((b * N + i * W + j) * G + g) * dv;
-        const T* a = o1 + (base + j) * dv;
-        const T* c = o2.data() + j * dv;
-        for (int64_t e = 0; e < dv; ++e) o[e] = T(0.5) * (a[e] + c[e]);
+        T* o = out + (tok + j * G) * dv;
+        for (int64_t e = 0; e < dv; ++e) o[e] += T(0.5) * S.u2[j * dv + e];
       }
     }
   });
 }
 
-// gh: [BG, N, dv] = 0.5 grad_out; lsep: [BG, N, 2]. Scratch buffers [BG, N, *]: z1, dz2, z2, dz1, DQ, DK, DV.
-// Outputs in [B, H, W, heads, *] layout.
+// Backward with g = 0.5 grad_out. ZA, ZB: [B, N, G, dv] scratch: (z1, dz2) after the rows, replaced by
+// (z2, dz1) column by column. The column phase writes dq, dk, dv (column parts), the last row phase adds
+// the row parts. Outputs and lse in the [B, H, W, heads, *] layout.
 template <typename T, int DC, int DVC>
-void backward_kernel(const CCData<T>& D, const T* gh, const T* lsep, T scale, T* z1, T* dz2, T* z2, T* dz1,
-                     T* DQ, T* DK, T* DV, T* dq, T* dk, T* dv_out, T* gla, T* glb) {
+void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB, T* dq, T* dk, T* dv_out, T* gla,
+                     T* glb) {
   const int64_t B = D.B, G = D.G, H = D.H, W = D.W, N = D.N, d = D.d, dv = D.dv;
-  const int64_t BG = B * G;
+  const int64_t BG = B * G, n = std::max(H, W);
+  const T scale = D.scale;
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> X(W * W);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bg = t / H, i = t % H, base = bg * N + i * W;
-      line_logits<T, DC>(W, d, D.q + base * d, d, D.ktr + (bg * H + i) * d * W, D.cr + base, X.data());
-      line_softmax_from_lse(W, X.data(), lsep + base * 2, 2);
-      line_apply<T, DVC>(W, dv, X.data(), D.v + base * dv, dv, z1 + base * dv, dv);
-      line_apply_t<T, DVC>(W, dv, X.data(), gh + base * dv, dv, dz2 + base * dv, dv);
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
+    {
+      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
+      gather_rows(W, d, D.q + tok * d, G * d, S.q, scale);
+      gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
+      gather_rows(W, dv, D.v + tok * dv, G * dv, S.v);
+      gather_rows(W, dv, go + tok * dv, G * dv, S.g, T(0.5));
+      line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
+      line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
+      line_apply<T, DVC>(W, dv, S.X, S.v, dv, ZA + tok * dv, G * dv);
+      line_apply_t<T, DVC>(W, dv, S.X, S.g, dv, ZB + tok * dv, G * dv);
     }
   });
   // Phase 2: columns. z2 = B v, dz1 = B^T g; dB = g z1^T + dz2 v^T; column grads; grad log_beta.
-  at::parallel_for(0, BG * W, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> X(H * H), DX(H * H), z1t(dv * H), gc(H);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, base = bg * N + l, rs = W;
-      line_logits<T, DC>(H, d, D.q + base * d, rs * d, D.ktc + (bg * W + l) * d * H, D.cct + bg * N + l * H,
-                         X.data());
-      line_softmax_from_lse(H, X.data(), lsep + base * 2 + 1, rs * 2);
-      line_apply<T, DVC>(H, dv, X.data(), D.v + base * dv, rs * dv, z2 + base * dv, rs * dv);
-      line_apply_t<T, DVC>(H, dv, X.data(), gh + base * dv, rs * dv, dz1 + base * dv, rs * dv);
-      transpose_rows(H, dv, z1 + base * dv, rs * dv, z1t.data());
-      for (int64_t k = 0; k < H; ++k) std::fill(DK + (base + k * rs) * d, DK + (base + k * rs) * d + d, T(0));
-      line_backward<T, DC, DVC>(H, d, dv, X.data(), gh + base * dv, dz2 + base * dv, rs * dv, z1t.data(),
-                                D.vtc + (bg * W + l) * dv * H, D.q + base * d, rs * d, D.k + base * d, rs * d,
-                                scale, DX.data(), gc.data(), DQ + base * d, rs * d, DK + base * d, rs * d);
+  parallel_tasks(
+      BG * W, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
+    {
+      const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
+      const int64_t cs = W * G;
+      gather_rows(H, d, D.q + tok * d, cs * d, S.q, scale);
+      gather_rows(H, d, D.k + tok * d, cs * d, S.k);
+      gather_rows_t(H, d, D.k + tok * d, cs * d, S.kt);
+      gather_rows(H, dv, D.v + tok * dv, cs * dv, S.v);
+      gather_rows_t(H, dv, D.v + tok * dv, cs * dv, S.vt);
+      gather_rows(H, dv, go + tok * dv, cs * dv, S.g, T(0.5));
+      gather_rows_t(H, dv, ZA + tok * dv, cs * dv, S.u1t);  // z1^T
+      gather_rows(H, dv, ZB + tok * dv, cs * dv, S.u1);     // dz2
+      line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
+      line_softmax_from_lse(H, S.X, lse + tok * 2 + 1, cs * 2);
+      std::fill(S.rk, S.rk + H * d, T(0));
+      line_backward<T, DC, DVC>(H, d, dv, S.X, S.g, S.u1, dv, S.u1t, S.vt, S.q, d, S.k, d, scale, S.DX, S.gc,
+                                S.rq, d, S.rk, d);
+      scatter_rows(H, d, S.rq, dq + tok * d, cs * d);
+      scatter_rows(H, d, S.rk, dk + tok * d, cs * d);
       // dv (column part) = B^T dz2
-      line_apply_t<T, DVC>(H, dv, X.data(), dz2 + base * dv, rs * dv, DV + base * dv, rs * dv);
-      reverse_cumsum_excl_first(H, gc.data(), 1, glb + (b * N + l) * G + g, W * G);
+      line_apply_t<T, DVC>(H, dv, S.X, S.u1, dv, dv_out + tok * dv, cs * dv);
+      reverse_cumsum_excl_first(H, S.gc, 1, glb + (b * N + l) * G + g, W * G);
+      // z2 = B v and dz1 = B^T g replace z1 and dz2 of this column.
+      line_apply<T, DVC>(H, dv, S.X, S.v, dv, ZA + tok * dv, cs * dv);
+      line_apply_t<T, DVC>(H, dv, S.X, S.g, dv, ZB + tok * dv, cs * dv);
     }
   });
   // Phase 3: rows. dA = dz1 v^T + g z2^T; row grads; grad log_alpha; final sums.
-  at::parallel_for(0, BG * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> X(W * W), DX(W * W), z2t(dv * W), gc(W), rq(W * d), rk(W * d), rv(W * dv);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, base = bg * N + i * W;
-      line_logits<T, DC>(W, d, D.q + base * d, d, D.ktr + (bg * H + i) * d * W, D.cr + base, X.data());
-      line_softmax_from_lse(W, X.data(), lsep + base * 2, 2);
-      transpose_rows(W, dv, z2 + base * dv, dv, z2t.data());
-      std::fill(rk.begin(), rk.end(), T(0));
-      line_backward<T, DC, DVC>(W, d, dv, X.data(), dz1 + base * dv, gh + base * dv, dv,
-                                D.vtr + (bg * H + i) * dv * W, z2t.data(), D.q + base * d, d, D.k + base * d, d,
-                                scale, DX.data(), gc.data(), rq.data(), d, rk.data(), d);
-      line_apply_t<T, DVC>(W, dv, X.data(), dz1 + base * dv, dv, rv.data(), dv);
-      reverse_cumsum_excl_first(W, gc.data(), 1, gla + (b * N + i * W) * G + g, G);
+  parallel_tasks(
+      BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
+    {
+      const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
+      gather_rows(W, d, D.q + tok * d, G * d, S.q, scale);
+      gather_rows(W, d, D.k + tok * d, G * d, S.k);
+      gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
+      gather_rows_t(W, dv, D.v + tok * dv, G * dv, S.vt);
+      gather_rows(W, dv, go + tok * dv, G * dv, S.g, T(0.5));
+      gather_rows_t(W, dv, ZA + tok * dv, G * dv, S.u1t);  // z2^T
+      gather_rows(W, dv, ZB + tok * dv, G * dv, S.u1);     // dz1
+      line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
+      line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
+      std::fill(S.rk, S.rk + W * d, T(0));
+      line_backward<T, DC, DVC>(W, d, dv, S.X, S.u1, S.g, dv, S.vt, S.u1t, S.q, d, S.k, d, scale, S.DX, S.gc,
+                                S.rq, d, S.rk, d);
+      line_apply_t<T, DVC>(W, dv, S.X, S.u1, dv, S.u2, dv);  // dv row part = A^T dz1
+      reverse_cumsum_excl_first(W, S.gc, 1, gla + (b * N + i * W) * G + g, G);
       for (int64_t j = 0; j < W; ++j) {
-        const int64_t o = (b * N + i * W + j) * G + g, p = base + j;
+        const int64_t o = tok + j * G;
         for (int64_t e = 0; e < d; ++e) {
-          dq[o * d + e] = DQ[p * d + e] + rq[j * d + e];
-          dk[o * d + e] = DK[p * d + e] + rk[j * d + e];
+          dq[o * d + e] += S.rq[j * d + e];
+          dk[o * d + e] += S.rk[j * d + e];
         }
-        for (int64_t e = 0; e < dv; ++e) dv_out[o * dv + e] = DV[p * dv + e] + rv[j * dv + e];
+        for (int64_t e = 0; e < dv; ++e) dv_out[o * dv + e] += S.u2[j * dv + e];
       }
     }
   });
@@ -300,36 +502,19 @@ void backward_kernel(const CCData<T>& D, const T* gh, const T* lsep, T scale, T*
 constexpr const char* kOp = "criss_cross_attention";
 constexpr const char* kOpBwd = "criss_cross_attention_backward";
 
-struct Packed {
-  at::Tensor q, k, ktr, ktc, v, vtr, vtc, cr, cct;
-};
-
-Packed pack(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_alpha,
-            const at::Tensor& log_beta, double scale, bool backward) {
-  const auto acc = acc_type(q);
-  Packed P;
-  P.q = pack_heads(q, acc) * scale;
-  at::Tensor ka = k.to(acc), va = v.to(acc);
-  P.ktr = ka.permute({0, 3, 1, 4, 2}).contiguous();  // [B, G, H, d, W]
-  P.ktc = ka.permute({0, 3, 2, 4, 1}).contiguous();  // [B, G, W, d, H]
-  P.v = pack_heads(v, acc);
-  if (backward) {
-    P.k = pack_heads(k, acc);
-    P.vtr = va.permute({0, 3, 1, 4, 2}).contiguous();
-    P.vtc = va.permute({0, 3, 2, 4, 1}).contiguous();
-  }
+// Prefix sums of the log-decays: cr [BG, H, W] and the column sums transposed, cct [BG, W, H].
+inline std::pair<at::Tensor, at::Tensor> line_sums(const at::Tensor& log_alpha, const at::Tensor& log_beta,
+                                                   at::ScalarType acc) {
   auto sums = prefix_sums(log_alpha, log_beta, acc);
-  P.cr = sums.first;
-  P.cct = sums.second.transpose(-1, -2).contiguous();
-  return P;
+  return {sums.first, sums.second.transpose(-1, -2).contiguous()};
 }
 
 template <typename T>
-CCData<T> make_data(const Packed& P, const at::Tensor& q, const at::Tensor& v) {
-  auto ptr = [](const at::Tensor& t) -> const T* { return t.defined() ? t.data_ptr<T>() : nullptr; };
-  return CCData<T>{ptr(P.q),   ptr(P.k),  ptr(P.ktr), ptr(P.ktc), ptr(P.v),   ptr(P.vtr), ptr(P.vtc),
-                   ptr(P.cr),  ptr(P.cct), q.size(0), q.size(3), q.size(1),  q.size(2),  q.size(1) * q.size(2),
-                   q.size(4), v.size(4)};
+CCData<T> make_data(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& cr,
+                    const at::Tensor& cct, double scale) {
+  return CCData<T>{qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),      cr.data_ptr<T>(), cct.data_ptr<T>(),
+                   qc.size(0),       qc.size(3),       qc.size(1),            qc.size(2),       qc.size(1) * qc.size(2),
+                   qc.size(4),       vc.size(4),       static_cast<T>(scale)};
 }
 
 std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -342,16 +527,15 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
   at::Tensor out = at::empty({B, H, W, G, dv}, opts);
   at::Tensor lse = at::empty({B, H, W, G, 2}, opts);
   if (out.numel() > 0) {
-    Packed P = pack(q, k, v, log_alpha, log_beta, scale, false);
-    at::Tensor bufs = at::empty({3, B * G * H * W * dv}, opts);
+    // No-ops for contiguous inputs of the accumulation dtype.
+    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    auto [cr, cct] = line_sums(log_alpha, log_beta, acc);
+    at::Tensor Z = at::empty({B, H, W, G, dv}, opts);
     AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_cpu", [&] {
-      auto D = make_data<scalar_t>(P, q, v);
-      scalar_t* z1 = bufs[0].data_ptr<scalar_t>();
-      scalar_t* o1 = bufs[1].data_ptr<scalar_t>();
-      scalar_t* z2 = bufs[2].data_ptr<scalar_t>();
+      auto D = make_data<scalar_t>(qc, kc, vc, cr, cct, scale);
       dispatch_head_dims(d, dv, [&](auto dc, auto dvc) {
         forward_kernel<scalar_t, decltype(dc)::value, decltype(dvc)::value>(
-            D, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), z1, o1, z2);
+            D, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), Z.data_ptr<scalar_t>());
       });
     });
   }
@@ -367,27 +551,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
   check_shape(kOpBwd, "lse", lse, {B, H, W, G, 2}, q);
   const auto acc = acc_type(q);
   auto opts = q.options().dtype(acc);
-  at::Tensor dq = at::zeros({B, H, W, G, d}, opts), dk = at::zeros_like(dq);
-  at::Tensor dv_ = at::zeros({B, H, W, G, dv}, opts);
-  at::Tensor gla = at::zeros({B, H, W, G}, opts), glb = at::zeros_like(gla);
+  // Every element is written by the column phase (each token lies in exactly one column).
+  at::Tensor dq = at::empty({B, H, W, G, d}, opts), dk = at::empty_like(dq);
+  at::Tensor dv_ = at::empty({B, H, W, G, dv}, opts);
+  at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
   if (dq.numel() > 0) {
-    Packed P = pack(q, k, v, log_alpha, log_beta, scale, true);
-    at::Tensor gh = pack_heads(grad_out, acc) * 0.5;
-    at::Tensor lsep = pack_heads(lse, acc);
-    const int64_t M = B * G * H * W;
-    at::Tensor vbufs = at::empty({5, M * dv}, opts);
-    at::Tensor kbufs = at::empty({2, M * d}, opts);
+    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
+    auto [cr, cct] = line_sums(log_alpha, log_beta, acc);
+    at::Tensor ZA = at::empty({B, H, W, G, dv}, opts), ZB = at::empty_like(ZA);
     AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_backward_cpu", [&] {
-      auto D = make_data<scalar_t>(P, q, v);
+      auto D = make_data<scalar_t>(qc, kc, vc, cr, cct, scale);
       dispatch_head_dims(d, dv, [&](auto dc, auto dvc) {
         backward_kernel<scalar_t, decltype(dc)::value, decltype(dvc)::value>(
-            D, gh.data_ptr<scalar_t>(), lsep.data_ptr<scalar_t>(), static_cast<scalar_t>(scale),
-            vbufs[0].data_ptr<scalar_t>(), vbufs[1].data_ptr<scalar_t>(), vbufs[2].data_ptr<scalar_t>(),
-            vbufs[3].data_ptr<scalar_t>(), kbufs[0].data_ptr<scalar_t>(), kbufs[1].data_ptr<scalar_t>(),
-            vbufs[4].data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-            dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
+            D, goc.data_ptr<scalar_t>(), lsec.data_ptr<scalar_t>(), ZA.data_ptr<scalar_t>(),
+            ZB.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv_.data_ptr<scalar_t>(),
+            gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
       });
     });
+  } else {
+    dq.zero_(), dk.zero_(), dv_.zero_(), gla.zero_(), glb.zero_();
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv_.to(v.scalar_type()),
           gla.to(log_alpha.scalar_type()), glb.to(log_beta.scalar_type())};

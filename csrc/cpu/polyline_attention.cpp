@@ -1,7 +1,7 @@
 // CPU kernels of ppma::polyline_attention (the official "whole" mode, spec §3.4) and its backward.
 //
-// Per (batch, head) and tile of TQ queries, one pass over the keys in tiles of TK: the q.k tile is
-// computed once and shared by two online softmaxes, one with the V2H bias M[p, s] = R_i(j, l) + C_l(i, k)
+// Per (batch, head) and tile of TQ queries, the logits against all N keys are computed once by BLAS
+// into per-thread scratch (TQ x N, linear in N) and shared by two exact softmaxes, one with the V2H bias M[p, s] = R_i(j, l) + C_l(i, k)
 // and one with the H2V bias M'[p, s] = M[s, p] = R_k(j, l) + C_j(i, k) (query p = (i, j), key s = (k, l)).
 // Biases come from the prefix sums on the fly; no N x N tensor exists, in forward or backward.
 //
@@ -25,151 +25,124 @@ namespace ppma {
 namespace cpu {
 namespace {
 
-constexpr int64_t TQ = 32;  // queries per tile
-constexpr int64_t TK = 64;  // keys per tile
+// Queries per task tile: the logits of a tile against all N keys live in per-thread scratch of
+// TQ x N (linear in N), products with q / k / v go through BLAS (single-threaded inside the tasks).
+constexpr int64_t TQ = 64;
 
 template <typename T>
 struct PAData {
-  const T* q;   // [BG, N, d], pre-multiplied by scale
-  const T* kt;  // [BG, d, N]
-  const T* k;   // [BG, N, d] (backward)
-  const T* v;   // [BG, N, dv]
-  const T* vt;  // [BG, dv, N] (backward)
+  const T* q;  // [B, N, G, d] (the input layout, contiguous), not scaled
+  const T* k;  // [B, N, G, d]
+  const T* v;  // [B, N, G, dv]
   const T* cr;  // [BG, N] row prefix sums
   const T* cc;  // [BG, N] column prefix sums
   int64_t B, G, H, W, N, d, dv;
+  T scale;
 };
 
-// X1[a][c] = S + M, X2[a][c] = S + M' for queries p0 .. p0 + tq and keys s0 .. s0 + n of head bg.
-// Row stride of X1 / X2 is TK.
-template <typename T, int DC>
-inline void logits_tile(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, int64_t s0, int64_t n,
-                        T* __restrict X1, T* __restrict X2) {
-  const int64_t N = D.N, W = D.W, d = DC ? DC : D.d;
-  const T* Q = D.q + bg * N * d;
-  const T* Kt = D.kt + bg * d * N + s0;
+// A [rows, cols] matrix view (row stride ld) of raw memory, for BLAS through ATen.
+template <typename T>
+inline at::Tensor mat(const T* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<T*>(p), {rows, cols}, {ld, 1},
+                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
+
+// out = alpha * a @ b (+ beta * out); runs single-threaded BLAS inside the parallel tasks.
+inline void gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
+  at::addmm_out(out, out, a, b, beta, alpha);
+}
+
+// X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
+// biases: X1[a][s] = S + M, X2[a][s] = S + M' (spec: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T).
+template <typename T>
+inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
+                       T* __restrict X2) {
+  const int64_t N = D.N, W = D.W, H = D.H;
   const T* cr = D.cr + bg * N;
   const T* cc = D.cc + bg * N;
   for (int64_t a = 0; a < tq; ++a) {
-    T* __restrict x1 = X1 + a * TK;
-    const T* qa = Q + (p0 + a) * d;
-    std::fill(x1, x1 + n, T(0));
-    for (int64_t dd = 0; dd < d; ++dd) axpy(n, qa[dd], Kt + dd * N, x1);
-  }
-  for (int64_t a = 0; a < tq; ++a) {
     const int64_t p = p0 + a, i = p / W, j = p % W;
-    T* __restrict x1 = X1 + a * TK;
-    T* __restrict x2 = X2 + a * TK;
     const T* crI = cr + i * W;
     const T* ccI = cc + i * W;
-    for (int64_t c = 0; c < n;) {
-      const int64_t s = s0 + c, k = s / W, l0 = s % W, len = std::min(W - l0, n - c);
+    const T crIj = crI[j];
+    for (int64_t k = 0; k < H; ++k) {
+      T* __restrict y1 = X1 + a * N + k * W;
+      T* __restrict y2 = X2 + a * N + k * W;
       const T* crK = cr + k * W;
       const T* ccK = cc + k * W;
       const T sk = pos_sign<T>(k, i);
-      const T ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the segment
-      const T crIj = crI[j], crKj = crK[j];
+      const T ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
+      const T crKj = crK[j];
       // keys l < j: R = crX[j] - crX[l]; keys l >= j: R = crX[l] - crX[j]
-      const int64_t ub = std::min(std::max(j - l0, int64_t(0)), len);
-      T* y1 = x1 + c - l0;
-      T* y2 = x2 + c - l0;
 #pragma omp simd
-      for (int64_t l = l0; l < l0 + ub; ++l) {
+      for (int64_t l = 0; l < j; ++l) {
         const T sv = y1[l];
         y1[l] = sv + (crIj - crI[l]) + sk * (ccK[l] - ccI[l]);
         y2[l] = sv + (crKj - crK[l]) + ct2;
       }
 #pragma omp simd
-      for (int64_t l = l0 + ub; l < l0 + len; ++l) {
+      for (int64_t l = j; l < W; ++l) {
         const T sv = y1[l];
         y1[l] = sv + (crI[l] - crIj) + sk * (ccK[l] - ccI[l]);
         y2[l] = sv + (crK[l] - crKj) + ct2;
       }
-      c += len;
     }
   }
 }
 
-template <typename T, int DC, int DVC>
+// Logits of a query tile against all keys, both biases added: X1 = S + M, X2 = S + M'.
+template <typename T>
+inline void logits_block(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* X1, T* X2) {
+  const int64_t N = D.N, G = D.G, d = D.d, b = bg / G, g = bg % G;
+  at::Tensor s = mat(X1, tq, N, N);
+  gemm(s, mat(D.q + ((b * N + p0) * G + g) * d, tq, d, G * d), mat(D.k + (b * N * G + g) * d, N, d, G * d).t(),
+       static_cast<double>(D.scale), 0.0);
+  add_biases(D, bg, p0, tq, X1, X2);
+}
+
+template <typename T>
 void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
-  const int64_t N = D.N, G = D.G, dv = DVC ? DVC : D.dv;
+  const int64_t N = D.N, G = D.G, dv = D.dv;
   const int64_t nqb = ceil_div(N, TQ);
-  at::parallel_for(0, D.B * G * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(2 * TQ * TK + 2 * TQ * dv + 4 * TQ);
+  parallel_tasks(
+      D.B * G * nqb, [&] { return std::vector<T>(2 * TQ * N + 2 * TQ * dv); },
+      [&](int64_t task, std::vector<T>& buf) {
     T* X1 = buf.data();
-    T* X2 = X1 + TQ * TK;
-    T* acc1 = X2 + TQ * TK;
-    T* acc2 = acc1 + TQ * dv;
-    T* m1 = acc2 + TQ * dv;
-    T* l1 = m1 + TQ;
-    T* m2 = l1 + TQ;
-    T* l2 = m2 + TQ;
-    for (int64_t task = begin; task < end; ++task) {
+    T* X2 = X1 + TQ * N;
+    T* O1 = X2 + TQ * N;
+    T* O2 = O1 + TQ * dv;
+    at::Tensor o1 = mat(O1, TQ, dv, dv), o2 = mat(O2, TQ, dv, dv);
+    {
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
-      const T* V = D.v + bg * N * dv;
-      std::fill(acc1, acc1 + 2 * TQ * dv, T(0));
-      for (int64_t a = 0; a < tq; ++a) {
-        m1[a] = m2[a] = neg_inf<T>();
-        l1[a] = l2[a] = 0;
-      }
-      for (int64_t s0 = 0; s0 < N; s0 += TK) {
-        const int64_t n = std::min(TK, N - s0);
-        logits_tile<T, DC>(D, bg, p0, tq, s0, n, X1, X2);
-        for (int64_t a = 0; a < tq; ++a) {
-          T* x1 = X1 + a * TK;
-          T* x2 = X2 + a * TK;
-          T* a1 = acc1 + a * dv;
-          T* a2 = acc2 + a * dv;
-          const T mn1 = std::max(m1[a], max_of(n, x1));
-          const T mn2 = std::max(m2[a], max_of(n, x2));
-          const T c1 = fast_exp(m1[a] - mn1), c2 = fast_exp(m2[a] - mn2);
-          l1[a] = l1[a] * c1 + exp_shift_sum(n, x1, mn1);
-          l2[a] = l2[a] * c2 + exp_shift_sum(n, x2, mn2);
-          m1[a] = mn1;
-          m2[a] = mn2;
-          T r1[DVC ? DVC : 1], r2[DVC ? DVC : 1];
-          if constexpr (DVC != 0) {
-            for (int64_t e = 0; e < dv; ++e) {
-              r1[e] = a1[e] * c1;
-              r2[e] = a2[e] * c2;
-            }
-            for (int64_t c = 0; c < n; ++c) {
-              const T* vr = V + (s0 + c) * dv;
-              const T p1 = x1[c], p2 = x2[c];
-#pragma omp simd
-              for (int64_t e = 0; e < dv; ++e) {
-                r1[e] += p1 * vr[e];
-                r2[e] += p2 * vr[e];
-              }
-            }
-            for (int64_t e = 0; e < dv; ++e) {
-              a1[e] = r1[e];
-              a2[e] = r2[e];
-            }
-          } else {
-            scale_inplace(dv, a1, c1);
-            scale_inplace(dv, a2, c2);
-            for (int64_t c = 0; c < n; ++c) {
-              const T* vr = V + (s0 + c) * dv;
-              axpy(dv, x1[c], vr, a1);
-              axpy(dv, x2[c], vr, a2);
-            }
-          }
-        }
-      }
       const int64_t b = bg / G, g = bg % G;
+      logits_block(D, bg, p0, tq, X1, X2);
+      T inv1[TQ], inv2[TQ];
       for (int64_t a = 0; a < tq; ++a) {
-        const int64_t o = ((b * N + p0 + a) * G + g);
-        const T i1 = T(1) / l1[a], i2 = T(1) / l2[a];
+        T* x1 = X1 + a * N;
+        T* x2 = X2 + a * N;
+        const T m1 = max_of(N, x1), m2 = max_of(N, x2);
+        const T l1 = exp_shift_sum(N, x1, m1), l2 = exp_shift_sum(N, x2, m2);
+        inv1[a] = T(1) / l1;
+        inv2[a] = T(1) / l2;
+        const int64_t o = (b * N + p0 + a) * G + g;
+        lse[o * 2 + 0] = m1 + std::log(l1);
+        lse[o * 2 + 1] = m2 + std::log(l2);
+      }
+      at::Tensor vb = mat(D.v + (b * N * G + g) * dv, N, dv, G * dv);
+      at::Tensor ob1 = o1.narrow(0, 0, tq), ob2 = o2.narrow(0, 0, tq);
+      gemm(ob1, mat(X1, tq, N, N), vb, 1.0, 0.0);
+      gemm(ob2, mat(X2, tq, N, N), vb, 1.0, 0.0);
+      for (int64_t a = 0; a < tq; ++a) {
+        const int64_t o = (b * N + p0 + a) * G + g;
         T* ov = out_v2h + o * dv;
         T* oo = out + o * dv;
+        const T i1 = inv1[a], i2 = inv2[a];
+#pragma omp simd
         for (int64_t e = 0; e < dv; ++e) {
-          const T v1 = acc1[a * dv + e] * i1, v2 = acc2[a * dv + e] * i2;
+          const T v1 = O1[a * dv + e] * i1, v2 = O2[a * dv + e] * i2;
           ov[e] = v1;
           oo[e] = T(0.5) * (v1 + v2);
         }
-        lse[o * 2 + 0] = m1[a] + std::log(l1[a]);
-        lse[o * 2 + 1] = m2[a] + std::log(l2[a]);
       }
     }
   });
@@ -230,122 +203,92 @@ inline void bias_grad_segment_same_row(int64_t l0, int64_t ub, int64_t len, int6
   gcrI[j] -= s;
 }
 
-// dOh: [BG, N, dv] = 0.5 * grad_out; Dl: [BG, N, 4] = (D1, D2, lse0, lse1).
+// grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2].
 // part: [BG, nchunk, N * (d + dv + 2)] zero-initialised partial sums (dk, dv, grad cr, grad cc).
-template <typename T, int DC, int DVC>
-void backward_kernel(const PAData<T>& D, const T* dOh, const T* Dl, T scale, int64_t nchunk, T* dq, T* part) {
-  const int64_t N = D.N, G = D.G, d = DC ? DC : D.d, dv = DVC ? DVC : D.dv, W = D.W;
+// Each task owns a fixed range of query tiles of one (batch, head): the split depends on the shapes only.
+template <typename T>
+void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out_v2h, const T* lse,
+                     int64_t nchunk, T* dq, T* part) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, W = D.W;
   const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
   const int64_t part_size = N * (d + dv + 2);
-  at::parallel_for(0, D.B * G * nchunk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> buf(5 * TQ * TK + TQ * d);
+  const double scale = static_cast<double>(D.scale);
+  parallel_tasks(
+      D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + TQ * d); },
+      [&](int64_t task, std::vector<T>& buf) {
     T* X1 = buf.data();
-    T* X2 = X1 + TQ * TK;
-    T* DP = X2 + TQ * TK;
-    T* G1 = DP + TQ * TK;
-    T* G2 = G1 + TQ * TK;
-    T* dqacc = G2 + TQ * TK;
-    for (int64_t task = begin; task < end; ++task) {
+    T* X2 = X1 + TQ * N;
+    T* DP = X2 + TQ * N;
+    T* G1 = DP + TQ * N;
+    T* DQ = G1 + TQ * N;
+    {
       const int64_t bg = task / nchunk, chunk = task % nchunk;
       const int64_t b = bg / G, g = bg % G;
       T* pdk = part + (bg * nchunk + chunk) * part_size;
       T* pdv = pdk + N * d;
       T* gcr = pdv + N * dv;
       T* gcc = gcr + N;
-      const T* Q = D.q + bg * N * d;
-      const T* K = D.k + bg * N * d;
-      const T* Vt = D.vt + bg * dv * N;
-      const T* dO = dOh + bg * N * dv;
-      const T* Dlb = Dl + bg * N * 4;
+      at::Tensor dkm = mat(pdk, N, d, d), dvm = mat(pdv, N, dv, dv);
+      at::Tensor km = mat(D.k + (b * N * G + g) * d, N, d, G * d);
+      at::Tensor vm = mat(D.v + (b * N * G + g) * dv, N, dv, G * dv);
       const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
       for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
         const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
-        std::fill(dqacc, dqacc + tq * d, T(0));
-        for (int64_t s0 = 0; s0 < N; s0 += TK) {
-          const int64_t n = std::min(TK, N - s0);
-          logits_tile<T, DC>(D, bg, p0, tq, s0, n, X1, X2);
-          for (int64_t a = 0; a < tq; ++a) {
-            const T* st = Dlb + (p0 + a) * 4;
-            const T D1 = st[0], D2 = st[1];
-            T* x1 = X1 + a * TK;
-            T* x2 = X2 + a * TK;
-            T* dp = DP + a * TK;
-            T* g1 = G1 + a * TK;
-            T* g2 = G2 + a * TK;
-            exp_shift(n, x1, st[2]);
-            exp_shift(n, x2, st[3]);
-            std::fill(dp, dp + n, T(0));
-            const T* ga = dO + (p0 + a) * dv;
-            for (int64_t e = 0; e < dv; ++e) axpy(n, ga[e], Vt + e * N + s0, dp);
-#pragma omp simd
-            for (int64_t c = 0; c < n; ++c) {
-              const T p1 = x1[c], p2 = x2[c];
-              const T d1 = p1 * (dp[c] - D1), d2 = p2 * (dp[c] - D2);
-              g1[c] = d1;
-              g2[c] = d2;
-              dp[c] = d1 + d2;  // dS, the gradient of the shared logits
-              x1[c] = p1 + p2;  // P1 + P2 for dv
-            }
-            // Prefix-sum gradients, one key-row segment at a time.
-            const int64_t p = p0 + a, i = p / W, j = p % W;
-            for (int64_t c = 0; c < n;) {
-              const int64_t s = s0 + c, k = s / W, l0 = s % W, len = std::min(W - l0, n - c);
-              const int64_t ub = std::min(std::max(j - l0, int64_t(0)), len);
-              if (k == i) {
-                bias_grad_segment_same_row(l0, ub, len, j, g1 + c - l0, g2 + c - l0, gcr + i * W);
-              } else {
-                bias_grad_segment(l0, ub, len, j, pos_sign<T>(k, i), g1 + c - l0, g2 + c - l0, gcr + i * W,
-                                  gcc + i * W, gcr + k * W, gcc + k * W);
-              }
-              c += len;
-            }
-            // dq (without the scale) += dS K
-            T* dqa = dqacc + a * d;
-            if constexpr (DC != 0) {
-              T r[DC ? DC : 1];
-              for (int64_t e = 0; e < d; ++e) r[e] = dqa[e];
-              for (int64_t c = 0; c < n; ++c) {
-                const T* kr = K + (s0 + c) * d;
-                const T w = dp[c];
-#pragma omp simd
-                for (int64_t e = 0; e < d; ++e) r[e] += w * kr[e];
-              }
-              for (int64_t e = 0; e < d; ++e) dqa[e] = r[e];
-            } else {
-              for (int64_t c = 0; c < n; ++c) axpy(d, dp[c], K + (s0 + c) * d, dqa);
-            }
-          }
-          // dk += dS^T (scale q), dv += (P1 + P2)^T (0.5 dO), key-major so each row stays in registers.
-          for (int64_t c = 0; c < n; ++c) {
-            T* dkr = pdk + (s0 + c) * d;
-            T* dvr = pdv + (s0 + c) * dv;
-            if constexpr (DC != 0 && DVC != 0) {
-              T rk[DC ? DC : 1], rv[DVC ? DVC : 1];
-              for (int64_t e = 0; e < d; ++e) rk[e] = dkr[e];
-              for (int64_t e = 0; e < dv; ++e) rv[e] = dvr[e];
-              for (int64_t a = 0; a < tq; ++a) {
-                const T w = DP[a * TK + c], pw = X1[a * TK + c];
-                const T* qa = Q + (p0 + a) * d;
-                const T* ga = dO + (p0 + a) * dv;
-#pragma omp simd
-                for (int64_t e = 0; e < d; ++e) rk[e] += w * qa[e];
-#pragma omp simd
-                for (int64_t e = 0; e < dv; ++e) rv[e] += pw * ga[e];
-              }
-              for (int64_t e = 0; e < d; ++e) dkr[e] = rk[e];
-              for (int64_t e = 0; e < dv; ++e) dvr[e] = rv[e];
-            } else {
-              for (int64_t a = 0; a < tq; ++a) {
-                axpy(d, DP[a * TK + c], Q + (p0 + a) * d, dkr);
-                axpy(dv, X1[a * TK + c], dO + (p0 + a) * dv, dvr);
-              }
-            }
-          }
-        }
+        const int64_t row0 = (b * N + p0) * G + g;  // first query row in the [B, N, G, .] layouts
+        logits_block(D, bg, p0, tq, X1, X2);
+        // DP = 0.5 dO v^T
+        at::Tensor gom = mat(go + row0 * dv, tq, dv, G * dv);
+        at::Tensor dpm = mat(DP, tq, N, N);
+        gemm(dpm, gom, vm.t(), 0.5, 0.0);
         for (int64_t a = 0; a < tq; ++a) {
-          T* o = dq + ((b * N + p0 + a) * G + g) * d;
-          for (int64_t e = 0; e < d; ++e) o[e] = scale * dqacc[a * d + e];
+          const int64_t o = row0 + a * G;
+          const T* ga = go + o * dv;
+          const T* oa = out + o * dv;
+          const T* va = out_v2h + o * dv;
+          T D1 = 0, D2 = 0;
+          for (int64_t e = 0; e < dv; ++e) {
+            D1 += ga[e] * va[e];
+            D2 += ga[e] * (T(2) * oa[e] - va[e]);
+          }
+          D1 *= T(0.5);
+          D2 *= T(0.5);
+          const T ls1 = lse[o * 2 + 0], ls2 = lse[o * 2 + 1];
+          T* __restrict x1 = X1 + a * N;
+          T* __restrict x2 = X2 + a * N;
+          T* __restrict dp = DP + a * N;
+          T* __restrict g1 = G1 + a * N;
+          exp_shift(N, x1, ls1);  // P1
+          exp_shift(N, x2, ls2);  // P2
+#pragma omp simd
+          for (int64_t c = 0; c < N; ++c) {
+            const T p1 = x1[c], p2 = x2[c];
+            const T dpc = dp[c];
+            const T d1 = p1 * (dpc - D1), d2 = p2 * (dpc - D2);
+            g1[c] = d1;
+            x2[c] = d2;       // dS2
+            dp[c] = d1 + d2;  // dS, the gradient of the shared logits
+            x1[c] = p1 + p2;  // P1 + P2 for dv
+          }
+          // Prefix-sum gradients, one key row at a time.
+          const int64_t p = p0 + a, i = p / W, j = p % W;
+          for (int64_t k = 0; k < D.H; ++k) {
+            if (k == i) {
+              bias_grad_segment_same_row(int64_t(0), j, W, j, g1 + i * W, x2 + i * W, gcr + i * W);
+            } else {
+              bias_grad_segment(int64_t(0), j, W, j, pos_sign<T>(k, i), g1 + k * W, x2 + k * W, gcr + i * W,
+                                gcc + i * W, gcr + k * W, gcc + k * W);
+            }
+          }
         }
+        // dq = scale * dS k; dk += scale * dS^T q; dv += (P1 + P2)^T (0.5 dO)
+        at::Tensor dqm = mat(DQ, tq, d, d);
+        gemm(dqm, dpm, km, scale, 0.0);
+        for (int64_t a = 0; a < tq; ++a) {
+          T* o = dq + (row0 + a * G) * d;
+          for (int64_t e = 0; e < d; ++e) o[e] = DQ[a * d + e];
+        }
+        gemm(dkm, dpm.t(), mat(D.q + row0 * d, tq, d, G * d), scale, 1.0);
+        gemm(dvm, mat(X1, tq, N, N).t(), gom, 0.5, 1.0);
       }
     }
   });
@@ -407,17 +350,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
   at::Tensor out_v2h = at::empty_like(out);
   at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
   if (out.numel() > 0) {
-    at::Tensor Qs = pack_heads(q, acc) * scale;
-    at::Tensor Kt = pack_heads_t(k, acc);
-    at::Tensor Vp = pack_heads(v, acc);
+    // The kernels read q, k, v in their own layout (no packing; a no-op for contiguous fp32 inputs).
+    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
     auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
     AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_cpu", [&] {
-      PAData<scalar_t> D{Qs.data_ptr<scalar_t>(), Kt.data_ptr<scalar_t>(), nullptr, Vp.data_ptr<scalar_t>(),
-                         nullptr, cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv};
-      dispatch_head_dims(d, dv, [&](auto dc, auto dvc) {
-        forward_kernel<scalar_t, decltype(dc)::value, decltype(dvc)::value>(
-            D, out.data_ptr<scalar_t>(), out_v2h.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
-      });
+      PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                         cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv,
+                         static_cast<scalar_t>(scale)};
+      forward_kernel<scalar_t>(D, out.data_ptr<scalar_t>(), out_v2h.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
   }
   return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
@@ -440,30 +380,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
   at::Tensor dv_ = at::empty({B, H, W, G, dv}, opts);
   at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
   if (dq.numel() > 0) {
-    at::Tensor Qs = pack_heads(q, acc) * scale;
-    at::Tensor Kp = pack_heads(k, acc);
-    at::Tensor Kt = pack_heads_t(k, acc);
-    at::Tensor Vt = pack_heads_t(v, acc);
+    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    at::Tensor goc = grad_out.to(acc).contiguous(), oc = out.to(acc).contiguous();
+    at::Tensor ovc = out_v2h.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
     auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
-    at::Tensor go = grad_out.to(acc);
-    at::Tensor o = out.to(acc), ov = out_v2h.to(acc);
-    at::Tensor D1 = (go * ov).sum(-1).mul_(0.5);
-    at::Tensor D2 = (go * (2 * o - ov)).sum(-1).mul_(0.5);
-    at::Tensor Dl = at::cat({D1.unsqueeze(-1), D2.unsqueeze(-1), lse.to(acc)}, -1).permute({0, 3, 1, 2, 4}).contiguous();
-    at::Tensor dOh = pack_heads(grad_out, acc) * 0.5;
     // Partial buffers: enough independent tasks for a multi-core machine, independent of the thread count.
     const int64_t nqb = ceil_div(N, TQ);
     const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(nqb, ceil_div(32, B * G)));
     at::Tensor part = at::zeros({B * G, nchunk, N * (d + dv + 2)}, opts);
     AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_backward_cpu", [&] {
-      PAData<scalar_t> D{Qs.data_ptr<scalar_t>(), Kt.data_ptr<scalar_t>(), Kp.data_ptr<scalar_t>(), nullptr,
-                         Vt.data_ptr<scalar_t>(), cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, N,
-                         d, dv};
-      dispatch_head_dims(d, dv, [&](auto dc, auto dvc) {
-        backward_kernel<scalar_t, decltype(dc)::value, decltype(dvc)::value>(
-            D, dOh.data_ptr<scalar_t>(), Dl.data_ptr<scalar_t>(), static_cast<scalar_t>(scale), nchunk,
-            dq.data_ptr<scalar_t>(), part.data_ptr<scalar_t>());
-      });
+      PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                         cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, N, d, dv,
+                         static_cast<scalar_t>(scale)};
+      backward_kernel<scalar_t>(D, goc.data_ptr<scalar_t>(), oc.data_ptr<scalar_t>(), ovc.data_ptr<scalar_t>(),
+                                lsec.data_ptr<scalar_t>(), nchunk, dq.data_ptr<scalar_t>(), part.data_ptr<scalar_t>());
       reduce_partials<scalar_t>(D, nchunk, part.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                                 dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
     });
