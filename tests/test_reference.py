@@ -14,7 +14,16 @@ import torch.nn.functional as F
 
 from ppma.ops import reference as R
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    """Everything in this file is fp64; restore the default dtype for the other test files."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
 
 GRIDS = [(1, 1), (1, 5), (4, 1), (2, 3), (3, 2), (4, 4), (5, 7)]
 HEADS_DIMS = [(1, 8), (2, 4), (3, 16)]
