@@ -9,7 +9,7 @@
 
 #include <tuple>
 
-#include "cuda/cuda_checks.h"
+#include "cuda/launch_utils.h"
 #include "kernels/polyline_scan.cuh"
 
 namespace ppma {
@@ -17,10 +17,8 @@ namespace cuda {
 namespace {
 
 void check_scan(const char* op, const at::Tensor& x, const at::Tensor& log_alpha, const at::Tensor& log_beta) {
-  TORCH_CHECK(x.dim() == 5, op, ": x must be [B, H, W, heads, c], got shape ", x.sizes());
-  check_floating(op, "x", x);
-  check_cuda(op, "x", x, x);
-  check_decays(op, x, log_alpha, log_beta);
+  check_is_cuda(op, "x", x);
+  check_scan_inputs(op, x, log_alpha, log_beta);
 }
 
 at::Tensor polyline_scan_cuda(const at::Tensor& x_in, const at::Tensor& log_alpha, const at::Tensor& log_beta,
@@ -56,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_scan_backward_cuda(const
   const char* op = "ppma::polyline_scan_backward";
   check_scan(op, x_in, log_alpha, log_beta);
   check_shape(op, "grad_y", grad_y_in, x_in.sizes(), x_in);
-  check_same_dtype(op, "grad_y", grad_y_in, "x", x_in);
+  check_like(op, "grad_y", grad_y_in, "x", x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = last_dim_contiguous(x_in), gy = last_dim_contiguous(grad_y_in);
   const auto acc = acc_type(x);
