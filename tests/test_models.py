@@ -272,6 +272,10 @@ def test_compile_aot_eager_dynamic_training_no_recompile():
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
-    for size in ((100, 130), (120, 104)):
+    counts = []
+    for size in ((100, 130), (120, 104), (97, 111)):
         compiled(torch.randn(2, 3, *size)).sum().backward()
-    assert counter.frame_count == 1
+        counts.append(counter.frame_count)
+    # the first step compiles (its frame count depends on how dynamo splits the training step); the other
+    # image sizes must reuse those graphs
+    assert counts[0] >= 1 and counts == [counts[0]] * 3, counts
