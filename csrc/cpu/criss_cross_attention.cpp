@@ -107,8 +107,29 @@ __attribute__((target("avx,fma"))) static void small_gemm_f32_avx(int64_t R, int
       PPMA_PUT8(C + r0 * ldc + c0 + 8, s1);
     }
   }
+  // Narrower column blocks (eight, then four lanes), still four rows at a time so that the
+  // multiply-adds of a block are independent (one accumulator per row would be latency-bound).
   for (; c0 + 8 <= Cn; c0 += 8) {
-    for (int64_t r0 = 0; r0 < R; ++r0) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      ppma_v8f_avx s0{}, s1{}, s2{}, s3{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        ppma_v8f_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        const float* ak0 = a0 + k * ak;
+        s0 += ak0[0] * b0;
+        s1 += ak0[ar] * b0;
+        s2 += ak0[2 * ar] * b0;
+        s3 += ak0[3 * ar] * b0;
+      }
+      float* cp = C + r0 * ldc + c0;
+      PPMA_PUT8(cp, s0);
+      PPMA_PUT8(cp + ldc, s1);
+      PPMA_PUT8(cp + 2 * ldc, s2);
+      PPMA_PUT8(cp + 3 * ldc, s3);
+    }
+    for (; r0 < R; ++r0) {
       ppma_v8f_avx s0{};
       for (int64_t k = 0; k < K; ++k) {
         ppma_v8f_avx b0;
@@ -119,7 +140,49 @@ __attribute__((target("avx,fma"))) static void small_gemm_f32_avx(int64_t R, int
     }
   }
 #undef PPMA_PUT8
-  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 8 columns
+  typedef float v4_avx __attribute__((vector_size(16)));
+#define PPMA_PUT4(cptr, v)                        \
+  do {                                            \
+    v4_avx t_ = (v) * alpha;                      \
+    if (accumulate) {                             \
+      v4_avx o_;                                  \
+      std::memcpy(&o_, (cptr), sizeof(o_));       \
+      t_ += o_;                                   \
+    }                                             \
+    std::memcpy((cptr), &t_, sizeof(t_));         \
+  } while (0)
+  for (; c0 + 4 <= Cn; c0 += 4) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      v4_avx s0{}, s1{}, s2{}, s3{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        v4_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        const float* ak0 = a0 + k * ak;
+        s0 += ak0[0] * b0;
+        s1 += ak0[ar] * b0;
+        s2 += ak0[2 * ar] * b0;
+        s3 += ak0[3 * ar] * b0;
+      }
+      float* cp = C + r0 * ldc + c0;
+      PPMA_PUT4(cp, s0);
+      PPMA_PUT4(cp + ldc, s1);
+      PPMA_PUT4(cp + 2 * ldc, s2);
+      PPMA_PUT4(cp + 3 * ldc, s3);
+    }
+    for (; r0 < R; ++r0) {
+      v4_avx s0{};
+      for (int64_t k = 0; k < K; ++k) {
+        v4_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        s0 += A[r0 * ar + k * ak] * b0;
+      }
+      PPMA_PUT4(C + r0 * ldc + c0, s0);
+    }
+  }
+#undef PPMA_PUT4
+  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 4 columns
     float* cr = C + r * ldc;
     for (int64_t c = c0; c < Cn; ++c) {
       float acc = 0;
