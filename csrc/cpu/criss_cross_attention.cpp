@@ -264,6 +264,27 @@ inline void small_gemm<float>(int64_t R, int64_t Cn, int64_t K, const float* A, 
 }
 #endif
 
+// Runs body(t, scratch) over the tasks like parallel_tasks, with every task body compiled a second
+// time for AVX + FMA (flattened: the line kernels' elementwise loops, gathers and scatters inlined and
+// vectorised eight lanes wide) and that copy chosen at run time where the CPU has them.
+#ifdef PPMA_HAVE_AVX_GEMM
+template <typename Body, typename S>
+__attribute__((target("avx,fma"), flatten)) void run_task_avx(const Body& body, int64_t t, S& scratch) {
+  body(t, scratch);
+}
+#endif
+
+template <typename Init, typename Body>
+inline void parallel_lines(int64_t ntasks, const Init& init, const Body& body) {
+#ifdef PPMA_HAVE_AVX_GEMM
+  if (cpu_has_avx_fma()) {
+    parallel_tasks(ntasks, init, [&](int64_t t, auto& scratch) { run_task_avx(body, t, scratch); });
+    return;
+  }
+#endif
+  parallel_tasks(ntasks, init, body);
+}
+
 // X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n];
 // c holds the line's prefix sums; bias = c_max - c_min (position order).
 template <typename T, int DC>
@@ -427,7 +448,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   const int64_t B = D.B, G = D.G, H = D.H, W = D.W, N = D.N, d = D.d, dv = D.dv;
   const int64_t BG = B * G, n = std::max(H, W);
   // Phase 1: rows. A, lse0, z1 = A v.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
@@ -440,7 +461,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
     }
   });
   // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
-  parallel_tasks(
+  parallel_lines(
       BG * W, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
@@ -460,7 +481,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
     }
   });
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
@@ -488,7 +509,7 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
   const int64_t BG = B * G, n = std::max(H, W);
   const T scale = D.scale;
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
@@ -503,7 +524,7 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
     }
   });
   // Phase 2: columns. z2 = B v, dz1 = B^T g; dB = g z1^T + dz2 v^T; column grads; grad log_beta.
-  parallel_tasks(
+  parallel_lines(
       BG * W, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
@@ -532,7 +553,7 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
     }
   });
   // Phase 3: rows. dA = dz1 v^T + g z2^T; row grads; grad log_alpha; final sums.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
