@@ -15,7 +15,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#endif
 
 #include "common/checks.h"
 #include "common/cpu_math.h"
@@ -381,9 +386,54 @@ inline void gather_rows(int64_t n, int64_t c, const T* src, int64_t ss, T* __res
   }
 }
 
+#ifdef PPMA_HAVE_AVX_GEMM
+// gather_rows_t for float with AVX: 8 x 8 blocks transposed in registers (an exact copy).
+__attribute__((target("avx"))) static void gather_rows_t_f32_avx(int64_t n, int64_t c, const float* src,
+                                                                  int64_t ss, float* __restrict dst) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= n; r0 += 8) {
+    int64_t e0 = 0;
+    for (; e0 + 8 <= c; e0 += 8) {
+      __m256 x[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r0 + i) * ss + e0);
+      const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+      float* o = dst + e0 * n + r0;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + n, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * n, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * n, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * n, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * n, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * n, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * n, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+    for (int64_t r = r0; r < r0 + 8; ++r)
+      for (int64_t e = e0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
+  }
+  for (int64_t r = r0; r < n; ++r)
+    for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
+}
+#endif
+
 // Rows of a line gathered transposed: dst[e][r] = src[r * ss + e].
 template <typename T>
 inline void gather_rows_t(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
+#ifdef PPMA_HAVE_AVX_GEMM
+  if constexpr (std::is_same<T, float>::value) {
+    if (cpu_has_avx_fma()) return gather_rows_t_f32_avx(n, c, src, ss, dst);
+  }
+#endif
   for (int64_t r = 0; r < n; ++r)
     for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
 }
