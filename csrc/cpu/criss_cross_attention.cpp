@@ -339,11 +339,12 @@ inline void line_apply_t(int64_t n, int64_t dv, const T* P, const T* Gm, int64_t
 // dP[j][l] = <G1_j, U1_l> + <G2_j, U2_l> (G rows strided, U given transposed [dv][n]):
 //   dX = P * (dP - rowsum(P * dP)) (written into dP's scratch DX),
 //   prefix-sum gradient of the line into gc (then reverse-cumsummed by the caller),
-//   dq_j = scale * sum_l dX[j][l] K_l (written, stride dqs), dk_l += sum_j dX[j][l] Qs_j (accumulated).
+//   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) sum_j dX[j][l] Qs_j (row strides dqs / dks; written,
+//   or added to what is there when accumulate).
 template <typename T, int DC, int DVC>
 inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* G1, const T* G2, int64_t gs,
                           const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
-                          T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks) {
+                          T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks, bool accumulate) {
   small_gemm<T>(n, n, dv, G1, gs, 1, U1t, n, DX, n, false);
   small_gemm<T>(n, n, dv, G2, gs, 1, U2t, n, DX, n, true);
   std::fill(gc, gc + n, T(0));
@@ -368,8 +369,8 @@ inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T*
     }
     gc[j] += sneg - spos;
   }
-  small_gemm<T>(n, d, n, DX, n, 1, K, ks, dq, dqs, false, scale);  // dq = scale dX K
-  small_gemm<T>(n, d, n, DX, 1, n, Q, qs, dk, dks, true);          // dk += dX^T Qs
+  small_gemm<T>(n, d, n, DX, n, 1, K, ks, dq, dqs, accumulate, scale);  // dq (+)= scale dX K
+  small_gemm<T>(n, d, n, DX, 1, n, Q, qs, dk, dks, accumulate);         // dk (+)= dX^T Qs
 }
 
 // Rows of a line gathered into contiguous per-thread scratch: dst[r][e] = a * src[r * ss + e].
@@ -438,12 +439,6 @@ inline void gather_rows_t(int64_t n, int64_t c, const T* src, int64_t ss, T* __r
     for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
 }
 
-template <typename T>
-inline void scatter_rows(int64_t n, int64_t c, const T* __restrict src, T* dst, int64_t ds) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t e = 0; e < c; ++e) dst[r * ds + e] = src[r * c + e];
-}
-
 // The inputs are read in their own layout [B, N, G, *] (no packed copies): a row line of head (b, g)
 // starts at token b * N + i * W with row stride G * c, a column line at b * N + l with stride W * G * c.
 // Every line is gathered into per-thread scratch before its products.
@@ -462,10 +457,10 @@ struct CCData {
 template <typename T>
 struct LineScratch {
   std::vector<T> buf;
-  T *X, *DX, *q, *k, *kt, *v, *vt, *g, *u1, *u1t, *u2, *u3, *rq, *rk, *gc;
+  T *X, *DX, *q, *k, *kt, *v, *vt, *g, *u1, *u1t, *u2, *gc;
   LineScratch(int64_t n, int64_t d, int64_t dv, bool backward) {
     const int64_t nn = n * n, nd = n * d, nv = n * dv;
-    buf.resize(backward ? 2 * nn + 5 * nd + 6 * nv + n : nn + 2 * nd + 3 * nv + n);
+    buf.resize(backward ? 2 * nn + 3 * nd + 6 * nv + n : nn + 2 * nd + 3 * nv + n);
     T* p = buf.data();
     auto take = [&](int64_t m) {
       T* r = p;
@@ -479,12 +474,10 @@ struct LineScratch {
     u1 = take(nv);
     u2 = take(nv);
     gc = take(n);
-    DX = k = vt = g = u1t = u3 = rq = rk = nullptr;
+    DX = k = vt = g = u1t = nullptr;
     if (backward) {
       DX = take(nn);
       k = take(nd);
-      rq = take(nd);
-      rk = take(nd);
       vt = take(nv);
       g = take(nv);
       u1t = take(nv);
@@ -589,11 +582,8 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
       gather_rows(H, dv, ZB + tok * dv, cs * dv, S.u1);     // dz2
       line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
       line_softmax_from_lse(H, S.X, lse + tok * 2 + 1, cs * 2);
-      std::fill(S.rk, S.rk + H * d, T(0));
       line_backward<T, DC, DVC>(H, d, dv, S.X, S.g, S.u1, dv, S.u1t, S.vt, S.q, d, S.k, d, scale, S.DX, S.gc,
-                                S.rq, d, S.rk, d);
-      scatter_rows(H, d, S.rq, dq + tok * d, cs * d);
-      scatter_rows(H, d, S.rk, dk + tok * d, cs * d);
+                                dq + tok * d, cs * d, dk + tok * d, cs * d, false);
       // dv (column part) = B^T dz2
       line_apply_t<T, DVC>(H, dv, S.X, S.u1, dv, dv_out + tok * dv, cs * dv);
       reverse_cumsum_excl_first(H, S.gc, 1, glb + (b * N + l) * G + g, W * G);
@@ -616,19 +606,11 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
       gather_rows(W, dv, ZB + tok * dv, G * dv, S.u1);     // dz1
       line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
       line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
-      std::fill(S.rk, S.rk + W * d, T(0));
+      // The row parts are added to the column parts in place.
       line_backward<T, DC, DVC>(W, d, dv, S.X, S.u1, S.g, dv, S.vt, S.u1t, S.q, d, S.k, d, scale, S.DX, S.gc,
-                                S.rq, d, S.rk, d);
-      line_apply_t<T, DVC>(W, dv, S.X, S.u1, dv, S.u2, dv);  // dv row part = A^T dz1
+                                dq + tok * d, G * d, dk + tok * d, G * d, true);
+      small_gemm<T>(W, dv, W, S.X, 1, W, S.u1, dv, dv_out + tok * dv, G * dv, true);  // dv += A^T dz1
       reverse_cumsum_excl_first(W, S.gc, 1, gla + (b * N + i * W) * G + g, G);
-      for (int64_t j = 0; j < W; ++j) {
-        const int64_t o = tok + j * G;
-        for (int64_t e = 0; e < d; ++e) {
-          dq[o * d + e] += S.rq[j * d + e];
-          dk[o * d + e] += S.rk[j * d + e];
-        }
-        for (int64_t e = 0; e < dv; ++e) dv_out[o * dv + e] += S.u2[j * dv + e];
-      }
     }
   });
 }
