@@ -515,11 +515,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
       gather_rows(H, dv, Z + tok * dv, cs * dv, S.u1);
       line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
       line_softmax(H, S.X, lse + tok * 2 + 1, cs * 2);
-      line_apply<T, DVC>(H, dv, S.X, S.u1, dv, S.u2, dv);  // o1 = B z1
-      for (int64_t k = 0; k < H; ++k) {
-        T* o = out + (tok + k * cs) * dv;
-        for (int64_t e = 0; e < dv; ++e) o[e] = T(0.5) * S.u2[k * dv + e];
-      }
+      small_gemm<T>(H, dv, H, S.X, H, 1, S.u1, dv, out + tok * dv, cs * dv, false, T(0.5));  // out = 0.5 B z1
       line_apply<T, DVC>(H, dv, S.X, S.v, dv, Z + tok * dv, cs * dv);  // z2 = B v
     }
   });
@@ -533,11 +529,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
       gather_rows(W, dv, Z + tok * dv, G * dv, S.u1);
       line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
       line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
-      line_apply<T, DVC>(W, dv, S.X, S.u1, dv, S.u2, dv);
-      for (int64_t j = 0; j < W; ++j) {
-        T* o = out + (tok + j * G) * dv;
-        for (int64_t e = 0; e < dv; ++e) o[e] += T(0.5) * S.u2[j * dv + e];
-      }
+      small_gemm<T>(W, dv, W, S.X, W, 1, S.u1, dv, out + tok * dv, G * dv, true, T(0.5));  // out += 0.5 A z2
     }
   });
 }
