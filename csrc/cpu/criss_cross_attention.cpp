@@ -336,17 +336,17 @@ inline void line_apply_t(int64_t n, int64_t dv, const T* P, const T* Gm, int64_t
 }
 
 // Backward of one line's softmax attention, given the map P [n][n] and the gradient of the map
-// dP[j][l] = <G1_j, U1_l> + <G2_j, U2_l> (G rows strided, U given transposed [dv][n]):
+// dP[j][l] = <Gm_j, U_l> over 2 dv columns (Gm [n][2 dv] with row stride gs holds two operands side by
+// side, Ut [2 dv][n] the two matching ones transposed and stacked: dP = G1 U1^T + G2 U2^T in one product):
 //   dX = P * (dP - rowsum(P * dP)) (written into dP's scratch DX),
 //   prefix-sum gradient of the line into gc (then reverse-cumsummed by the caller),
 //   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) sum_j dX[j][l] Qs_j (row strides dqs / dks; written,
 //   or added to what is there when accumulate).
 template <typename T, int DC, int DVC>
-inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* G1, const T* G2, int64_t gs,
-                          const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
+inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* Gm, int64_t gs, const T* Ut,
+                          const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
                           T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks, bool accumulate) {
-  small_gemm<T>(n, n, dv, G1, gs, 1, U1t, n, DX, n, false);
-  small_gemm<T>(n, n, dv, G2, gs, 1, U2t, n, DX, n, true);
+  small_gemm<T>(n, n, 2 * dv, Gm, gs, 1, Ut, n, DX, n, false);  // dP, one product over 2 dv
   std::fill(gc, gc + n, T(0));
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = DX + j * n;
@@ -427,6 +427,21 @@ __attribute__((target("avx"))) static void gather_rows_t_f32_avx(int64_t n, int6
 }
 #endif
 
+// gather_rows with a destination row stride: dst[r * ds + e] = a * src[r * ss + e].
+template <typename T>
+inline void gather_rows_ld(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst, int64_t ds,
+                           T a = T(1)) {
+  for (int64_t r = 0; r < n; ++r) {
+    const T* s = src + r * ss;
+    T* o = dst + r * ds;
+    if (a == T(1)) {
+      for (int64_t e = 0; e < c; ++e) o[e] = s[e];
+    } else {
+      for (int64_t e = 0; e < c; ++e) o[e] = a * s[e];
+    }
+  }
+}
+
 // Rows of a line gathered transposed: dst[e][r] = src[r * ss + e].
 template <typename T>
 inline void gather_rows_t(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
@@ -457,10 +472,10 @@ struct CCData {
 template <typename T>
 struct LineScratch {
   std::vector<T> buf;
-  T *X, *DX, *q, *k, *kt, *v, *vt, *g, *u1, *u1t, *u2, *gc;
+  T *X, *DX, *q, *k, *kt, *v, *g, *u1, *u2, *gu, *ut, *gc;
   LineScratch(int64_t n, int64_t d, int64_t dv, bool backward) {
     const int64_t nn = n * n, nd = n * d, nv = n * dv;
-    buf.resize(backward ? 2 * nn + 3 * nd + 6 * nv + n : nn + 2 * nd + 3 * nv + n);
+    buf.resize(backward ? 2 * nn + 3 * nd + 8 * nv + n : nn + 2 * nd + 3 * nv + n);
     T* p = buf.data();
     auto take = [&](int64_t m) {
       T* r = p;
@@ -474,13 +489,13 @@ struct LineScratch {
     u1 = take(nv);
     u2 = take(nv);
     gc = take(n);
-    DX = k = vt = g = u1t = nullptr;
+    DX = k = g = gu = ut = nullptr;
     if (backward) {
       DX = take(nn);
       k = take(nd);
-      vt = take(nv);
       g = take(nv);
-      u1t = take(nv);
+      gu = take(2 * nv);  // [n][2 dv]: two line operands side by side
+      ut = take(2 * nv);  // [2 dv][n]: two transposed line operands stacked
     }
   }
 };
@@ -568,20 +583,21 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
       gather_rows(H, d, D.k + tok * d, cs * d, S.k);
       gather_rows_t(H, d, D.k + tok * d, cs * d, S.kt);
       gather_rows(H, dv, D.v + tok * dv, cs * dv, S.v);
-      gather_rows_t(H, dv, D.v + tok * dv, cs * dv, S.vt);
-      gather_rows(H, dv, go + tok * dv, cs * dv, S.g, T(0.5));
-      gather_rows_t(H, dv, ZA + tok * dv, cs * dv, S.u1t);  // z1^T
-      gather_rows(H, dv, ZB + tok * dv, cs * dv, S.u1);     // dz2
+      T *gl = S.gu, *dz = S.gu + dv;                          // [g | dz2], row stride 2 dv
+      gather_rows_ld(H, dv, go + tok * dv, cs * dv, gl, 2 * dv, T(0.5));
+      gather_rows_ld(H, dv, ZB + tok * dv, cs * dv, dz, 2 * dv);  // dz2
+      gather_rows_t(H, dv, ZA + tok * dv, cs * dv, S.ut);           // [z1^T ; v^T]
+      gather_rows_t(H, dv, D.v + tok * dv, cs * dv, S.ut + dv * H);
       line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
       line_softmax_from_lse(H, S.X, lse + tok * 2 + 1, cs * 2);
-      line_backward<T, DC, DVC>(H, d, dv, S.X, S.g, S.u1, dv, S.u1t, S.vt, S.q, d, S.k, d, scale, S.DX, S.gc,
+      line_backward<T, DC, DVC>(H, d, dv, S.X, S.gu, 2 * dv, S.ut, S.q, d, S.k, d, scale, S.DX, S.gc,
                                 dq + tok * d, cs * d, dk + tok * d, cs * d, false);
       // dv (column part) = B^T dz2
-      line_apply_t<T, DVC>(H, dv, S.X, S.u1, dv, dv_out + tok * dv, cs * dv);
+      line_apply_t<T, DVC>(H, dv, S.X, dz, 2 * dv, dv_out + tok * dv, cs * dv);
       reverse_cumsum_excl_first(H, S.gc, 1, glb + (b * N + l) * G + g, W * G);
       // z2 = B v and dz1 = B^T g replace z1 and dz2 of this column.
       line_apply<T, DVC>(H, dv, S.X, S.v, dv, ZA + tok * dv, cs * dv);
-      line_apply_t<T, DVC>(H, dv, S.X, S.g, dv, ZB + tok * dv, cs * dv);
+      line_apply_t<T, DVC>(H, dv, S.X, gl, 2 * dv, ZB + tok * dv, cs * dv);
     }
   });
   // Phase 3: rows. dA = dz1 v^T + g z2^T; row grads; grad log_alpha; final sums.
@@ -592,16 +608,17 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
       gather_rows(W, d, D.q + tok * d, G * d, S.q, scale);
       gather_rows(W, d, D.k + tok * d, G * d, S.k);
       gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
-      gather_rows_t(W, dv, D.v + tok * dv, G * dv, S.vt);
-      gather_rows(W, dv, go + tok * dv, G * dv, S.g, T(0.5));
-      gather_rows_t(W, dv, ZA + tok * dv, G * dv, S.u1t);  // z2^T
-      gather_rows(W, dv, ZB + tok * dv, G * dv, S.u1);     // dz1
+      T* dz = S.gu + dv;                                    // [g | dz1], row stride 2 dv
+      gather_rows_ld(W, dv, go + tok * dv, G * dv, S.gu, 2 * dv, T(0.5));
+      gather_rows_ld(W, dv, ZB + tok * dv, G * dv, dz, 2 * dv);  // dz1
+      gather_rows_t(W, dv, ZA + tok * dv, G * dv, S.ut);           // [z2^T ; v^T]
+      gather_rows_t(W, dv, D.v + tok * dv, G * dv, S.ut + dv * W);
       line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
       line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
       // The row parts are added to the column parts in place.
-      line_backward<T, DC, DVC>(W, d, dv, S.X, S.u1, S.g, dv, S.vt, S.u1t, S.q, d, S.k, d, scale, S.DX, S.gc,
+      line_backward<T, DC, DVC>(W, d, dv, S.X, S.gu, 2 * dv, S.ut, S.q, d, S.k, d, scale, S.DX, S.gc,
                                 dq + tok * d, G * d, dk + tok * d, G * d, true);
-      small_gemm<T>(W, dv, W, S.X, 1, W, S.u1, dv, dv_out + tok * dv, G * dv, true);  // dv += A^T dz1
+      small_gemm<T>(W, dv, W, S.X, 1, W, dz, 2 * dv, dv_out + tok * dv, G * dv, true);  // dv += A^T dz1
       reverse_cumsum_excl_first(W, S.gc, 1, gla + (b * N + i * W) * G + g, G);
     }
   });
