@@ -15,7 +15,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#endif
 
 #include "common/checks.h"
 #include "common/cpu_math.h"
@@ -107,8 +112,29 @@ __attribute__((target("avx,fma"))) static void small_gemm_f32_avx(int64_t R, int
       PPMA_PUT8(C + r0 * ldc + c0 + 8, s1);
     }
   }
+  // Narrower column blocks (eight, then four lanes), still four rows at a time so that the
+  // multiply-adds of a block are independent (one accumulator per row would be latency-bound).
   for (; c0 + 8 <= Cn; c0 += 8) {
-    for (int64_t r0 = 0; r0 < R; ++r0) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      ppma_v8f_avx s0{}, s1{}, s2{}, s3{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        ppma_v8f_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        const float* ak0 = a0 + k * ak;
+        s0 += ak0[0] * b0;
+        s1 += ak0[ar] * b0;
+        s2 += ak0[2 * ar] * b0;
+        s3 += ak0[3 * ar] * b0;
+      }
+      float* cp = C + r0 * ldc + c0;
+      PPMA_PUT8(cp, s0);
+      PPMA_PUT8(cp + ldc, s1);
+      PPMA_PUT8(cp + 2 * ldc, s2);
+      PPMA_PUT8(cp + 3 * ldc, s3);
+    }
+    for (; r0 < R; ++r0) {
       ppma_v8f_avx s0{};
       for (int64_t k = 0; k < K; ++k) {
         ppma_v8f_avx b0;
@@ -119,7 +145,49 @@ __attribute__((target("avx,fma"))) static void small_gemm_f32_avx(int64_t R, int
     }
   }
 #undef PPMA_PUT8
-  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 8 columns
+  typedef float v4_avx __attribute__((vector_size(16)));
+#define PPMA_PUT4(cptr, v)                        \
+  do {                                            \
+    v4_avx t_ = (v) * alpha;                      \
+    if (accumulate) {                             \
+      v4_avx o_;                                  \
+      std::memcpy(&o_, (cptr), sizeof(o_));       \
+      t_ += o_;                                   \
+    }                                             \
+    std::memcpy((cptr), &t_, sizeof(t_));         \
+  } while (0)
+  for (; c0 + 4 <= Cn; c0 += 4) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) {
+      v4_avx s0{}, s1{}, s2{}, s3{};
+      const float* a0 = A + r0 * ar;
+      for (int64_t k = 0; k < K; ++k) {
+        v4_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        const float* ak0 = a0 + k * ak;
+        s0 += ak0[0] * b0;
+        s1 += ak0[ar] * b0;
+        s2 += ak0[2 * ar] * b0;
+        s3 += ak0[3 * ar] * b0;
+      }
+      float* cp = C + r0 * ldc + c0;
+      PPMA_PUT4(cp, s0);
+      PPMA_PUT4(cp + ldc, s1);
+      PPMA_PUT4(cp + 2 * ldc, s2);
+      PPMA_PUT4(cp + 3 * ldc, s3);
+    }
+    for (; r0 < R; ++r0) {
+      v4_avx s0{};
+      for (int64_t k = 0; k < K; ++k) {
+        v4_avx b0;
+        std::memcpy(&b0, Bt + k * bs + c0, sizeof(b0));
+        s0 += A[r0 * ar + k * ak] * b0;
+      }
+      PPMA_PUT4(C + r0 * ldc + c0, s0);
+    }
+  }
+#undef PPMA_PUT4
+  for (int64_t r = 0; r < R; ++r) {  // the last Cn % 4 columns
     float* cr = C + r * ldc;
     for (int64_t c = c0; c < Cn; ++c) {
       float acc = 0;
@@ -201,6 +269,27 @@ inline void small_gemm<float>(int64_t R, int64_t Cn, int64_t K, const float* A, 
 }
 #endif
 
+// Runs body(t, scratch) over the tasks like parallel_tasks, with every task body compiled a second
+// time for AVX + FMA (flattened: the line kernels' elementwise loops, gathers and scatters inlined and
+// vectorised eight lanes wide) and that copy chosen at run time where the CPU has them.
+#ifdef PPMA_HAVE_AVX_GEMM
+template <typename Body, typename S>
+__attribute__((target("avx,fma"), flatten)) void run_task_avx(const Body& body, int64_t t, S& scratch) {
+  body(t, scratch);
+}
+#endif
+
+template <typename Init, typename Body>
+inline void parallel_lines(int64_t ntasks, const Init& init, const Body& body) {
+#ifdef PPMA_HAVE_AVX_GEMM
+  if (cpu_has_avx_fma()) {
+    parallel_tasks(ntasks, init, [&](int64_t t, auto& scratch) { run_task_avx(body, t, scratch); });
+    return;
+  }
+#endif
+  parallel_tasks(ntasks, init, body);
+}
+
 // X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n];
 // c holds the line's prefix sums; bias = c_max - c_min (position order).
 template <typename T, int DC>
@@ -247,16 +336,17 @@ inline void line_apply_t(int64_t n, int64_t dv, const T* P, const T* Gm, int64_t
 }
 
 // Backward of one line's softmax attention, given the map P [n][n] and the gradient of the map
-// dP[j][l] = <G1_j, U1_l> + <G2_j, U2_l> (G rows strided, U given transposed [dv][n]):
+// dP[j][l] = <Gm_j, U_l> over 2 dv columns (Gm [n][2 dv] with row stride gs holds two operands side by
+// side, Ut [2 dv][n] the two matching ones transposed and stacked: dP = G1 U1^T + G2 U2^T in one product):
 //   dX = P * (dP - rowsum(P * dP)) (written into dP's scratch DX),
 //   prefix-sum gradient of the line into gc (then reverse-cumsummed by the caller),
-//   dq_j = scale * sum_l dX[j][l] K_l (written, stride dqs), dk_l += sum_j dX[j][l] Qs_j (accumulated).
+//   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) sum_j dX[j][l] Qs_j (row strides dqs / dks; written,
+//   or added to what is there when accumulate).
 template <typename T, int DC, int DVC>
-inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* G1, const T* G2, int64_t gs,
-                          const T* U1t, const T* U2t, const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
-                          T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks) {
-  small_gemm<T>(n, n, dv, G1, gs, 1, U1t, n, DX, n, false);
-  small_gemm<T>(n, n, dv, G2, gs, 1, U2t, n, DX, n, true);
+inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T* Gm, int64_t gs, const T* Ut,
+                          const T* Q, int64_t qs, const T* K, int64_t ks, T scale,
+                          T* DX, T* gc, T* dq, int64_t dqs, T* dk, int64_t dks, bool accumulate) {
+  small_gemm<T>(n, n, 2 * dv, Gm, gs, 1, Ut, n, DX, n, false);  // dP, one product over 2 dv
   std::fill(gc, gc + n, T(0));
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = DX + j * n;
@@ -279,8 +369,8 @@ inline void line_backward(int64_t n, int64_t d, int64_t dv, const T* P, const T*
     }
     gc[j] += sneg - spos;
   }
-  small_gemm<T>(n, d, n, DX, n, 1, K, ks, dq, dqs, false, scale);  // dq = scale dX K
-  small_gemm<T>(n, d, n, DX, 1, n, Q, qs, dk, dks, true);          // dk += dX^T Qs
+  small_gemm<T>(n, d, n, DX, n, 1, K, ks, dq, dqs, accumulate, scale);  // dq (+)= scale dX K
+  small_gemm<T>(n, d, n, DX, 1, n, Q, qs, dk, dks, accumulate);         // dk (+)= dX^T Qs
 }
 
 // Rows of a line gathered into contiguous per-thread scratch: dst[r][e] = a * src[r * ss + e].
@@ -297,17 +387,71 @@ inline void gather_rows(int64_t n, int64_t c, const T* src, int64_t ss, T* __res
   }
 }
 
+#ifdef PPMA_HAVE_AVX_GEMM
+// gather_rows_t for float with AVX: 8 x 8 blocks transposed in registers (an exact copy).
+__attribute__((target("avx"))) static void gather_rows_t_f32_avx(int64_t n, int64_t c, const float* src,
+                                                                  int64_t ss, float* __restrict dst) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= n; r0 += 8) {
+    int64_t e0 = 0;
+    for (; e0 + 8 <= c; e0 += 8) {
+      __m256 x[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r0 + i) * ss + e0);
+      const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+      float* o = dst + e0 * n + r0;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + n, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * n, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * n, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * n, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * n, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * n, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * n, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+    for (int64_t r = r0; r < r0 + 8; ++r)
+      for (int64_t e = e0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
+  }
+  for (int64_t r = r0; r < n; ++r)
+    for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
+}
+#endif
+
+// gather_rows with a destination row stride: dst[r * ds + e] = a * src[r * ss + e].
+template <typename T>
+inline void gather_rows_ld(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst, int64_t ds,
+                           T a = T(1)) {
+  for (int64_t r = 0; r < n; ++r) {
+    const T* s = src + r * ss;
+    T* o = dst + r * ds;
+    if (a == T(1)) {
+      for (int64_t e = 0; e < c; ++e) o[e] = s[e];
+    } else {
+      for (int64_t e = 0; e < c; ++e) o[e] = a * s[e];
+    }
+  }
+}
+
 // Rows of a line gathered transposed: dst[e][r] = src[r * ss + e].
 template <typename T>
 inline void gather_rows_t(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
+#ifdef PPMA_HAVE_AVX_GEMM
+  if constexpr (std::is_same<T, float>::value) {
+    if (cpu_has_avx_fma()) return gather_rows_t_f32_avx(n, c, src, ss, dst);
+  }
+#endif
   for (int64_t r = 0; r < n; ++r)
     for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
-}
-
-template <typename T>
-inline void scatter_rows(int64_t n, int64_t c, const T* __restrict src, T* dst, int64_t ds) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t e = 0; e < c; ++e) dst[r * ds + e] = src[r * c + e];
 }
 
 // The inputs are read in their own layout [B, N, G, *] (no packed copies): a row line of head (b, g)
@@ -328,10 +472,10 @@ struct CCData {
 template <typename T>
 struct LineScratch {
   std::vector<T> buf;
-  T *X, *DX, *q, *k, *kt, *v, *vt, *g, *u1, *u1t, *u2, *u3, *rq, *rk, *gc;
+  T *X, *DX, *q, *k, *kt, *v, *g, *u1, *u2, *gu, *ut, *gc;
   LineScratch(int64_t n, int64_t d, int64_t dv, bool backward) {
     const int64_t nn = n * n, nd = n * d, nv = n * dv;
-    buf.resize(backward ? 2 * nn + 5 * nd + 6 * nv + n : nn + 2 * nd + 3 * nv + n);
+    buf.resize(backward ? 2 * nn + 3 * nd + 8 * nv + n : nn + 2 * nd + 3 * nv + n);
     T* p = buf.data();
     auto take = [&](int64_t m) {
       T* r = p;
@@ -345,15 +489,13 @@ struct LineScratch {
     u1 = take(nv);
     u2 = take(nv);
     gc = take(n);
-    DX = k = vt = g = u1t = u3 = rq = rk = nullptr;
+    DX = k = g = gu = ut = nullptr;
     if (backward) {
       DX = take(nn);
       k = take(nd);
-      rq = take(nd);
-      rk = take(nd);
-      vt = take(nv);
       g = take(nv);
-      u1t = take(nv);
+      gu = take(2 * nv);  // [n][2 dv]: two line operands side by side
+      ut = take(2 * nv);  // [2 dv][n]: two transposed line operands stacked
     }
   }
 };
@@ -364,7 +506,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   const int64_t B = D.B, G = D.G, H = D.H, W = D.W, N = D.N, d = D.d, dv = D.dv;
   const int64_t BG = B * G, n = std::max(H, W);
   // Phase 1: rows. A, lse0, z1 = A v.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
@@ -377,7 +519,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
     }
   });
   // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
-  parallel_tasks(
+  parallel_lines(
       BG * W, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
@@ -388,16 +530,12 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
       gather_rows(H, dv, Z + tok * dv, cs * dv, S.u1);
       line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
       line_softmax(H, S.X, lse + tok * 2 + 1, cs * 2);
-      line_apply<T, DVC>(H, dv, S.X, S.u1, dv, S.u2, dv);  // o1 = B z1
-      for (int64_t k = 0; k < H; ++k) {
-        T* o = out + (tok + k * cs) * dv;
-        for (int64_t e = 0; e < dv; ++e) o[e] = T(0.5) * S.u2[k * dv + e];
-      }
+      small_gemm<T>(H, dv, H, S.X, H, 1, S.u1, dv, out + tok * dv, cs * dv, false, T(0.5));  // out = 0.5 B z1
       line_apply<T, DVC>(H, dv, S.X, S.v, dv, Z + tok * dv, cs * dv);  // z2 = B v
     }
   });
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, false); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
@@ -406,11 +544,7 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
       gather_rows(W, dv, Z + tok * dv, G * dv, S.u1);
       line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
       line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
-      line_apply<T, DVC>(W, dv, S.X, S.u1, dv, S.u2, dv);
-      for (int64_t j = 0; j < W; ++j) {
-        T* o = out + (tok + j * G) * dv;
-        for (int64_t e = 0; e < dv; ++e) o[e] += T(0.5) * S.u2[j * dv + e];
-      }
+      small_gemm<T>(W, dv, W, S.X, W, 1, S.u1, dv, out + tok * dv, G * dv, true, T(0.5));  // out += 0.5 A z2
     }
   });
 }
@@ -425,7 +559,7 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
   const int64_t BG = B * G, n = std::max(H, W);
   const T scale = D.scale;
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
@@ -440,7 +574,7 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
     }
   });
   // Phase 2: columns. z2 = B v, dz1 = B^T g; dB = g z1^T + dz2 v^T; column grads; grad log_beta.
-  parallel_tasks(
+  parallel_lines(
       BG * W, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / W, l = t % W, b = bg / G, g = bg % G, tok = (b * N + l) * G + g;
@@ -449,52 +583,43 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
       gather_rows(H, d, D.k + tok * d, cs * d, S.k);
       gather_rows_t(H, d, D.k + tok * d, cs * d, S.kt);
       gather_rows(H, dv, D.v + tok * dv, cs * dv, S.v);
-      gather_rows_t(H, dv, D.v + tok * dv, cs * dv, S.vt);
-      gather_rows(H, dv, go + tok * dv, cs * dv, S.g, T(0.5));
-      gather_rows_t(H, dv, ZA + tok * dv, cs * dv, S.u1t);  // z1^T
-      gather_rows(H, dv, ZB + tok * dv, cs * dv, S.u1);     // dz2
+      T *gl = S.gu, *dz = S.gu + dv;                          // [g | dz2], row stride 2 dv
+      gather_rows_ld(H, dv, go + tok * dv, cs * dv, gl, 2 * dv, T(0.5));
+      gather_rows_ld(H, dv, ZB + tok * dv, cs * dv, dz, 2 * dv);  // dz2
+      gather_rows_t(H, dv, ZA + tok * dv, cs * dv, S.ut);           // [z1^T ; v^T]
+      gather_rows_t(H, dv, D.v + tok * dv, cs * dv, S.ut + dv * H);
       line_logits<T, DC>(H, d, S.q, d, S.kt, D.cct + (bg * W + l) * H, S.X);
       line_softmax_from_lse(H, S.X, lse + tok * 2 + 1, cs * 2);
-      std::fill(S.rk, S.rk + H * d, T(0));
-      line_backward<T, DC, DVC>(H, d, dv, S.X, S.g, S.u1, dv, S.u1t, S.vt, S.q, d, S.k, d, scale, S.DX, S.gc,
-                                S.rq, d, S.rk, d);
-      scatter_rows(H, d, S.rq, dq + tok * d, cs * d);
-      scatter_rows(H, d, S.rk, dk + tok * d, cs * d);
+      line_backward<T, DC, DVC>(H, d, dv, S.X, S.gu, 2 * dv, S.ut, S.q, d, S.k, d, scale, S.DX, S.gc,
+                                dq + tok * d, cs * d, dk + tok * d, cs * d, false);
       // dv (column part) = B^T dz2
-      line_apply_t<T, DVC>(H, dv, S.X, S.u1, dv, dv_out + tok * dv, cs * dv);
+      line_apply_t<T, DVC>(H, dv, S.X, dz, 2 * dv, dv_out + tok * dv, cs * dv);
       reverse_cumsum_excl_first(H, S.gc, 1, glb + (b * N + l) * G + g, W * G);
       // z2 = B v and dz1 = B^T g replace z1 and dz2 of this column.
       line_apply<T, DVC>(H, dv, S.X, S.v, dv, ZA + tok * dv, cs * dv);
-      line_apply_t<T, DVC>(H, dv, S.X, S.g, dv, ZB + tok * dv, cs * dv);
+      line_apply_t<T, DVC>(H, dv, S.X, gl, 2 * dv, ZB + tok * dv, cs * dv);
     }
   });
   // Phase 3: rows. dA = dz1 v^T + g z2^T; row grads; grad log_alpha; final sums.
-  parallel_tasks(
+  parallel_lines(
       BG * H, [&] { return LineScratch<T>(n, d, dv, true); }, [&](int64_t t, LineScratch<T>& S) {
     {
       const int64_t bg = t / H, i = t % H, b = bg / G, g = bg % G, tok = (b * N + i * W) * G + g;
       gather_rows(W, d, D.q + tok * d, G * d, S.q, scale);
       gather_rows(W, d, D.k + tok * d, G * d, S.k);
       gather_rows_t(W, d, D.k + tok * d, G * d, S.kt);
-      gather_rows_t(W, dv, D.v + tok * dv, G * dv, S.vt);
-      gather_rows(W, dv, go + tok * dv, G * dv, S.g, T(0.5));
-      gather_rows_t(W, dv, ZA + tok * dv, G * dv, S.u1t);  // z2^T
-      gather_rows(W, dv, ZB + tok * dv, G * dv, S.u1);     // dz1
+      T* dz = S.gu + dv;                                    // [g | dz1], row stride 2 dv
+      gather_rows_ld(W, dv, go + tok * dv, G * dv, S.gu, 2 * dv, T(0.5));
+      gather_rows_ld(W, dv, ZB + tok * dv, G * dv, dz, 2 * dv);  // dz1
+      gather_rows_t(W, dv, ZA + tok * dv, G * dv, S.ut);           // [z2^T ; v^T]
+      gather_rows_t(W, dv, D.v + tok * dv, G * dv, S.ut + dv * W);
       line_logits<T, DC>(W, d, S.q, d, S.kt, D.cr + (bg * H + i) * W, S.X);
       line_softmax_from_lse(W, S.X, lse + tok * 2, G * 2);
-      std::fill(S.rk, S.rk + W * d, T(0));
-      line_backward<T, DC, DVC>(W, d, dv, S.X, S.u1, S.g, dv, S.vt, S.u1t, S.q, d, S.k, d, scale, S.DX, S.gc,
-                                S.rq, d, S.rk, d);
-      line_apply_t<T, DVC>(W, dv, S.X, S.u1, dv, S.u2, dv);  // dv row part = A^T dz1
+      // The row parts are added to the column parts in place.
+      line_backward<T, DC, DVC>(W, d, dv, S.X, S.gu, 2 * dv, S.ut, S.q, d, S.k, d, scale, S.DX, S.gc,
+                                dq + tok * d, G * d, dk + tok * d, G * d, true);
+      small_gemm<T>(W, dv, W, S.X, 1, W, dz, 2 * dv, dv_out + tok * dv, G * dv, true);  // dv += A^T dz1
       reverse_cumsum_excl_first(W, S.gc, 1, gla + (b * N + i * W) * G + g, G);
-      for (int64_t j = 0; j < W; ++j) {
-        const int64_t o = tok + j * G;
-        for (int64_t e = 0; e < d; ++e) {
-          dq[o * d + e] += S.rq[j * d + e];
-          dk[o * d + e] += S.rk[j * d + e];
-        }
-        for (int64_t e = 0; e < dv; ++e) dv_out[o * dv + e] += S.u2[j * dv + e];
-      }
     }
   });
 }
