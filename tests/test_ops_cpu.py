@@ -239,3 +239,19 @@ def test_thread_count_does_not_change_results():
     assert torch.equal(res[0][0], res[1][0])
     for a, b in zip(res[0][1], res[1][1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(os.environ.get("PPMA_CPU_BASELINE") == "1", reason="already running on the baseline path")
+def test_baseline_x86_64_path_matches_reference():
+    """The AVX+FMA kernel variants are chosen at run time; PPMA_CPU_BASELINE=1 forces the baseline x86-64 code
+    (what CPUs without AVX/FMA run). Check that path too, in a fresh process."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PPMA_CPU_BASELINE": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.join(here, "test_ops_cpu.py"),
+           "-k", "matches_reference or low_precision or gradcheck or deterministic"]
+    res = subprocess.run(cmd, env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout

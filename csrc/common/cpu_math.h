@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -187,10 +188,15 @@ __attribute__((target("avx,fma"))) inline int64_t exp_shift_avx(int64_t n, float
   return e;
 }
 
-inline bool cpu_math_has_avx_fma() {
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma");
-  return has;
+// Whether the AVX+FMA kernel variants may run: the CPU supports them and PPMA_CPU_BASELINE is not set
+// (PPMA_CPU_BASELINE=1 forces the baseline x86-64 code, so tests can check it on AVX machines too).
+inline bool cpu_avx_fma_enabled() {
+  static const bool enabled = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma") &&
+                              !(std::getenv("PPMA_CPU_BASELINE") && std::getenv("PPMA_CPU_BASELINE")[0] == '1');
+  return enabled;
 }
+
+inline bool cpu_math_has_avx_fma() { return cpu_avx_fma_enabled(); }
 #define PPMA_HAVE_AVX_EXP 1
 #endif
 

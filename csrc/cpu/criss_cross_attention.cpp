@@ -197,10 +197,7 @@ __attribute__((target("avx,fma"))) static void small_gemm_f32_avx(int64_t R, int
   }
 }
 
-inline bool cpu_has_avx_fma() {
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma");
-  return has;
-}
+inline bool cpu_has_avx_fma() { return cpu_avx_fma_enabled(); }
 #define PPMA_HAVE_AVX_GEMM 1
 #endif
 
