@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 
 from ppma import _ext
-from ppma.ops._validate import check_attention_inputs, lse_dtype, no_double_backward, use_fused
+from ppma.ops._validate import (
+    check_attention_inputs,
+    fake_attention_grads,
+    input_grads,
+    lse_dtype,
+    no_double_backward,
+    use_fused,
+)
 from ppma.ops.reference import polyline_attention_ref
 
 _OP = "polyline_attention"
@@ -49,13 +56,7 @@ def _fake(q, k, v, log_alpha, log_beta, scale):
 
 
 def _fake_backward(grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, scale):
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-        log_alpha.new_empty(log_alpha.shape),
-        log_beta.new_empty(log_beta.shape),
-    )
+    return fake_attention_grads(q, k, v, log_alpha, log_beta)
 
 
 def _setup_context(ctx, inputs, output):
@@ -72,7 +73,7 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
     grads = torch.ops.ppma.polyline_attention_backward(
         grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, ctx.scale
     )
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:5])) + (None,)
+    return input_grads(ctx, grads)
 
 
 if _ext.has_ext():

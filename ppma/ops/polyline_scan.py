@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ppma import _ext
-from ppma.ops._validate import check_scan_inputs, no_double_backward, use_fused
+from ppma.ops._validate import check_scan_inputs, input_grads, no_double_backward, use_fused
 from ppma.ops.reference import polyline_scan_ref
 
 _OP = "polyline_scan"
@@ -53,7 +53,7 @@ def _backward(ctx, grad_y):
     no_double_backward(_OP)
     x, log_alpha, log_beta = ctx.saved_tensors
     grads = torch.ops.ppma.polyline_scan_backward(grad_y, x, log_alpha, log_beta, ctx.transpose)
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:3])) + (None,)
+    return input_grads(ctx, grads)
 
 
 if _ext.has_ext():

@@ -27,6 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ppma.ops._validate import check_attention_shapes, check_scan_shapes
+
 __all__ = [
     "path_log_decays_ref",
     "prefix_sum_excl_first",
@@ -147,18 +149,6 @@ def polyline_mask(log_alpha: torch.Tensor, log_beta: torch.Tensor, transpose: bo
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_qkv(q, k, v, log_alpha, log_beta) -> None:
-    if q.dim() != 5:
-        raise ValueError(f"q must be [B, H, W, heads, d], got shape {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.dim() != 5 or v.shape[:4] != q.shape[:4]:
-        raise ValueError(f"v must be [B, H, W, heads, dv] matching q {tuple(q.shape)}, got {tuple(v.shape)}")
-    for name, t in (("log_alpha", log_alpha), ("log_beta", log_beta)):
-        if t.shape != q.shape[:4]:
-            raise ValueError(f"{name} must be [B, H, W, heads] = {tuple(q.shape[:4])}, got {tuple(t.shape)}")
-
-
 def polyline_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,7 +163,7 @@ def polyline_attention_ref(
     ``out = (0.5 softmax(S + M) + 0.5 softmax(S + M^T)) v``. Shapes: ``q, k [B, H, W, heads, d]``,
     ``v [B, H, W, heads, dv]``, ``log_alpha, log_beta [B, H, W, heads]`` -> ``[B, H, W, heads, dv]``.
     """
-    _check_qkv(q, k, v, log_alpha, log_beta)
+    check_attention_shapes("polyline_attention_ref", q, k, v, log_alpha, log_beta)
     B, H, W, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
     ct = _compute_dtype(q)
@@ -201,7 +191,7 @@ def criss_cross_attention_ref(
     ``B_l = softmax(scale q_l k_l^T + log beta-mask of column l)`` (H x H);
     ``out = 0.5 B (A v) + 0.5 A (B v)`` (the H2V and V2H orders). Shapes as in ``polyline_attention_ref``.
     """
-    _check_qkv(q, k, v, log_alpha, log_beta)
+    check_attention_shapes("criss_cross_attention_ref", q, k, v, log_alpha, log_beta)
     B, H, W, G, D = q.shape
     scale = D**-0.5 if scale is None else scale
     ct, out_dtype = _compute_dtype(q), v.dtype
@@ -243,11 +233,7 @@ def polyline_scan_ref(
     ``transpose=True``: rows first, then columns: ``y = L^T x`` (the H2V mask).
     ``x: [B, H, W, heads, c]``, ``log_alpha, log_beta: [B, H, W, heads]`` -> ``[B, H, W, heads, c]``.
     """
-    if x.dim() != 5:
-        raise ValueError(f"x must be [B, H, W, heads, c], got shape {tuple(x.shape)}")
-    for name, t in (("log_alpha", log_alpha), ("log_beta", log_beta)):
-        if t.shape != x.shape[:4]:
-            raise ValueError(f"{name} must be [B, H, W, heads] = {tuple(x.shape[:4])}, got {tuple(t.shape)}")
+    check_scan_shapes("polyline_scan_ref", x, log_alpha, log_beta)
     ct = _compute_dtype(x)
     la, lb = log_alpha.to(ct), log_beta.to(ct)
 
