@@ -1,7 +1,7 @@
 """Build script for ppma: a pure-Python package plus the ``ppma._C`` operator library.
 
 The C++ CPU kernels are always built. The CUDA kernels are built when the installed torch is a
-CUDA build and a CUDA toolkit is found, or when ``FORCE_CUDA=1`` (design §4). ``PPMA_NO_CUDA=1``
+CUDA build and a CUDA toolkit is found, or when ``FORCE_CUDA=1`` (README "Install"). ``PPMA_NO_CUDA=1``
 turns them off. Install with ``pip install --no-build-isolation -e .`` after installing torch,
 so that pip never downloads another torch into a build environment.
 """
@@ -35,9 +35,11 @@ def _extensions():
     with_cuda = not _flag("PPMA_NO_CUDA") and (
         _flag("FORCE_CUDA") or (torch.version.cuda is not None and CUDA_HOME is not None)
     )
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # -Wno-psabi: GCC notes that the 8-lane vector helpers of csrc/cpu/simd.h would pass vectors in another
+    # calling convention without AVX; they are always inlined into AVX functions, so no such call exists.
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wno-psabi"]
     if _flag("PPMA_DEBUG"):
-        cxx = ["-O0", "-g", "-std=c++17", "-fopenmp"]
+        cxx = ["-O0", "-g", "-std=c++17", "-fopenmp", "-Wno-psabi"]
     include_dirs = [csrc]
     if with_cuda and cuda_sources:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile check of the CUDA code without a GPU (design §4).
+# Compile check of the CUDA code without a GPU.
 #  1. every csrc/kernels/*.cuh in a translation unit of its own, with its templates explicitly instantiated for
 #     float / half / bfloat16 / double and the head-dim paths, for sm_80 and sm_90;
 #  2. the host launchers csrc/cuda/*.cu against the installed torch's headers (sm_90 only).
@@ -13,7 +13,7 @@ fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 JOBS=${MAX_JOBS:-2}
-NVFLAGS=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -lineinfo -Icsrc/kernels -Werror cross-execution-space-call)
+NVFLAGS=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -lineinfo -Icsrc/kernels -Icsrc -Werror cross-execution-space-call)
 fail=0
 
 # double is compiled by the launchers (sm_90); the kernel TUs cover the fp32/fp16/bf16 paths on both archs

@@ -1,4 +1,4 @@
-// Operator schemas of the ppma library (design §2). One place for every op and
+// Operator schemas of the ppma library (docs/ops.md). One place for every op and
 // every backward op; each backend registers its kernels with
 // TORCH_LIBRARY_IMPL(ppma, <Key>, m) at the bottom of its own file.
 //

@@ -69,7 +69,7 @@ inline void check_shape(const char* op, const char* name, const at::Tensor& t, a
   check_floating(op, name, t);
 }
 
-// Accumulation dtype: float64 for float64 inputs, float32 otherwise (semantics: fp32 statistics).
+// Accumulation dtype: float64 for float64 inputs, float32 otherwise (docs/ops.md "Numerics").
 inline at::ScalarType acc_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

@@ -1,4 +1,5 @@
-// CPU kernels of ppma::polyline_attention (the official "whole" mode, spec §3.4) and its backward.
+// CPU kernels of ppma::polyline_attention (the official "whole" mode, spec §3.4;
+// docs/ops.md "polyline_attention") and its backward.
 //
 // Per (batch, head) and tile of TQ queries, the logits against all N keys are computed once by BLAS
 // into per-thread scratch (TQ x N, linear in N) and shared by two exact softmaxes, one with the V2H bias M[p, s] = R_i(j, l) + C_l(i, k)
@@ -17,9 +18,9 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/cpu_math.h"
-#include "common/cpu_utils.h"
 #include "common/math.h"
+#include "cpu/simd.h"
+#include "cpu/utils.h"
 
 namespace ppma {
 namespace cpu {
@@ -70,10 +71,10 @@ inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T
       T* __restrict y2 = X2 + a * N + k * W;
       const T* crK = cr + k * W;
       const T* ccK = cc + k * W;
-      const T sk = pos_sign<T>(k, i);
+      const T sk = sgn_diff<T>(k, i);  // the column bias C(i, k) = sk * (cc[k] - cc[i]) (0 on the query's row)
       const T ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
       const T crKj = crK[j];
-      // keys l < j: R = crX[j] - crX[l]; keys l >= j: R = crX[l] - crX[j]
+      // line_bias (common/math.h) with its branch hoisted: keys l < j: R = crX[j] - crX[l]; l >= j: crX[l] - crX[j]
 #pragma omp simd
       for (int64_t l = 0; l < j; ++l) {
         const T sv = y1[l];
@@ -95,8 +96,8 @@ template <typename T>
 inline void logits_block(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* X1, T* X2) {
   const int64_t N = D.N, G = D.G, d = D.d, b = bg / G, g = bg % G;
   at::Tensor s = mat(X1, tq, N, N);
-  gemm(s, mat(D.q + ((b * N + p0) * G + g) * d, tq, d, G * d), mat(D.k + (b * N * G + g) * d, N, d, G * d).t(),
-       static_cast<double>(D.scale), 0.0);
+  const at::Tensor qm = mat(D.q + token_index(N, G, b, p0, g) * d, tq, d, G * d);
+  gemm(s, qm, mat(D.k + token_index(N, G, b, 0, g) * d, N, d, G * d).t(), static_cast<double>(D.scale), 0.0);
   add_biases(D, bg, p0, tq, X1, X2);
 }
 
@@ -117,23 +118,25 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
       const int64_t b = bg / G, g = bg % G;
       logits_block(D, bg, p0, tq, X1, X2);
       T inv1[TQ], inv2[TQ];
-      for (int64_t a = 0; a < tq; ++a) {
-        T* x1 = X1 + a * N;
-        T* x2 = X2 + a * N;
-        const T m1 = max_of(N, x1), m2 = max_of(N, x2);
-        const T l1 = exp_shift_sum(N, x1, m1), l2 = exp_shift_sum(N, x2, m2);
-        inv1[a] = T(1) / l1;
-        inv2[a] = T(1) / l2;
-        const int64_t o = (b * N + p0 + a) * G + g;
-        lse[o * 2 + 0] = m1 + std::log(l1);
-        lse[o * 2 + 1] = m2 + std::log(l2);
-      }
-      at::Tensor vb = mat(D.v + (b * N * G + g) * dv, N, dv, G * dv);
+      with_lanes([&](auto ln) {
+        for (int64_t a = 0; a < tq; ++a) {
+          T* x1 = X1 + a * N;
+          T* x2 = X2 + a * N;
+          const T m1 = max_of(N, x1), m2 = max_of(N, x2);
+          const T l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+          inv1[a] = T(1) / l1;
+          inv2[a] = T(1) / l2;
+          const int64_t o = token_index(N, G, b, p0 + a, g);
+          lse[o * 2 + 0] = m1 + std::log(l1);
+          lse[o * 2 + 1] = m2 + std::log(l2);
+        }
+      });
+      at::Tensor vb = mat(D.v + token_index(N, G, b, 0, g) * dv, N, dv, G * dv);
       at::Tensor ob1 = o1.narrow(0, 0, tq), ob2 = o2.narrow(0, 0, tq);
       gemm(ob1, mat(X1, tq, N, N), vb, 1.0, 0.0);
       gemm(ob2, mat(X2, tq, N, N), vb, 1.0, 0.0);
       for (int64_t a = 0; a < tq; ++a) {
-        const int64_t o = (b * N + p0 + a) * G + g;
+        const int64_t o = token_index(N, G, b, p0 + a, g);
         T* ov = out_v2h + o * dv;
         T* oo = out + o * dv;
         const T i1 = inv1[a], i2 = inv2[a];
@@ -229,12 +232,12 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
       T* gcr = pdv + N * dv;
       T* gcc = gcr + N;
       at::Tensor dkm = mat(pdk, N, d, d), dvm = mat(pdv, N, dv, dv);
-      at::Tensor km = mat(D.k + (b * N * G + g) * d, N, d, G * d);
-      at::Tensor vm = mat(D.v + (b * N * G + g) * dv, N, dv, G * dv);
+      at::Tensor km = mat(D.k + token_index(N, G, b, 0, g) * d, N, d, G * d);
+      at::Tensor vm = mat(D.v + token_index(N, G, b, 0, g) * dv, N, dv, G * dv);
       const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
       for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
         const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
-        const int64_t row0 = (b * N + p0) * G + g;  // first query row in the [B, N, G, .] layouts
+        const int64_t row0 = token_index(N, G, b, p0, g);  // first query row in the [B, N, G, .] layouts
         logits_block(D, bg, p0, tq, X1, X2);
         // DP = 0.5 dO v^T
         at::Tensor gom = mat(go + row0 * dv, tq, dv, G * dv);
@@ -257,8 +260,10 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           T* __restrict x2 = X2 + a * N;
           T* __restrict dp = DP + a * N;
           T* __restrict g1 = G1 + a * N;
-          exp_shift(N, x1, ls1);  // P1
-          exp_shift(N, x2, ls2);  // P2
+          with_lanes([&](auto ln) {
+            exp_shift(ln, N, x1, ls1);  // P1
+            exp_shift(ln, N, x2, ls2);  // P2
+          });
 #pragma omp simd
           for (int64_t c = 0; c < N; ++c) {
             const T p1 = x1[c], p2 = x2[c];
@@ -275,7 +280,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
             if (k == i) {
               bias_grad_segment_same_row(int64_t(0), j, W, j, g1 + i * W, x2 + i * W, gcr + i * W);
             } else {
-              bias_grad_segment(int64_t(0), j, W, j, pos_sign<T>(k, i), g1 + k * W, x2 + k * W, gcr + i * W,
+              bias_grad_segment(int64_t(0), j, W, j, sgn_diff<T>(k, i), g1 + k * W, x2 + k * W, gcr + i * W,
                                 gcc + i * W, gcr + k * W, gcc + k * W);
             }
           }
@@ -307,8 +312,8 @@ void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T
       std::fill(row.begin(), row.end(), T(0));
       for (int64_t j = 0; j < W; ++j) {
         const int64_t p = i * W + j;
-        T* ok = dk + ((b * N + p) * G + g) * d;
-        T* ov = dv_out + ((b * N + p) * G + g) * dv;
+        T* ok = dk + token_index(N, G, b, p, g) * d;
+        T* ov = dv_out + token_index(N, G, b, p, g) * dv;
         std::fill(ok, ok + d, T(0));
         std::fill(ov, ov + dv, T(0));
         for (int64_t ch = 0; ch < nchunk; ++ch) {
@@ -318,7 +323,7 @@ void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T
           row[j] += pp[N * (d + dv) + p];
         }
       }
-      reverse_cumsum_excl_first(W, row.data(), 1, gla + ((b * N + i * W) * G + g), G);
+      decay_grads_from_prefix(W, row.data(), 1, gla + token_index(N, G, b, i * W, g), G);
     }
   });
   // Columns: grad log_beta (reverse cumsum along the column).
@@ -331,7 +336,7 @@ void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T
         const T* pc = part + (bg * nchunk + ch) * part_size + N * (d + dv + 1);
         for (int64_t i = 0; i < H; ++i) col[i] += pc[i * W + j];
       }
-      reverse_cumsum_excl_first(H, col.data(), 1, glb + ((b * N + j) * G + g), W * G);
+      decay_grads_from_prefix(H, col.data(), 1, glb + token_index(N, G, b, j, g), W * G);
     }
   });
 }
@@ -397,8 +402,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
       reduce_partials<scalar_t>(D, nchunk, part.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                                 dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
     });
-  } else {
-    dk.zero_(), dv_.zero_(), gla.zero_(), glb.zero_(), dq.zero_();
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv_.to(v.scalar_type()),
           gla.to(log_alpha.scalar_type()), glb.to(log_beta.scalar_type())};

@@ -1,4 +1,4 @@
-// CPU kernels of ppma::polyline_scan (spec §2, Algorithm 1) and its backward: linear-time first-order
+// CPU kernels of ppma::polyline_scan (spec §2, Algorithm 1; docs/ops.md "polyline_scan") and its backward: linear-time first-order
 // recurrences along the columns (log_beta) and rows (log_alpha) of every (batch, head).
 //
 // One line of n positions with log-decays a_0..a_{n-1} (a_0 unused) and A_ts = exp(c_max - c_min):
@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/cpu_math.h"
-#include "common/cpu_utils.h"
+#include "common/math.h"
+#include "cpu/simd.h"
 
 namespace ppma {
 namespace cpu {
@@ -103,13 +103,13 @@ struct Lines {
   // rows: B * G * H lines of W positions; columns: B * G * W lines of H positions.
   int64_t count(bool rows) const { return B * G * (rows ? H : W); }
   int64_t length(bool rows) const { return rows ? W : H; }
-  // token offset (in tokens x heads units, i.e. of the decay tensor) of the line's first position
+  // token index (of the decay tensor [B, H, W, heads]) of the line's first position, and the step between positions
   int64_t start(bool rows, int64_t idx) const {
     const int64_t per = rows ? H : W;
-    const int64_t bg = idx / per, r = idx % per, b = bg / G, g = bg % G;
-    return rows ? ((b * H + r) * W) * G + g : (b * H * W + r) * G + g;
+    const int64_t bg = idx / per, li = idx % per;
+    return token_index(H * W, G, bg / G, line_token(rows, li, 0, W), bg % G);
   }
-  int64_t step(bool rows) const { return rows ? G : W * G; }
+  int64_t step(bool rows) const { return line_stride(rows, W) * G; }
 };
 
 template <typename T>

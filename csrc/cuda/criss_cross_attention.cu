@@ -1,4 +1,4 @@
-// CUDA launchers of ppma::criss_cross_attention and its backward (design §2). Kernels:
+// CUDA launchers of ppma::criss_cross_attention and its backward (docs/ops.md "criss_cross_attention"). Kernels:
 // csrc/kernels/criss_cross_attention.cuh.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

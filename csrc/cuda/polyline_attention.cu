@@ -1,4 +1,4 @@
-// CUDA launchers of ppma::polyline_attention and its backward (design §2): argument checks, device
+// CUDA launchers of ppma::polyline_attention and its backward (docs/ops.md "polyline_attention"): argument checks, device
 // guard, current stream, dtype and head-dim dispatch, Params, checked launches. Kernels:
 // csrc/kernels/polyline_attention_{fwd,bwd}.cuh.
 #include <ATen/ATen.h>

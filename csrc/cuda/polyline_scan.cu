@@ -1,4 +1,4 @@
-// CUDA launchers of ppma::polyline_scan and its backward (design §2). Kernels: csrc/kernels/polyline_scan.cuh
+// CUDA launchers of ppma::polyline_scan and its backward (docs/ops.md "polyline_scan"). Kernels: csrc/kernels/polyline_scan.cuh
 // (per-line parallel recurrence, one thread per (line, channel)).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

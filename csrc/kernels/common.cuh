@@ -1,6 +1,7 @@
-// Device helpers shared by the ppma CUDA kernels: element conversions, accumulation types, the
-// thread-group dot products, the row-aligned tiling, the prefix-sum kernel and the reverse-cumsum
-// kernel that turns prefix-sum gradients into log-decay gradients. Torch-free (style rule 4).
+// Device helpers shared by the ppma CUDA kernels: element conversions, the thread-group dot products, the
+// row-aligned tiling, the prefix-sum kernel and the reverse-cumsum kernel that turns prefix-sum gradients into
+// log-decay gradients. The math they share with the CPU kernels (accumulation type, token addressing, prefix-sum
+// conventions, segment bias) is in common/math.h. Torch-free (style rule 4).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,9 +10,9 @@
 
 #include <cstdint>
 
+#include "common/math.h"
 #include "params.h"
 
-#define PPMA_HD __host__ __device__ __forceinline__
 #define PPMA_D __device__ __forceinline__
 
 namespace ppma {
@@ -19,16 +20,6 @@ namespace ppma {
 // ---------------------------------------------------------------------------------------------
 // Types
 // ---------------------------------------------------------------------------------------------
-
-// fp32 statistics and accumulation for float/half/bfloat16, fp64 for double (semantics: numerics).
-template <typename T>
-struct AccType {
-  using type = float;
-};
-template <>
-struct AccType<double> {
-  using type = double;
-};
 
 PPMA_D float to_acc(float x) { return x; }
 PPMA_D double to_acc(double x) { return x; }
@@ -62,24 +53,6 @@ PPMA_D float fast_exp(float x) { return __expf(x); }
 PPMA_D double fast_exp(double x) { return exp(x); }
 PPMA_D float fast_log(float x) { return __logf(x); }
 PPMA_D double fast_log(double x) { return log(x); }
-
-template <typename A>
-PPMA_HD A neg_inf() {
-  return -static_cast<A>(INFINITY);
-}
-
-// sign(a - b) as +1 / 0 / -1
-template <typename A>
-PPMA_HD A sgn_diff(int a, int b) {
-  return static_cast<A>((a > b) - (a < b));
-}
-
-// Bias of a pair of positions t, u on one line with prefix sums ct = c[t], cu = c[u] (semantics: written
-// in position order, c[max] - c[min], never with abs()).
-template <typename A>
-PPMA_HD A line_bias(int t, int u, A ct, A cu) {
-  return u >= t ? cu - ct : ct - cu;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Thread groups: TPQ consecutive lanes of a warp share one token; lane `sub` holds elements
@@ -153,7 +126,7 @@ struct RowTiling {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Prefix sums of the log-decays, excluding index 0 (semantics), into acc_t [BG][N].
+// Prefix sums of the log-decays (docs/ops.md "Prefix sums and biases"; line_prefix_sums), into acc_t [BG][N].
 // Threads: one per (bg, row) for cr, then one per (bg, column) for cc. Sequential along the line, which
 // keeps the sums deterministic; lines are at most a few hundred long.
 // ---------------------------------------------------------------------------------------------
@@ -167,30 +140,18 @@ __global__ void prefix_sums_kernel(PrefixParams<acc_t> p) {
     const int64_t bg = t / H;
     const int i = int(t % H), b = int(bg / G), g = int(bg % G);
     const acc_t* la = p.log_alpha + b * p.sa.b + i * p.sa.h + g * p.sa.g;
-    acc_t* out = p.cr + bg * N + int64_t(i) * W;
-    acc_t c = 0;
-    out[0] = 0;
-    for (int j = 1; j < W; ++j) {
-      c += la[j * p.sa.w];
-      out[j] = c;
-    }
+    line_prefix_sums(W, la, p.sa.w, p.cr + bg * N + int64_t(i) * W, 1);
   } else if (t < nrow + ncol) {
     const int64_t u = t - nrow;
     const int64_t bg = u / W;
     const int j = int(u % W), b = int(bg / G), g = int(bg % G);
     const acc_t* lb = p.log_beta + b * p.sb.b + j * p.sb.w + g * p.sb.g;
-    acc_t* out = p.cc + bg * N + j;
-    acc_t c = 0;
-    out[0] = 0;
-    for (int i = 1; i < H; ++i) {
-      c += lb[i * p.sb.h];
-      out[int64_t(i) * W] = c;
-    }
+    line_prefix_sums(H, lb, p.sb.h, p.cc + bg * N + j, W);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Log-decay gradients from prefix-sum gradients (semantics):
+// Log-decay gradients from prefix-sum gradients (docs/ops.md "Prefix sums and biases"; decay_grads_from_prefix):
 //   grad_cr(a, x) = own1[a, x] + own2[a, x] + sum over tables (x1, x2) of the entries of token (a, x)
 //   grad_log_alpha[a, n] = sum_{x >= n} grad_cr(a, x) for n >= 1, exactly 0 for n = 0 (reverse cumsum
 //   along each row); the same along each column for cc / log_beta.
@@ -239,24 +200,14 @@ __global__ void decay_grad_kernel(DecayGradParams<acc_t> p) {
   if (t < nrow) {
     const int64_t bg = t / H;
     const int a = int(t % H), b = int(bg / G), g = int(bg % G);
-    acc_t* out = p.g_log_alpha + ((int64_t(b) * H + a) * W) * G + g;
-    acc_t run = 0;
-    for (int x = W - 1; x >= 1; --x) {
-      run += token_grad(p.own_r, p.tab_r, tl, bg, a, x);
-      out[int64_t(x) * G] = run;
-    }
-    out[0] = 0;
+    decay_grads_from_prefix<acc_t>(W, [&](int x) { return token_grad(p.own_r, p.tab_r, tl, bg, a, x); },
+                                   p.g_log_alpha + token_index(int64_t(H) * W, G, b, int64_t(a) * W, g), G);
   } else if (t < nrow + ncol) {
     const int64_t u = t - nrow;
     const int64_t bg = u / W;
     const int x = int(u % W), b = int(bg / G), g = int(bg % G);
-    acc_t* out = p.g_log_beta + (int64_t(b) * H * W + x) * G + g;
-    acc_t run = 0;
-    for (int a = H - 1; a >= 1; --a) {
-      run += token_grad(p.own_c, p.tab_c, tl, bg, a, x);
-      out[int64_t(a) * W * G] = run;
-    }
-    out[0] = 0;
+    decay_grads_from_prefix<acc_t>(H, [&](int a) { return token_grad(p.own_c, p.tab_c, tl, bg, a, x); },
+                                   p.g_log_beta + token_index(int64_t(H) * W, G, b, x, g), int64_t(W) * G);
   }
 }
 

@@ -1,6 +1,6 @@
 // criss_cross_attention forward and backward: line attention within rows and within columns.
 //
-// Math (semantics.md), per (b, g): row attention of row i, A_i[t, u] = softmax_u(scale <q(i,t), k(i,u)>
+// Math (docs/ops.md "criss_cross_attention"), per (b, g): row attention of row i, A_i[t, u] = softmax_u(scale <q(i,t), k(i,u)>
 // + R_i(t, u)); column attention of column l, B_l[t, u] = softmax_u(scale <q(t,l), k(u,l)> + C_l(t, u));
 // both biases are c[max(t,u)] - c[min(t,u)] of the line's prefix sums (cr along rows, cc along columns).
 //   forward:  z1 = A v, out1 = B z1 (H2V);  z2 = B v, out2 = A z2 (V2H);  out = 0.5 (out1 + out2).
@@ -39,7 +39,7 @@ struct LineTraits {
 struct Line {
   bool rows;
   int li, W;
-  PPMA_HD int64_t pos(int t) const { return rows ? int64_t(li) * W + t : int64_t(t) * W + li; }
+  PPMA_HD int64_t pos(int t) const { return line_token(rows, li, t, W); }
 };
 
 // Contiguous [B, H, W, G, dim] strides.
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(128)
     const int t = valid ? tb + grp : L - 1;
     const int64_t pt = ln.pos(t);
     const acc_t ct = cb[pt];
-    const int64_t row = (int64_t(b) * N + pt) * G + g;
+    const int64_t row = token_index(N, G, b, pt, g);
     acc_t qr[SW];
     load_slice<SW>(qr, token_ptr(p.q, p.sq, b, g, pt, W), e0, d, p.scale);
     acc_t o0[SW], o1[SW];
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(128)
     const bool valid = tb + grp < L;
     const int t = valid ? tb + grp : L - 1;
     const int64_t pt = ln.pos(t);
-    const int64_t row = (int64_t(b) * N + pt) * G + g;
+    const int64_t row = token_index(N, G, b, pt, g);
     const acc_t ct = cb[pt], lse = p.lse[row * 2 + wl];
     acc_t qr[SW], hr[SW], gr[SW] = {}, pv[SW], pz[SW], xa[SW], ya[SW];
     load_slice<SW>(qr, token_ptr(p.q, p.sq, b, g, pt, W), e0, d, p.scale);
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(128)
     const bool valid = ubb + grp < L;
     const int u = valid ? ubb + grp : L - 1;
     const int64_t pu = ln.pos(u);
-    const int64_t row = (int64_t(b) * N + pu) * G + g;
+    const int64_t row = token_index(N, G, b, pu, g);
     const acc_t cu = cb[pu];
     acc_t kr[SW], vr[SW], zr[SW] = {}, th[SW], tg[SW], dka[SW];
     load_slice<SW>(kr, token_ptr(p.k, p.sk, b, g, pu, W), e0, d, p.scale);
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(128)
       for (int r = tid; r < BN; r += NT) {
         const int64_t pr = ln.pos(tb + r < L ? tb + r : L - 1);
         c_s[r] = cb[pr];
-        lse_s[r] = p.lse[((int64_t(b) * N + pr) * G + g) * 2 + wl];
+        lse_s[r] = p.lse[token_index(N, G, b, pr, g) * 2 + wl];
         D_s[r] = FULL ? p.delta[int64_t(bg) * N + pr] : acc_t(0);
       }
       __syncthreads();

@@ -26,7 +26,7 @@ struct GridSizes {
   int d = 0, dv = 0;               // head dim of q/k and of v (polyline_scan: channels in dv, d unused)
 };
 
-// Prefix sums of the log-decays (semantics: excluding index 0), acc_t [BG][N]:
+// Prefix sums of the log-decays (docs/ops.md "Prefix sums and biases": excluding index 0), acc_t [BG][N]:
 // cr[bg][i*W+j] = sum_{1<=n<=j} log_alpha[b,i,n,g], cc[bg][i*W+j] = sum_{1<=n<=i} log_beta[b,n,j,g].
 template <typename acc_t>
 struct PrefixParams {

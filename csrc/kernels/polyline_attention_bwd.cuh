@@ -1,6 +1,6 @@
 // polyline_attention backward: flash-style recomputation, deterministic (no atomics), no N x N buffer.
 //
-// Math (semantics.md), per (b, g), query p = (i, j), key s = (k, l):
+// Math (docs/ops.md "polyline_attention"), per (b, g), query p = (i, j), key s = (k, l):
 //   P1 = exp(S + M - lse0), P2 = exp(S + M' - lse1), dPv = dO_p . v_s,
 //   D1 = 0.5 rowsum(dO * out_v2h), D2 = 0.5 rowsum(dO * out_h2v), out_h2v = 2 out - out_v2h,
 //   dS1 = P1 (0.5 dPv - D1), dS2 = P2 (0.5 dPv - D2),
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(128)
   const acc_t* crb = p.cr + int64_t(bg) * N;
   const acc_t* ccb = p.cc + int64_t(bg) * N;
   const acc_t crq = crb[pq], ccq = ccb[pq];
-  const int64_t row = (int64_t(b) * N + pq) * G + g;
+  const int64_t row = token_index(N, G, b, pq, g);
   const acc_t lse0 = p.lse[row * 2], lse1 = p.lse[row * 2 + 1];
   const acc_t D1 = p.delta[(int64_t(bg) * N + pq) * 2], D2 = p.delta[(int64_t(bg) * N + pq) * 2 + 1];
 
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(128)
     load_tile<NT, BN, DPAD>(dOs, p.dout, p.sdo, b, g, qt, nq, dv, W);
     for (int r = tid; r < BN; r += NT) {
       const int64_t s = qt + r < N ? qt + r : N - 1;
-      const int64_t rw = (int64_t(b) * N + s) * G + g;
+      const int64_t rw = token_index(N, G, b, s, g);
       lse0_s[r] = p.lse[rw * 2];
       lse1_s[r] = p.lse[rw * 2 + 1];
       D1_s[r] = p.delta[(int64_t(bg) * N + s) * 2];
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(128)
   }
 
   if (!valid) return;
-  const int64_t row = (int64_t(b) * N + ps) * G + g;
+  const int64_t row = token_index(N, G, b, ps, g);
   scalar_t* dk = p.dk + row * d;
   scalar_t* dvp = p.dv + row * dv;
 #pragma unroll

@@ -1,6 +1,6 @@
 // Shared pieces of the polyline_attention kernels: tile traits, tile loaders and the two biases.
 //
-// Math (semantics.md): per (b, g), query p = (i, j), key s = (k, l), prefix sums cr, cc (excluding 0):
+// Math (docs/ops.md "polyline_attention"): per (b, g), query p = (i, j), key s = (k, l), prefix sums cr, cc (excluding 0):
 //   M [p, s] = R_i(j, l) + C_l(i, k)     R_i(j, l) = cr[i, max(j,l)] - cr[i, min(j,l)]
 //   M'[p, s] = R_k(j, l) + C_j(i, k)     C_l(i, k) = cc[max(i,k), l] - cc[min(i,k), l]
 // The four prefix sums that belong to neither p nor s, cr/cc at the "cross" tokens (i, l) (query row,

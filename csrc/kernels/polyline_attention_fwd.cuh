@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(128)
 
   if (!valid) return;
   const acc_t r1 = acc_t(1) / l1, r2 = acc_t(1) / l2;
-  const int64_t row = (int64_t(b) * N + pq) * G + g;  // [B, N, G] index
+  const int64_t row = token_index(N, G, b, pq, g);  // [B, N, G] index
   scalar_t* out = p.out + row * dv;
   scalar_t* ov = p.out_v2h + row * dv;
 #pragma unroll

@@ -1,5 +1,5 @@
 // polyline_scan: y = L x (transpose=False: columns with log_beta, then rows with log_alpha) or L^T x
-// (rows first), as products with the symmetric 1-semiseparable matrix of every line (semantics.md).
+// (rows first), as products with the symmetric 1-semiseparable matrix of every line (docs/ops.md "polyline_scan").
 //
 // Implementation: the per-line parallel recurrence (not Mamba2's chunked SSD): one thread per
 // (line, channel) runs, in fp32 (fp64 for fp64),
@@ -8,7 +8,7 @@
 // Consecutive threads take consecutive channels, so every access is coalesced along the channel dim.
 // Lines are at most a few hundred long; the work is O(N c) and memory-bound.
 //
-// Decay gradient of one factor y = A u with upstream gy (semantics):
+// Decay gradient of one factor y = A u with upstream gy (docs/ops.md "polyline_scan"):
 //   grad a_s = e^{a_s} (f_{s-1}(u) F_s(gy) + f_{s-1}(gy) F_s(u)), s >= 1, grad a_0 = 0,
 //   F_t(w) = w_t + e^{a_{t+1}} F_{t+1}(w) (reverse inclusive). The per-channel terms go to `contrib`
 //   and a second kernel sums them over channels in a fixed order (deterministic, no atomics).
@@ -23,7 +23,7 @@ struct ScanLine {
   int b, fixed, g;
   bool rows;
   int W;
-  PPMA_HD int64_t tok(int t) const { return rows ? int64_t(fixed) * W + t : int64_t(t) * W + fixed; }
+  PPMA_HD int64_t tok(int t) const { return line_token(rows, fixed, t, W); }
 };
 
 PPMA_D ScanLine scan_line(int64_t line, const GridSizes& sz, bool rows) {
@@ -55,8 +55,8 @@ __global__ void polyline_scan_line_kernel(ScanLineParams<in_t, out_t, acc_t> p) 
   const int ch = int(t % C);
   const ScanLine ln = scan_line(t / C, p.sz, p.along_rows);
   const int L = p.along_rows ? W : p.sz.H;
-  auto dec = [&](int pos) { return p.decay[(int64_t(ln.b) * N + ln.tok(pos)) * G + ln.g]; };
-  auto oidx = [&](int pos) { return ((int64_t(ln.b) * N + ln.tok(pos)) * G + ln.g) * C + ch; };
+  auto dec = [&](int pos) { return p.decay[token_index(N, G, ln.b, ln.tok(pos), ln.g)]; };
+  auto oidx = [&](int pos) { return token_index(N, G, ln.b, ln.tok(pos), ln.g) * C + ch; };
   auto xin = [&](int pos) { return acc_t(to_acc(feat_ptr(p.in, p.s_in, ln.b, ln.g, ln.tok(pos), W)[ch])); };
 
   acc_t f = 0;
@@ -82,8 +82,8 @@ __global__ void polyline_scan_grad_kernel(ScanGradParams<u_t, g_t, acc_t> p) {
   const int ch = int(t % C);
   const ScanLine ln = scan_line(t / C, p.sz, p.along_rows);
   const int L = p.along_rows ? W : p.sz.H;
-  auto dec = [&](int pos) { return p.decay[(int64_t(ln.b) * N + ln.tok(pos)) * G + ln.g]; };
-  auto oidx = [&](int pos) { return ((int64_t(ln.b) * N + ln.tok(pos)) * G + ln.g) * C + ch; };
+  auto dec = [&](int pos) { return p.decay[token_index(N, G, ln.b, ln.tok(pos), ln.g)]; };
+  auto oidx = [&](int pos) { return token_index(N, G, ln.b, ln.tok(pos), ln.g) * C + ch; };
   auto uin = [&](int pos) { return acc_t(to_acc(feat_ptr(p.u, p.s_u, ln.b, ln.g, ln.tok(pos), W)[ch])); };
   auto gin = [&](int pos) { return acc_t(to_acc(feat_ptr(p.gy, p.s_gy, ln.b, ln.g, ln.tok(pos), W)[ch])); };
 

@@ -1,0 +1,375 @@
+// The SIMD layer of the CPU kernels, written once over the lane width L (floats per vector):
+//   L = 4  baseline: SSE2 on x86-64, NEON on arm64 (what the build targets);
+//   L = 8  AVX + FMA, chosen at run time by with_lanes() where the CPU has them.
+// A kernel takes the lane width as a tag argument (Lanes<L>) and is instantiated once per width under
+// with_lanes(), which runs it inside a function compiled for that width's target with everything it calls
+// inlined (flatten). That is what makes the 8-lane code AVX code: a template is compiled for the target of the
+// function it is inlined into, and an 8-lane instance compiled on its own would be baseline code working on
+// pairs of 4-lane registers. So never form Lanes<8> outside with_lanes().
+// PPMA_CPU_BASELINE=1 forces the baseline width, so that tests check both paths on AVX machines.
+//
+// Vectors are GCC/Clang vector extensions. Everything here is torch-free.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if !defined(__GNUC__)
+#error "the ppma CPU kernels need the GCC/Clang vector extensions"
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define PPMA_SIMD_X86 1
+#endif
+#define PPMA_SIMD_INLINE __attribute__((always_inline)) inline
+
+namespace ppma {
+namespace cpu {
+
+template <int L>
+using Lanes = std::integral_constant<int, L>;
+
+// ---------------------------------------------------------------------------------------------
+// Vectors of L floats (L = 1: the scalar, for the tails of the array loops) and their int32 twins.
+// ---------------------------------------------------------------------------------------------
+template <int L>
+struct VecTypes;
+template <>
+struct VecTypes<1> {
+  using f = float;
+  using i = int32_t;
+};
+template <>
+struct VecTypes<4> {
+  typedef float f __attribute__((vector_size(16)));
+  typedef int32_t i __attribute__((vector_size(16)));
+};
+template <>
+struct VecTypes<8> {
+  typedef float f __attribute__((vector_size(32)));
+  typedef int32_t i __attribute__((vector_size(32)));
+};
+template <int L>
+using vec = typename VecTypes<L>::f;
+template <int L>
+using ivec = typename VecTypes<L>::i;
+
+template <int L>
+PPMA_SIMD_INLINE vec<L> load(const float* p) {
+  vec<L> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <int L>
+PPMA_SIMD_INLINE void store(float* p, vec<L> v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+// Lanes summed in order (so a result does not depend on the compiler's reduction tree).
+template <int L>
+PPMA_SIMD_INLINE float hsum(vec<L> v) {
+  float s = 0;
+  for (int l = 0; l < L; ++l) s += v[l];
+  return s;
+}
+
+// exp(x), lane for lane and branch-free (Cephes-style range reduction and a degree-6 polynomial; relative
+// error ~2e-7 over the range that matters); the same formula for every width. Returns exactly 0 below -87.3
+// (and for -inf), so that a masked score of log-decay -1e4 contributes nothing, like the reference; NaN
+// propagates. With FMA (the AVX instance) contraction may change the last bit.
+template <int L>
+PPMA_SIMD_INLINE vec<L> fast_exp(vec<L> x) {
+  using V = vec<L>;
+  using I = ivec<L>;
+  const V lo = V{} - 87.33654f, hi = V{} + 88.3762626647949f;
+  const I under = x < lo;
+  const I nan = x != x;
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V t = xc * 1.44269504088896341f + magic;
+  const V n = t - magic;  // round(x / ln 2)
+  V r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const V r2 = r * r;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r2 + r + 1.0f;
+  I ni;
+  if constexpr (L == 1) {
+    ni = static_cast<int32_t>(n);
+  } else {
+    ni = __builtin_convertvector(n, I);
+  }
+  const I bits = (ni + 127) << 23;  // 2^n as a float (n in [-126, 127] after the clamps)
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof(V));
+  V res = p * two_n;
+  res = under ? V{} : res;
+  return nan ? x : res;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Array loops. The lane-tagged ones are written with vectors; the others are plain loops that -O3 vectorises
+// at the width of the function they are inlined into. double runs the plain loops (std::exp).
+// ---------------------------------------------------------------------------------------------
+
+// x[e] = exp(x[e] - shift) for e < n; returns their sum (the lanes in order, then the tail).
+template <int L, typename T>
+PPMA_SIMD_INLINE T exp_shift_sum(Lanes<L>, int64_t n, T* __restrict x, T shift) {
+  if constexpr (std::is_same<T, float>::value) {
+    vec<L> acc{};
+    int64_t e = 0;
+    for (; e + L <= n; e += L) {
+      const vec<L> p = fast_exp<L>(load<L>(x + e) - shift);
+      store<L>(x + e, p);
+      acc += p;
+    }
+    float s = hsum<L>(acc);
+    for (; e < n; ++e) {
+      const float p = fast_exp<1>(x[e] - shift);
+      x[e] = p;
+      s += p;
+    }
+    return s;
+  } else {
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < n; ++e) {
+      const T p = std::exp(x[e] - shift);
+      x[e] = p;
+      s += p;
+    }
+    return s;
+  }
+}
+
+// x[e] = exp(x[e] - shift) for e < n.
+template <int L, typename T>
+PPMA_SIMD_INLINE void exp_shift(Lanes<L>, int64_t n, T* __restrict x, T shift) {
+  if constexpr (std::is_same<T, float>::value) {
+    int64_t e = 0;
+    for (; e + L <= n; e += L) store<L>(x + e, fast_exp<L>(load<L>(x + e) - shift));
+    for (; e < n; ++e) x[e] = fast_exp<1>(x[e] - shift);
+  } else {
+#pragma omp simd
+    for (int64_t e = 0; e < n; ++e) x[e] = std::exp(x[e] - shift);
+  }
+}
+
+template <typename T>
+inline T max_of(int64_t n, const T* __restrict x) {
+  T m = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t e = 0; e < n; ++e) m = x[e] > m ? x[e] : m;
+  return m;
+}
+
+template <typename T>
+inline T dot(int64_t n, const T* __restrict x, const T* __restrict y) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t e = 0; e < n; ++e) s += x[e] * y[e];
+  return s;
+}
+
+// y[0:n] += a * x[0:n]
+template <typename T>
+inline void axpy(int64_t n, T a, const T* __restrict x, T* __restrict y) {
+#pragma omp simd
+  for (int64_t e = 0; e < n; ++e) y[e] += a * x[e];
+}
+
+template <typename T>
+inline void scale_inplace(int64_t n, T* __restrict x, T a) {
+#pragma omp simd
+  for (int64_t e = 0; e < n; ++e) x[e] *= a;
+}
+
+// Strided rows copied into a matrix: dst[r * ds + e] = a * src[r * ss + e] for r < n, e < c.
+template <typename T>
+inline void gather_rows(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst, int64_t ds, T a = T(1)) {
+  for (int64_t r = 0; r < n; ++r) {
+    const T* s = src + r * ss;
+    T* o = dst + r * ds;
+    if (a == T(1)) {
+      for (int64_t e = 0; e < c; ++e) o[e] = s[e];
+    } else {
+      for (int64_t e = 0; e < c; ++e) o[e] = a * s[e];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transposed gather: dst[e * n + r] = src[r * ss + e] for r < n, e < c (an exact copy), in L x L register blocks.
+// ---------------------------------------------------------------------------------------------
+#if defined(__clang__)
+#define PPMA_SHUFFLE(L, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PPMA_SHUFFLE(L, a, b, ...) __builtin_shuffle(a, b, ivec<L>{__VA_ARGS__})
+#endif
+
+// dst[e * ld + r] = src[r * ss + e] for r, e < L: interleave pairs of rows, then pairs of pairs (inside each
+// 128-bit half, which is all of a 4-lane vector), then (8 lanes) exchange the halves. Each shuffle is one
+// unpck / shufps / vperm2f128 instruction.
+template <int L>
+PPMA_SIMD_INLINE void transpose_block(const float* src, int64_t ss, float* dst, int64_t ld) {
+  vec<L> x[L];
+  for (int r = 0; r < L; ++r) x[r] = load<L>(src + r * ss);
+  if constexpr (L == 4) {
+    const vec<4> t0 = PPMA_SHUFFLE(4, x[0], x[1], 0, 4, 1, 5), t1 = PPMA_SHUFFLE(4, x[0], x[1], 2, 6, 3, 7);
+    const vec<4> t2 = PPMA_SHUFFLE(4, x[2], x[3], 0, 4, 1, 5), t3 = PPMA_SHUFFLE(4, x[2], x[3], 2, 6, 3, 7);
+    store<4>(dst, PPMA_SHUFFLE(4, t0, t2, 0, 1, 4, 5));
+    store<4>(dst + ld, PPMA_SHUFFLE(4, t0, t2, 2, 3, 6, 7));
+    store<4>(dst + 2 * ld, PPMA_SHUFFLE(4, t1, t3, 0, 1, 4, 5));
+    store<4>(dst + 3 * ld, PPMA_SHUFFLE(4, t1, t3, 2, 3, 6, 7));
+  } else {
+    static_assert(L == 8, "transpose_block: 4 or 8 lanes");
+    vec<8> t[8], u[8];
+    for (int r = 0; r < 8; r += 2) {
+      t[r] = PPMA_SHUFFLE(8, x[r], x[r + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+      t[r + 1] = PPMA_SHUFFLE(8, x[r], x[r + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int r = 0; r < 8; r += 4) {
+      u[r] = PPMA_SHUFFLE(8, t[r], t[r + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[r + 1] = PPMA_SHUFFLE(8, t[r], t[r + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+      u[r + 2] = PPMA_SHUFFLE(8, t[r + 1], t[r + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[r + 3] = PPMA_SHUFFLE(8, t[r + 1], t[r + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int e = 0; e < 4; ++e) {
+      store<8>(dst + e * ld, PPMA_SHUFFLE(8, u[e], u[e + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+      store<8>(dst + (e + 4) * ld, PPMA_SHUFFLE(8, u[e], u[e + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+  }
+}
+#undef PPMA_SHUFFLE
+
+template <int L, typename T>
+PPMA_SIMD_INLINE void gather_rows_t(Lanes<L>, int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
+  int64_t r0 = 0;
+  if constexpr (std::is_same<T, float>::value) {
+    for (; r0 + L <= n; r0 += L) {
+      int64_t e0 = 0;
+      for (; e0 + L <= c; e0 += L) transpose_block<L>(src + r0 * ss + e0, ss, dst + e0 * n + r0, n);
+      for (int64_t r = r0; r < r0 + L; ++r)
+        for (int64_t e = e0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
+    }
+  }
+  for (int64_t r = r0; r < n; ++r)
+    for (int64_t e = 0; e < c; ++e) dst[e * n + r] = src[r * ss + e];
+}
+
+// ---------------------------------------------------------------------------------------------
+// small_gemm: the small dense products of the line kernels,
+//   C[r * ldc + c] = alpha * sum_k A[r * ar + k * ak] * Bt[k * bs + c]      (accumulate: C += ...)
+// for r < R, c < Cn, k < K. A is read through two strides (so A or A^T), Bt row-major with row stride bs.
+// float: column blocks of 2L, L (and L / 2) lanes, each in register tiles of four rows by the block (four
+// independent multiply-add chains, not latency-bound) and then single rows; the last Cn % 4 columns and
+// double run the scalar loop. The sum over k runs in order for every element, so the result does not depend
+// on the blocking.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+PPMA_SIMD_INLINE void gemm_scalar(int64_t R, int64_t c0, int64_t Cn, int64_t K, const T* A, int64_t ar, int64_t ak,
+                                  const T* Bt, int64_t bs, T* C, int64_t ldc, bool accumulate, T alpha) {
+  for (int64_t r = 0; r < R; ++r) {
+    T* cr = C + r * ldc;
+    for (int64_t c = c0; c < Cn; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += A[r * ar + k * ak] * Bt[k * bs + c];
+      cr[c] = accumulate ? cr[c] + alpha * acc : alpha * acc;
+    }
+  }
+}
+
+// RB rows by NB vectors of L columns, held in registers over the whole sum.
+template <int L, int RB, int NB>
+PPMA_SIMD_INLINE void gemm_tile(int64_t K, const float* A, int64_t ar, int64_t ak, const float* Bt, int64_t bs,
+                                float* C, int64_t ldc, bool accumulate, float alpha) {
+  vec<L> s[RB][NB] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vec<L> b[NB];
+    for (int c = 0; c < NB; ++c) b[c] = load<L>(Bt + k * bs + c * L);
+    const float* a = A + k * ak;
+    for (int r = 0; r < RB; ++r) {
+      const float x = a[r * ar];
+      for (int c = 0; c < NB; ++c) s[r][c] += x * b[c];
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < NB; ++c) {
+      float* cp = C + r * ldc + c * L;
+      vec<L> t = s[r][c] * alpha;
+      if (accumulate) t += load<L>(cp);
+      store<L>(cp, t);
+    }
+  }
+}
+
+template <int L, int NB>
+PPMA_SIMD_INLINE void gemm_columns(int64_t R, int64_t K, const float* A, int64_t ar, int64_t ak, const float* Bt,
+                                   int64_t bs, float* C, int64_t ldc, bool accumulate, float alpha) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) gemm_tile<L, 4, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+  for (; r0 < R; ++r0) gemm_tile<L, 1, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+}
+
+template <int L, typename T>
+PPMA_SIMD_INLINE void small_gemm(Lanes<L>, int64_t R, int64_t Cn, int64_t K, const T* A, int64_t ar, int64_t ak,
+                                 const T* Bt, int64_t bs, T* C, int64_t ldc, bool accumulate, T alpha = T(1)) {
+  int64_t c0 = 0;
+  if constexpr (std::is_same<T, float>::value) {
+    for (; c0 + 2 * L <= Cn; c0 += 2 * L)
+      gemm_columns<L, 2>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
+    for (; c0 + L <= Cn; c0 += L) gemm_columns<L, 1>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
+    if constexpr (L > 4) {
+      for (; c0 + L / 2 <= Cn; c0 += L / 2)
+        gemm_columns<L / 2, 1>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
+    }
+  }
+  gemm_scalar(R, c0, Cn, K, A, ar, ak, Bt, bs, C, ldc, accumulate, alpha);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run-time dispatch, the one place that chooses the width.
+// ---------------------------------------------------------------------------------------------
+
+// Whether the 8-lane code may run: the CPU has AVX and FMA, and PPMA_CPU_BASELINE is not set to 1.
+inline bool avx_fma_enabled() {
+#ifdef PPMA_SIMD_X86
+  static const bool enabled = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma") &&
+                              !(std::getenv("PPMA_CPU_BASELINE") && std::getenv("PPMA_CPU_BASELINE")[0] == '1');
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+template <typename F>
+__attribute__((flatten)) auto run_lanes4(F& f) {
+  return f(Lanes<4>{});
+}
+#ifdef PPMA_SIMD_X86
+template <typename F>
+__attribute__((target("avx,fma"), flatten)) auto run_lanes8(F& f) {
+  return f(Lanes<8>{});
+}
+#endif
+
+// Returns f(Lanes<8>{}) where avx_fma_enabled(), f(Lanes<4>{}) otherwise; f is a generic callable whose body
+// (and everything it calls) is inlined into a function compiled for the chosen target.
+template <typename F>
+inline auto with_lanes(F&& f) {
+#ifdef PPMA_SIMD_X86
+  if (avx_fma_enabled()) return run_lanes8(f);
+#endif
+  return run_lanes4(f);
+}
+
+}  // namespace cpu
+}  // namespace ppma
