@@ -132,6 +132,14 @@ PPMA_SIMD_INLINE T exp_shift_sum(Lanes<L>, int64_t n, T* __restrict x, T shift) 
       acc += p;
     }
     float s = hsum<L>(acc);
+    if constexpr (L > 4) {  // a tail of L / 2 or more: one half-width vector, its terms summed in order
+      if (e + L / 2 <= n) {
+        const vec<L / 2> p = fast_exp<L / 2>(load<L / 2>(x + e) - shift);
+        store<L / 2>(x + e, p);
+        for (int l = 0; l < L / 2; ++l) s += p[l];
+        e += L / 2;
+      }
+    }
     for (; e < n; ++e) {
       const float p = fast_exp<1>(x[e] - shift);
       x[e] = p;
@@ -156,6 +164,12 @@ PPMA_SIMD_INLINE void exp_shift(Lanes<L>, int64_t n, T* __restrict x, T shift) {
   if constexpr (std::is_same<T, float>::value) {
     int64_t e = 0;
     for (; e + L <= n; e += L) store<L>(x + e, fast_exp<L>(load<L>(x + e) - shift));
+    if constexpr (L > 4) {
+      if (e + L / 2 <= n) {
+        store<L / 2>(x + e, fast_exp<L / 2>(load<L / 2>(x + e) - shift));
+        e += L / 2;
+      }
+    }
     for (; e < n; ++e) x[e] = fast_exp<1>(x[e] - shift);
   } else {
 #pragma omp simd
