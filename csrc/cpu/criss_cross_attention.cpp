@@ -173,11 +173,13 @@ struct LineScratch {
   }
 };
 
-// Runs body(lanes, t, scratch) for the lines t < ntasks like parallel_tasks, every task at the lane width
-// with_lanes() chooses.
-template <typename Init, typename Body>
-inline void parallel_lines(int64_t ntasks, const Init& init, const Body& body) {
-  parallel_tasks(ntasks, init, [&](int64_t t, auto& scratch) { with_lanes([&](auto ln) { body(ln, t, scratch); }); });
+// Runs body(lanes, t, scratch) for the lines t < ntasks like parallel_tasks (scratch: a LineScratch per
+// thread), every task at the lane width with_lanes() chooses.
+template <typename T, typename Body>
+inline void parallel_lines(const CCData<T>& D, int64_t ntasks, bool backward, const Body& body) {
+  parallel_tasks(
+      ntasks, [&] { return LineScratch<T>(std::max(D.H, D.W), D.d, D.dv, backward); },
+      [&](int64_t t, LineScratch<T>& scratch) { with_lanes([&](auto ln) { body(ln, t, scratch); }); });
 }
 
 // The logits of a line into S.X (S.q: the scaled queries, S.kt: the keys transposed).
@@ -188,31 +190,35 @@ inline void line_scores(Lanes<L> ln, const CCData<T>& D, const Line<T>& li, Line
   line_logits(ln, li.n, D.d, S.q, D.d, S.kt, li.c, S.X);
 }
 
+// out = P v for the line's map P in S.X (its values gathered into S.v): z1 = A v of a row, z2 = B v of a column.
+template <int L, typename T>
+inline void line_values(Lanes<L> ln, const CCData<T>& D, const Line<T>& li, LineScratch<T>& S, T* out) {
+  gather_rows(li.n, D.dv, li.at(D.v, D.dv), li.ld(D.dv), S.v, D.dv);
+  line_apply(ln, li.n, D.dv, S.X, S.v, D.dv, li.at(out, D.dv), li.ld(D.dv));
+}
+
 // Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column).
 template <typename T>
 void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   const int64_t BG = D.B * D.G, dv = D.dv;
-  auto scratch = [&] { return LineScratch<T>(std::max(D.H, D.W), D.d, dv, false); };
   // Phase 1: rows. A, lse0, z1 = A v.
-  parallel_lines(BG * D.H, scratch, [&](auto ln, int64_t t, LineScratch<T>& S) {
+  parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
     line_scores(ln, D, r, S);
-    gather_rows(r.n, dv, r.at(D.v, dv), r.ld(dv), S.v, dv);
     line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
-    line_apply(ln, r.n, dv, S.X, S.v, dv, r.at(Z, dv), r.ld(dv));
+    line_values(ln, D, r, S, Z);
   });
   // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
-  parallel_lines(BG * D.W, scratch, [&](auto ln, int64_t t, LineScratch<T>& S) {
+  parallel_lines(D, BG * D.W, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> c(D, false, t);
     line_scores(ln, D, c, S);
-    gather_rows(c.n, dv, c.at(D.v, dv), c.ld(dv), S.v, dv);
     gather_rows(c.n, dv, c.at(Z, dv), c.ld(dv), S.u, dv);
     line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
     line_apply(ln, c.n, dv, S.X, S.u, dv, c.at(out, dv), c.ld(dv), false, T(0.5));  // out = 0.5 B z1
-    line_apply(ln, c.n, dv, S.X, S.v, dv, c.at(Z, dv), c.ld(dv));                    // z2 = B v
+    line_values(ln, D, c, S, Z);                                                   // z2 = B v
   });
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
-  parallel_lines(BG * D.H, scratch, [&](auto ln, int64_t t, LineScratch<T>& S) {
+  parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
     line_scores(ln, D, r, S);
     gather_rows(r.n, dv, r.at(Z, dv), r.ld(dv), S.u, dv);
@@ -250,28 +256,25 @@ template <typename T>
 void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB, T* dq, T* dk, T* dv_out, T* gla,
                      T* glb) {
   const int64_t BG = D.B * D.G, dv = D.dv;
-  auto scratch = [&] { return LineScratch<T>(std::max(D.H, D.W), D.d, dv, true); };
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
-  parallel_lines(BG * D.H, scratch, [&](auto ln, int64_t t, LineScratch<T>& S) {
+  parallel_lines(D, BG * D.H, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
     line_scores(ln, D, r, S);
-    gather_rows(r.n, dv, r.at(D.v, dv), r.ld(dv), S.v, dv);
-    gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
     line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
-    line_apply(ln, r.n, dv, S.X, S.v, dv, r.at(ZA, dv), r.ld(dv));
+    line_values(ln, D, r, S, ZA);
+    gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
     line_apply_t(ln, r.n, dv, S.X, S.gu, dv, r.at(ZB, dv), r.ld(dv));
   });
   // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
   // replace z1 and dz2 of this column.
-  parallel_lines(BG * D.W, scratch, [&](auto ln, int64_t t, LineScratch<T>& S) {
+  parallel_lines(D, BG * D.W, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> c(D, false, t);
     line_grads(ln, D, c, S, go, lse, 1, ZA, ZB, dq, dk, dv_out, glb, false);
-    gather_rows(c.n, dv, c.at(D.v, dv), c.ld(dv), S.v, dv);
-    line_apply(ln, c.n, dv, S.X, S.v, dv, c.at(ZA, dv), c.ld(dv));
+    line_values(ln, D, c, S, ZA);
     line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, c.at(ZB, dv), c.ld(dv));
   });
   // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
-  parallel_lines(BG * D.H, scratch, [&](auto ln, int64_t t, LineScratch<T>& S) {
+  parallel_lines(D, BG * D.H, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
     line_grads(ln, D, Line<T>(D, true, t), S, go, lse, 0, ZA, ZB, dq, dk, dv_out, gla, true);
   });
 }
