@@ -116,6 +116,10 @@ def test_config_errors_name_the_key(tmp_path):
         config_from_args(parse_args(["--set", "train.epochs=3"]))
     with pytest.raises(KeyError, match="sched.epoch"):  # a checkpoint's config is checked the same way
         TrainConfig.from_dict({"sched": {"epoch": 3}})
+    from ppma.train.cli.train import main
+
+    with pytest.raises(SystemExit, match=r"^ppma-train: error: unknown config key 'train.epochs'"):
+        main(["--set", "train.epochs=3"])  # the command line prints the message, not a traceback
 
     bad.write_text("sched:\n  epochs: six\n")
     with pytest.raises(TypeError, match=r"'sched.epochs' \(.*bad.yaml\) must be int, got 'six' \(str\)"):

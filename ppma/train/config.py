@@ -182,6 +182,8 @@ class TrainConfig:
         return _build([(data, source, True)])
 
 
+_SECTIONS = {f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)}
+
 # ----------------------------------------------------------------------------------------------- loading
 
 
@@ -241,7 +243,7 @@ def _build(layers: list[tuple[Any, str, bool]]) -> TrainConfig:
         except ConfigKeyError as exc:
             raise _unknown_key(exc.full_key, source) from None
         except ValidationError as exc:
-            raise _wrong_type(exc.full_key, update, source) from None
+            raise _wrong_type(exc, update, source) from None
     return OmegaConf.to_object(cfg)
 
 
@@ -259,9 +261,6 @@ def _sections(update: Any, source: str) -> dict:
     return {name: value for name, value in update.items() if value is not None}
 
 
-_SECTIONS = {f.name: typing.get_type_hints(TrainConfig)[f.name] for f in dataclasses.fields(TrainConfig)}
-
-
 def _unknown_key(full_key: str, source: str) -> KeyError:
     section, _, key = full_key.partition(".")
     if not key:
@@ -274,13 +273,16 @@ def _unknown_key(full_key: str, source: str) -> KeyError:
     return KeyError(f"unknown config key {full_key!r} ({source}){hint} Allowed {where}: " + ", ".join(allowed))
 
 
-def _wrong_type(full_key: str, update: Mapping, source: str) -> TypeError:
-    path = re.sub(r"\[\d+\]$", "", full_key)  # "optim.betas[1]": the list is typed
-    section, _, key = path.partition(".")
-    expected = _type_name(typing.get_type_hints(_SECTIONS[section])[key.split(".")[0]])
-    value: Any = update
-    for part in filter(None, re.split(r"\.|\[(\d+)\]", full_key)):
-        value = value[int(part)] if isinstance(value, list) else value[part]
+def _wrong_type(exc: Exception, update: Mapping, source: str) -> TypeError:
+    full_key = exc.full_key
+    try:
+        section, _, key = re.sub(r"\[\d+\]$", "", full_key).partition(".")  # "optim.betas[1]": the list is typed
+        expected = _type_name(typing.get_type_hints(_SECTIONS[section])[key.split(".")[0]])
+        value: Any = update
+        for part in filter(None, re.split(r"\.|\[(\d+)\]", full_key)):
+            value = value[int(part)] if isinstance(value, list) else value[part]
+    except (KeyError, IndexError, TypeError):  # not a typed entry of the update: OmegaConf's own words
+        return TypeError(f"config {source}: " + str(exc).splitlines()[0])
     return TypeError(f"config key {full_key!r} ({source}) must be {expected}, got {value!r} ({type(value).__name__})")
 
 

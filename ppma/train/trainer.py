@@ -89,6 +89,9 @@ class Progress:
 def setup(cfg: TrainConfig) -> Runtime:
     """CPU threads, device, process group (``torchrun``), autocast dtype, output folder with ``config.yaml``,
     determinism flags and the global seeds (``train.seed + rank``)."""
+    from ppma._compat import ensure_torchvision
+
+    ensure_torchvision()  # before the steps import timm, which imports torchvision
     start = time.perf_counter()
     if cfg.train.num_threads:
         torch.set_num_threads(int(cfg.train.num_threads))
@@ -147,9 +150,6 @@ def build_loaders(cfg: TrainConfig, rt: Runtime) -> Loaders:
 def build_training(cfg: TrainConfig, rt: Runtime, data: Loaders) -> Training:
     """The model (channels-last, SyncBatchNorm, EMA, DDP, ``torch.compile`` as configured), the AdamW
     optimiser at the linearly scaled lr, the cosine schedule, the fp16 grad scaler, Mixup and the loss."""
-    from ppma._compat import ensure_torchvision
-
-    ensure_torchvision()  # timm imports torchvision
     from timm.utils import ModelEmaV3
 
     from ppma.train.build import build_mixup_and_loss, build_model, build_optimizer, build_scheduler, scaled_lr

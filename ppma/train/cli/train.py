@@ -70,7 +70,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def main(argv=None) -> int:
-    train(config_from_args(parse_args(argv)))
+    try:
+        cfg = config_from_args(parse_args(argv))
+    except (KeyError, TypeError, ValueError) as exc:  # a bad config: its message, not a traceback
+        raise SystemExit(f"ppma-train: error: {exc.args[0]}") from None
+    train(cfg)
     return 0
 
 
