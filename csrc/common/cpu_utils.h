@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/math.h"
+
 namespace ppma {
 namespace cpu {
 
@@ -28,6 +30,7 @@ inline at::Tensor pack_heads_t(const at::Tensor& t, at::ScalarType acc) {
 // Prefix sums of the log-decays excluding index 0, per (batch, head), in dtype `acc`:
 //   cr[b, g, i, j] = sum_{1 <= n <= j} log_alpha[b, i, n, g]   (along each row)
 //   cc[b, g, i, j] = sum_{1 <= n <= i} log_beta[b, n, j, g]    (along each column)
+// with every log-decay floored at -1e4 first (floor_log_decay, common/math.h).
 // Returns {cr, cc}, each [B, heads, H, W] contiguous.
 inline std::pair<at::Tensor, at::Tensor> prefix_sums(const at::Tensor& log_alpha, const at::Tensor& log_beta,
                                                      at::ScalarType acc) {
@@ -48,13 +51,13 @@ inline std::pair<at::Tensor, at::Tensor> prefix_sums(const at::Tensor& log_alpha
           scalar_t run = 0;
           row[0] = 0;
           for (int64_t j = 1; j < W; ++j) {
-            run += row[j];
+            run += floor_log_decay(row[j]);
             row[j] = run;
           }
         }
         for (int64_t j = 0; j < W; ++j) cg[j] = 0;
         for (int64_t i = 1; i < H; ++i)
-          for (int64_t j = 0; j < W; ++j) cg[i * W + j] += cg[(i - 1) * W + j];
+          for (int64_t j = 0; j < W; ++j) cg[i * W + j] = floor_log_decay(cg[i * W + j]) + cg[(i - 1) * W + j];
       }
     });
   });

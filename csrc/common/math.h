@@ -26,4 +26,13 @@ PPMA_HOST_DEVICE T segment_bias(T c_t, T c_s, long long t, long long s) {
   return pos_sign<T>(t, s) * (c_t - c_s);
 }
 
+// Log-decays below -1e4 (down to -inf, a decay of exactly 0) count as -1e4 in the prefix sums (docs/ops.md,
+// "Edges"; the reference does the same, ppma.ops._validate.LOG_DECAY_FLOOR): exp(-1e4) is 0 in every supported
+// dtype, so a path through such an edge keeps weight 0, while the prefix sums stay finite (-inf - -inf is NaN).
+// Written as a comparison so that NaN passes through (fmax would drop it).
+template <typename T>
+PPMA_HOST_DEVICE T floor_log_decay(T d) {
+  return d < T(-1e4) ? T(-1e4) : d;
+}
+
 }  // namespace ppma

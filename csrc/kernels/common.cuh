@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../common/math.h"  // shared with the CPU kernels (floor_log_decay)
 #include "params.h"
 
 #define PPMA_HD __host__ __device__ __forceinline__
@@ -153,7 +154,8 @@ struct RowTiling {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Prefix sums of the log-decays, excluding index 0 (semantics), into acc_t [BG][N].
+// Prefix sums of the log-decays (each floored at -1e4, common/math.h), excluding index 0 (semantics), into
+// acc_t [BG][N].
 // Threads: one per (bg, row) for cr, then one per (bg, column) for cc. Sequential along the line, which
 // keeps the sums deterministic; lines are at most a few hundred long.
 // ---------------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ __global__ void prefix_sums_kernel(PrefixParams<acc_t> p) {
     acc_t c = 0;
     out[0] = 0;
     for (int j = 1; j < W; ++j) {
-      c += la[j * p.sa.w];
+      c += floor_log_decay(la[j * p.sa.w]);
       out[j] = c;
     }
   } else if (t < nrow + ncol) {
@@ -183,7 +185,7 @@ __global__ void prefix_sums_kernel(PrefixParams<acc_t> p) {
     acc_t c = 0;
     out[0] = 0;
     for (int i = 1; i < H; ++i) {
-      c += lb[i * p.sb.h];
+      c += floor_log_decay(lb[i * p.sb.h]);
       out[int64_t(i) * W] = c;
     }
   }

@@ -26,7 +26,7 @@ DEFAULTS: dict[str, Any] = {
         # None: the variant's own rate (0.1 / 0.15 / 0.4 for T / S / B, spec §4.1).
         "drop_path_rate": None,
         # Any keyword of ppma.create_model: embed_dims, depths, num_heads, mlp_ratios, criss_cross,
-        # layerscale, layer_init_values, in_chans, impl.
+        # layerscale, layer_init_values, in_chans (fused/reference ops: the --impl flag).
         "overrides": {},
         "checkpoint_path": None,  # initial weights (e.g. converted official ones)
     },

@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+import ppma.ops
+
 __all__ = ["main", "load_model_from_checkpoint"]
 
 
@@ -57,7 +59,7 @@ def _pick_state(ckpt: dict, key: str, path: str):
     return key, ckpt[key]
 
 
-def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None, impl=None):
+def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None):
     """Build the model for checkpoint ``path`` and load its weights.
 
     Returns ``(model, info)``; ``info`` holds ``config`` (our Config or None), ``key`` (which weights were
@@ -69,8 +71,6 @@ def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_cl
     ckpt = load_checkpoint(path)
     if isinstance(ckpt, dict) and "config" in ckpt and "version" in ckpt:  # ours
         cfg = Config(merge(DEFAULTS, ckpt["config"]))
-        if impl is not None:
-            cfg.model.overrides["impl"] = impl
         if model_name is not None and model_name != cfg.model.name:
             raise ValueError(f"--model {model_name!r} differs from the checkpoint's model {cfg.model.name!r}")
         cfg.model.checkpoint_path = None
@@ -86,8 +86,7 @@ def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_cl
     except ImportError as exc:  # the model package provides the converter
         raise ImportError("official checkpoints need ppma.models.convert_official_state_dict") from exc
     name = model_name or "ppma_tiny"
-    overrides = {"impl": impl} if impl else {}
-    model = ppma.create_model(name, num_classes=num_classes or 1000, **overrides)
+    model = ppma.create_model(name, num_classes=num_classes or 1000)
     used, _ = _pick_state(ckpt, key, path)
     state = convert_official_state_dict(ckpt, key=None if key == "auto" else key)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
 
     device = _device(args.device)
     model, info = load_model_from_checkpoint(
-        args.checkpoint, model_name=args.model, key=args.key, num_classes=args.num_classes, impl=args.impl
+        args.checkpoint, model_name=args.model, key=args.key, num_classes=args.num_classes
     )
     model.to(device).eval()
     cfg = info["config"]
@@ -129,8 +128,9 @@ def main(argv=None) -> int:
         )
         dataset = ImageFolder(root, tf)
     amp = _amp_dtype(args.amp, device)
-    res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp, num_workers=args.num_workers,
-                   progress=True)
+    with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
+        res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp,
+                       num_workers=args.num_workers, progress=True)
     result = {"checkpoint": args.checkpoint, "weights": info["key"], "kind": info["kind"], "data": args.data,
               "images": res["n"], "top1": res["acc1"], "top5": res["acc5"], "loss": res["loss"], "img_size": img_size}
     print(f"{args.checkpoint} [{info['key']}]: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  "

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import ppma.ops
+
 __all__ = ["main", "parse_args", "config_from_args", "train"]
 
 
@@ -70,8 +72,6 @@ def config_from_args(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None:
             setattr(getattr(cfg, section), key, value)
-    if args.impl is not None:
-        cfg.model.overrides["impl"] = args.impl
     if args.no_progress:
         cfg.train.progress = False
     return cfg
@@ -336,7 +336,8 @@ def train(cfg) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = config_from_args(args)
-    train(cfg)
+    with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
+        train(cfg)
     return 0
 
 
