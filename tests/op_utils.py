@@ -76,6 +76,8 @@ class Sweep:
         ref_fp64: compare with the reference evaluated in float64 (else in the input dtype, on the inputs).
         grad_mult: factor on the gradient tolerance.
         compile_backend: ``torch.compile`` backend of the compile tests.
+        recheck_backward: run every sweep case's backward twice and require bitwise-equal gradients (GPU
+            reductions; the CPU kernels have their own determinism and thread-count tests).
     """
 
     shapes: tuple
@@ -84,6 +86,7 @@ class Sweep:
     ref_fp64: bool
     grad_mult: float
     compile_backend: str
+    recheck_backward: bool
 
 
 _CPU_SHAPES = (
@@ -119,11 +122,11 @@ if FULL:
 
 SWEEPS: dict[str, Sweep] = {
     "cpu": Sweep(_CPU_SHAPES, (torch.float64, torch.float32), (torch.float64, torch.float32, torch.bfloat16),
-                 ref_fp64=False, grad_mult=1.0, compile_backend="aot_eager"),
+                 ref_fp64=False, grad_mult=1.0, compile_backend="aot_eager", recheck_backward=False),
     # The GPU kernels are checked against the fp64 truth; their gradients sum in another order (x2).
     "cuda": Sweep(_CUDA_SHAPES, (torch.float32, torch.float16, torch.bfloat16),
                   (torch.float32, torch.float16, torch.bfloat16), ref_fp64=True, grad_mult=2.0,
-                  compile_backend="inductor"),
+                  compile_backend="inductor", recheck_backward=True),
 }
 
 
@@ -283,9 +286,16 @@ class OpTests:
     # ---------------------------------------------------------------- against the reference
     @needs_ext
     def test_matches_reference(self, device, shape, dtype, variant):
-        inputs = self.inputs(shape, dtype, device, noncontig=shape[1] > 1)
-        check_against_reference(self.fn, self.ref, inputs, self.extra(shape, variant), names=self.grad_names,
-                                dtype=dtype, device=device)
+        inputs, extra = self.inputs(shape, dtype, device, noncontig=shape[1] > 1), self.extra(shape, variant)
+        grads = check_against_reference(self.fn, self.ref, inputs, extra, names=self.grad_names, dtype=dtype,
+                                        device=device)
+        ga, gb = grads[self.ia :]
+        assert not ga[:, :, 0].any() and not gb[:, 0].any(), "the first decays of a line must get zero gradient"
+        if SWEEPS[device].recheck_backward:
+            out = self.fn(*inputs, *extra)
+            go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)  # the same dO
+            for a, b in zip(grads, torch.autograd.grad(out, inputs, go)):
+                assert torch.equal(a, b), "backward is not deterministic"
 
     @needs_ext
     @pytest.mark.parametrize("device", DEVICES)
