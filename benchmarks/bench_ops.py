@@ -130,10 +130,13 @@ def build(case, impl: str, backward: bool):
         from ppma.nn import PPMAAttention
 
         torch.manual_seed(0)
-        layer = PPMAAttention(case["C"], G, mode=case["mode"], impl=impl)
+        layer = PPMAAttention(case["C"], G, mode=case["mode"])
         x = torch.randn(B, H, W, case["C"], generator=g).requires_grad_(backward)
         args = [x]
-        run = lambda: layer(x)  # noqa: E731
+
+        def run():
+            with ppma.ops.use_impl(impl):  # the layer's ops read the switch at call time
+                return layer(x)
         if not backward:
             layer.requires_grad_(False)
 

@@ -2,12 +2,10 @@
 
 Importing ``ppma._C`` runs the static ``TORCH_LIBRARY`` registrations of ``csrc/``, after which
 the ops live under ``torch.ops.ppma``. Without the library every public op falls back to its pure
-PyTorch reference (``ppma.ops.reference``), and one warning says so.
+PyTorch reference (``ppma.ops.reference``), and one warning says so (``ppma.ops._dispatch``).
 """
 
 from __future__ import annotations
-
-import warnings
 
 _LOADED: bool | None = None
 _ERROR: str | None = None
@@ -27,23 +25,14 @@ def has_ext() -> bool:
 
 
 def has_cuda_kernels() -> bool:
-    """Whether ``ppma._C`` was built with its CUDA kernels."""
+    """Whether ``ppma._C`` was built with its CUDA kernels. Asks the dispatcher, which ``torch.compile``
+    cannot trace: the ops read the answer decided once at import (``ppma.ops._dispatch``)."""
     import torch
 
     return has_ext() and torch._C._dispatch_has_kernel_for_dispatch_key("ppma::polyline_attention", "CUDA")
 
 
-_WARNED = False
-
-
-def warn_fallback() -> None:
-    """Warn once that the pure-PyTorch reference is used because ``ppma._C`` is missing."""
-    global _WARNED
-    if not _WARNED:
-        _WARNED = True
-        warnings.warn(
-            "ppma._C is not available (" + str(_ERROR) + "); using the pure-PyTorch reference ops, which "
-            "compute the same numbers but build N x N masks. Build with `pip install --no-build-isolation -e .`.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def load_error() -> str | None:
+    """Why ``ppma._C`` could not be imported (``None`` when it was, or was not tried yet)."""
+    has_ext()
+    return _ERROR

@@ -77,7 +77,7 @@ def test_train_imagefolder_with_the_imagenet_recipe(tmp_path):
                  "--device", "cpu", "--num-workers", "0", "--output", str(tmp_path / "out"), "--no-progress",
                  "--set", "data.img_size=32", "--set", "data.repeated_aug_round=4",
                  "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1],"
-                 " num_heads: [1, 2, 2, 2], impl: reference}"]) == 0
+                 " num_heads: [1, 2, 2, 2]}", "--impl", "reference"]) == 0
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1]
     assert records[0]["lr"] == pytest.approx(1e-6)  # warm-up from 1e-6, stepped at the epoch end (spec §6.1)
@@ -189,6 +189,25 @@ def test_attention_row_is_the_models_attention():
     torch.testing.assert_close(got.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
     assert got.sum().item() == pytest.approx(1.0)
     assert polyline_attention_ref is not None
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_capture_attention_hooks_every_layer(impl):
+    """capture_attention reads each attention layer's operator inputs with forward hooks on its
+    MaskedAttentionOp, whichever implementation runs, and removes the hooks afterwards."""
+    import ppma
+    from ppma.nn import MaskedAttentionOp
+    from ppma.train.visualize import capture_attention
+
+    model = ppma.create_model("ppma_tiny", num_classes=4, embed_dims=(8, 16, 16, 16), depths=(1, 2, 1, 1),
+                              num_heads=(1, 2, 2, 2)).eval()
+    ops = [m for m in model.modules() if isinstance(m, MaskedAttentionOp)]
+    with torch.no_grad(), ppma.ops.use_impl(impl), capture_attention(model) as rec:
+        model(torch.randn(1, 3, 40, 56))
+    assert [c["kind"] for c in rec["calls"]] == [m.mode for m in ops] == ["criss_cross"] * 3 + ["full"] * 2
+    assert [c["q"].shape[1:3] for c in rec["calls"]] == [(10, 14)] + [(5, 7)] * 2 + [(3, 4), (2, 2)]
+    assert all(c["scale"] == 1.0 for c in rec["calls"]) and len(rec["decays"]) == 5
+    assert not any(m._forward_hooks for m in model.modules())
 
 
 def test_visualize_cli_writes_pngs(tmp_path, tiny_checkpoint):

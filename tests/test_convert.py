@@ -155,3 +155,10 @@ def test_load_checkpoint_files(tmp_path, fmt):
     deeper = create_model("ppma_tiny", **dict(kw, depths=(1, 2, 2, 1)))
     with pytest.raises(RuntimeError, match="Missing"):
         load_checkpoint(deeper, path)  # missing blocks
+    # an empty or truncated file: a message with the path (fuzzing: a bare EOFError)
+    (tmp_path / "empty.pth").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.pth' is empty"):
+        load_checkpoint(other, tmp_path / "empty.pth")
+    (tmp_path / "cut.pth").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cut.pth' is not a readable checkpoint"):
+        load_checkpoint(other, tmp_path / "cut.pth")

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import official_like  # noqa: E402
 
+import ppma.ops  # noqa: E402
 from ppma.models import PPMA, MODEL_CONFIGS, convert_official_state_dict  # noqa: E402
 
 FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
@@ -71,11 +72,11 @@ def _official_kwargs(cfg) -> dict:
     )
 
 
-def _pair(cfg, dtype, impl="fused", seed=0):
+def _pair(cfg, dtype, seed=0):
     torch.manual_seed(seed)
     official = official_like.PPMAViT(**_official_kwargs(cfg)).to(dtype).eval()
     randomize_(official, seed)
-    ours = PPMA(cfg, drop_path_rate=0.0, impl=impl).to(dtype).eval()
+    ours = PPMA(cfg, drop_path_rate=0.0).to(dtype).eval()
     ours.load_state_dict(convert_official_state_dict(official.state_dict(), verbose=False), strict=True)
     return official, ours
 
@@ -85,7 +86,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _check(cfg, size, dtype, impl, grads: bool, tol: float):
-    official, ours = _pair(cfg, dtype, impl)
+    with ppma.ops.use_impl(impl):
+        _check_pair(*_pair(cfg, dtype), cfg, size, dtype, grads, tol)
+
+
+def _check_pair(official, ours, cfg, size, dtype, grads: bool, tol: float):
     x = torch.randn(2, cfg.in_chans, *size, dtype=dtype, generator=torch.Generator().manual_seed(1))
     y_ref = official(x)
     y = ours(x)

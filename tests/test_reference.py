@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from op_utils import make_attention_inputs
 from ppma.ops import reference as R
-
 
 
 @pytest.fixture(autouse=True)
@@ -30,17 +30,9 @@ HEADS_DIMS = [(1, 8), (2, 4), (3, 16)]
 
 
 def make_inputs(B, H, W, G, d, dv=None, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    dv = d if dv is None else dv
-    q = torch.randn(B, H, W, G, d, generator=g)
-    k = torch.randn(B, H, W, G, d, generator=g)
-    v = torch.randn(B, H, W, G, dv, generator=g)
-    la = -torch.rand(B, H, W, G, generator=g) * 1.5
-    lb = -torch.rand(B, H, W, G, generator=g) * 1.5
-    ts = (q, k, v, la, lb)
-    if requires_grad:
-        ts = tuple(t.requires_grad_() for t in ts)
-    return ts
+    """fp64 ``q, k, v, log_alpha, log_beta`` from the shared builder, log-decays in [-1.5, 0]."""
+    shape = (B, H, W, G, d, d if dv is None else dv)
+    return make_attention_inputs(shape, torch.float64, decay_scale=1.5, seed=seed, requires_grad=requires_grad)
 
 
 def explicit_v2h_mask(alpha, beta):
@@ -115,6 +107,21 @@ def test_dense_mask_equals_explicit_products(H, W):
     for b, g in itertools.product(range(2), range(2)):
         ref = explicit_v2h_mask(la[b, :, :, g].exp(), lb[b, :, :, g].exp())
         torch.testing.assert_close(L[b, g], ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("H,W", [(3, 4), (5, 3)])
+def test_zero_decays_cut_paths_exactly(H, W):
+    """A decay of exactly 0 (log-decay -inf) gives every path through it weight 0, as the explicit products
+    do, and the masks stay finite: the reference floors log-decays at -1e4 (exp(-1e4) == 0), like the kernels."""
+    _, _, _, la, lb = make_inputs(1, H, W, 2, 4, seed=14)
+    la[:, :, 2], lb[:, 1] = -math.inf, -math.inf
+    L = R.polyline_mask(la, lb)
+    assert torch.isfinite(R.polyline_log_mask(la, lb)).all()
+    for g in range(2):
+        ref = explicit_v2h_mask(la[0, :, :, g].exp(), lb[0, :, :, g].exp())
+        assert torch.equal(L[0, g] == 0, ref == 0)
+        torch.testing.assert_close(L[0, g], ref, rtol=1e-10, atol=0)  # prefix sums of magnitude 1e4
+    torch.testing.assert_close(L, R.polyline_mask(la.clamp_min(-1e4), lb.clamp_min(-1e4)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("H,W", GRIDS)
@@ -319,7 +326,7 @@ def test_gradcheck_scan(transpose):
     assert torch.autograd.gradcheck(lambda *a: R.polyline_scan_ref(*a, transpose=transpose), (x, la, lb))
 
 
-@pytest.mark.parametrize("fill", [-1e4, 0.0])
+@pytest.mark.parametrize("fill", [-1e4, 0.0, -math.inf])
 def test_extreme_decays_are_finite(fill):
     q, k, v, la, lb = make_inputs(1, 4, 5, 2, 8, seed=12)
     la = torch.full_like(la, fill).requires_grad_()

@@ -28,10 +28,10 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "classification", "*.ya
 
 
 def model_args() -> list[str]:
-    """A tiny PPMA: criss-cross attention in stages 1-2, full attention in stages 3-4, reference ops."""
+    """A tiny PPMA: criss-cross attention in stages 1-2, full attention in stages 3-4."""
     return [
         "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1], num_heads: [1, 2, 2, 2],"
-        " mlp_ratios: [2, 2, 2, 2], criss_cross: [true, true, false, false], impl: reference}",
+        " mlp_ratios: [2, 2, 2, 2], criss_cross: [true, true, false, false]}",
     ]
 
 
@@ -147,11 +147,12 @@ def test_config_values_and_free_form_overrides():
     assert cfg.sched.min_lr == 1e-4  # YAML 1.1 reads 1e-4 as a string; the float entry converts it
     assert cfg.train.output == "123"
     # model.overrides takes any key: a dotted key changes one entry, a whole mapping replaces the file's
-    cfg = load_config(demo, ["model.overrides.impl=reference"])
-    assert cfg.model.overrides["impl"] == "reference" and cfg.model.overrides["depths"] == [1, 1, 2, 1]
-    assert load_config(demo, ["model.overrides={impl: reference}"]).model.overrides == {"impl": "reference"}
-    assert config_from_args(parse_args(["--config", demo, "--impl", "fused"])).model.overrides["embed_dims"] == [
-        32, 64, 96, 128]
+    cfg = load_config(demo, ["model.overrides.drop_rate=0.5"])
+    assert cfg.model.overrides["drop_rate"] == 0.5 and cfg.model.overrides["depths"] == [1, 1, 2, 1]
+    assert load_config(demo, ["model.overrides={drop_rate: 0.5}"]).model.overrides == {"drop_rate": 0.5}
+    # --impl is the process-wide switch of ppma.ops, not a model setting
+    overrides = config_from_args(parse_args(["--config", demo, "--impl", "fused"])).model.overrides
+    assert overrides["embed_dims"] == [32, 64, 96, 128] and "impl" not in overrides
 
 
 def test_weight_decay_groups():

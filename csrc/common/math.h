@@ -50,17 +50,26 @@ PPMA_HD int64_t token_index(int64_t N, int64_t G, int64_t b, int64_t p, int64_t 
 PPMA_HD int64_t line_token(bool rows, int64_t li, int64_t t, int64_t W) { return rows ? li * W + t : t * W + li; }
 PPMA_HD int64_t line_stride(bool rows, int64_t W) { return rows ? 1 : W; }
 
+// Log-decays below -1e4 (down to -inf, a decay of exactly 0) count as -1e4 in the prefix sums (docs/ops.md,
+// "Edges"; the reference does the same, ppma.ops._validate.LOG_DECAY_FLOOR): exp(-1e4) is 0 in every supported
+// dtype, so a path through such an edge keeps weight 0, while the prefix sums stay finite (-inf - -inf is NaN).
+// Written as a comparison so that NaN passes through (fmax would drop it).
+template <typename T>
+PPMA_HD T floor_log_decay(T d) {
+  return d < T(-1e4) ? T(-1e4) : d;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefix sums (docs/ops.md "Prefix sums and biases"), excluding index 0 so that the first log-decay of a line never
 // enters a bias and gets exactly zero gradient: c_0 = 0, c_t = sum_{1 <= n <= t} a_n. Sequential along the
-// line (deterministic). a and c are strided (element strides as, cs) and may be the same array.
+// line (deterministic); each a_n is floored first (floor_log_decay). a and c are strided (element strides as, cs) and may be the same array.
 // ---------------------------------------------------------------------------------------------
 template <typename A, typename In, typename Index>
 PPMA_HD void line_prefix_sums(Index n, const In* a, int64_t as, A* c, int64_t cs) {
   A run = 0;
   c[0] = A(0);
   for (Index t = 1; t < n; ++t) {
-    run += static_cast<A>(a[t * as]);
+    run += floor_log_decay(static_cast<A>(a[t * as]));
     c[t * cs] = run;
   }
 }

@@ -48,8 +48,18 @@ inline at::Tensor mat(const T* p, int64_t rows, int64_t cols, int64_t ld) {
                        at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
 }
 
-// out = alpha * a @ b (+ beta * out); runs single-threaded BLAS inside the parallel tasks.
+// out = alpha * a @ b (+ beta * out); runs single-threaded BLAS inside the parallel tasks. BLAS skips the
+// product when alpha == 0 (scale = 0), which would drop NaN/Inf in q or k; the reference computes 0 * (q k^T)
+// and propagates them, so form the product then.
 inline void gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
+  if (alpha == 0.0) {
+    const at::Tensor prod = at::mm(a, b).mul_(0.0);
+    if (beta == 0.0)
+      out.copy_(prod);
+    else
+      out.mul_(beta).add_(prod);
+    return;
+  }
   at::addmm_out(out, out, a, b, beta, alpha);
 }
 

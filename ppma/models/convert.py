@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 from collections.abc import Mapping
 from typing import Sequence
@@ -212,12 +213,17 @@ def load_checkpoint(
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_checkpoint: no checkpoint file at {path!r}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    if os.path.getsize(path) == 0:  # torch.load would raise a bare EOFError
+        raise ValueError(f"load_checkpoint: the checkpoint file {path!r} is empty")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        checkpoint = load_file(path, device=str(map_location))
-    else:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+            checkpoint = load_file(path, device=str(map_location))
+        else:
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"load_checkpoint: {path!r} is not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
     sd = convert_official_state_dict(checkpoint, key=key, verbose=verbose)
     own = model.state_dict()
     for k, v in own.items():  # the RoPE angles are a fixed function of head_dim; tolerate checkpoints without them

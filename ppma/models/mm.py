@@ -36,7 +36,6 @@ class PPMABackbone(BaseModule):
         drop_path_rate: stochastic depth; ``None`` keeps the variant default (0.1 / 0.15 / 0.4),
             as the official downstream backbones do.
         with_cp: activation checkpointing of every block.
-        impl: ``"fused"`` or ``"reference"`` attention ops.
         checkpoint_key: checkpoint entries tried in order by ``init_cfg=dict(type="Pretrained", ...)``;
             default ``("model", "models", "model_ema", "state_dict")``, mirroring the official backbones.
         init_cfg: mmengine init config; ``dict(type="Pretrained", checkpoint=path)`` loads an official
@@ -50,7 +49,6 @@ class PPMABackbone(BaseModule):
         out_indices: Sequence[int] = (0, 1, 2, 3),
         drop_path_rate: float | None = None,
         with_cp: bool = False,
-        impl: str = "fused",
         checkpoint_key: str | Sequence[str] | None = None,
         init_cfg: dict | None = None,
         **overrides,
@@ -61,7 +59,7 @@ class PPMABackbone(BaseModule):
             raise ValueError(f"PPMA backbone: unknown arch {arch!r}; choose from {sorted(ARCHS)}")
         if drop_path_rate is not None:
             overrides["drop_path_rate"] = drop_path_rate
-        net = PPMA(MODEL_CONFIGS[name], num_classes=0, impl=impl, **overrides)
+        net = PPMA(MODEL_CONFIGS[name], num_classes=0, **overrides)
         self.cfg = net.cfg
         self.out_indices = tuple(i % 4 for i in out_indices)
         if not self.out_indices or len(set(self.out_indices)) != len(self.out_indices):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ppma.nn import ClassifierHead, ConvStem, PatchMerging, PPMAAttention, PPMABlock, RotaryEmbedding2D
+from ppma.nn import ClassifierHead, ConvStem, PatchMerging, PPMABlock, RotaryEmbedding2D
 
 __all__ = ["PPMAConfig", "PPMA", "PPMAStage", "MODEL_CONFIGS", "ppma_tiny", "ppma_small", "ppma_base"]
 
@@ -46,7 +46,9 @@ class PPMAConfig:
         head_hidden_dim: width of the head's ``proj`` layer (1024).
         in_chans, num_classes: input channels and classes.
         drop_rate: dropout before the classifier (0 in the official models).
-        impl: attention ops, ``"fused"`` or ``"reference"``.
+
+    Whether the attention runs the fused kernels or the reference is not part of the architecture:
+    ``ppma.ops.set_impl`` / ``ppma.ops.use_impl`` choose it for every model.
     """
 
     embed_dims: tuple[int, ...] = (64, 128, 256, 512)
@@ -61,7 +63,6 @@ class PPMAConfig:
     in_chans: int = 3
     num_classes: int = 1000
     drop_rate: float = 0.0
-    impl: str = "fused"
 
     def __post_init__(self) -> None:
         for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale"):
@@ -100,29 +101,26 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
 class PPMAStage(nn.Module):
     """Optional downsampling, then ``depth`` PPMA blocks sharing one rotary embedding.
 
-    ``[B, H, W, in_dim] -> [B, H', W', dim]`` (``H' = ceil(H/2)`` when downsampling).
+    ``[B, H, W, in_dim] -> [B, H', W', dim]`` (``H' = ceil(H/2)`` when downsampling). Arguments after
+    ``in_dim, dim`` are keyword-only; ``drop_path`` holds one rate per block (its length is the depth), and
+    ``block_kwargs`` go to every :class:`PPMABlock` (``mlp_ratio``, ``mode``, ``layerscale``, ...).
     """
 
     def __init__(
         self,
         in_dim: int,
         dim: int,
-        depth: int,
+        *,
         num_heads: int,
-        mlp_ratio: float,
-        mode: str,
         drop_path: Sequence[float],
         downsample: bool,
-        layerscale: bool = False,
-        layer_init_values: float = 1e-6,
-        impl: str = "fused",
+        **block_kwargs,
     ) -> None:
         super().__init__()
         self.downsample = PatchMerging(in_dim, dim) if downsample else nn.Identity()
         self.rope = RotaryEmbedding2D(dim // num_heads)
         self.blocks = nn.ModuleList(
-            PPMABlock(dim, num_heads, mlp_ratio, mode, drop_path[b], layerscale, layer_init_values, impl)
-            for b in range(depth)
+            PPMABlock(dim, num_heads, drop_path=rate, **block_kwargs) for rate in drop_path
         )
         self.grad_checkpointing = False
 
@@ -174,17 +172,15 @@ class PPMA(nn.Module):
         for s in range(4):
             stages.append(
                 PPMAStage(
-                    in_dim=cfg.embed_dims[s - 1] if s else cfg.embed_dims[0],
-                    dim=cfg.embed_dims[s],
-                    depth=cfg.depths[s],
+                    cfg.embed_dims[s - 1] if s else cfg.embed_dims[0],
+                    cfg.embed_dims[s],
                     num_heads=cfg.num_heads[s],
-                    mlp_ratio=cfg.mlp_ratios[s],
-                    mode="criss_cross" if cfg.criss_cross[s] else "full",
                     drop_path=dpr[start : start + cfg.depths[s]],
                     downsample=s > 0,
+                    mlp_ratio=cfg.mlp_ratios[s],
+                    mode="criss_cross" if cfg.criss_cross[s] else "full",
                     layerscale=cfg.layerscale[s],
                     layer_init_values=cfg.layer_init_values,
-                    impl=cfg.impl,
                 )
             )
             start += cfg.depths[s]
@@ -194,14 +190,6 @@ class PPMA(nn.Module):
         self.apply(_init_weights)
 
     # ------------------------------------------------------------------ configuration
-    def set_impl(self, impl: str) -> "PPMA":
-        """Switch every attention module to ``"fused"`` or ``"reference"`` ops. Returns ``self``."""
-        for m in self.modules():
-            if isinstance(m, PPMAAttention):
-                m.impl = impl
-        self.cfg = dataclasses.replace(self.cfg, impl=impl)
-        return self
-
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute every block in the backward pass (activation checkpointing)."""
@@ -237,12 +225,18 @@ class PPMA(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, in_chans, H, W] -> [B, embed_dims[3], H/32, W/32]`` (sizes rounded up)."""
-        if x.dim() != 4 or x.shape[1] != self.cfg.in_chans:
-            raise ValueError(f"PPMA: x must be [B, {self.cfg.in_chans}, H, W], got shape {tuple(x.shape)}")
-        x = self.stem(x)
+        x = self.stem(self._check_input(x))
         for stage in self.stages:
             x = stage(x)
         return x.permute(0, 3, 1, 2)
+
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != self.cfg.in_chans:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"PPMA: x must be [B, {self.cfg.in_chans}, H, W], got {got}")
+        if x.shape[2] == 0 or x.shape[3] == 0:
+            raise ValueError(f"PPMA: the image must be at least 1x1, got x of shape {tuple(x.shape)}")
+        return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """``[B, C, h, w]`` -> logits ``[B, num_classes]`` (pooled ``[B, 1024]`` with ``pre_logits``)."""
@@ -281,7 +275,7 @@ class PPMA(nn.Module):
             raise ValueError(f"PPMA.forward_intermediates: output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
         take = _take_indices(len(self.stages), indices)
         last = max(take)
-        x = self.stem(x)
+        x = self.stem(self._check_input(x))
         intermediates = []
         stages = self.stages if not (stop_early or intermediates_only) else self.stages[: last + 1]
         for s, stage in enumerate(stages):

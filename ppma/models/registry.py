@@ -38,13 +38,15 @@ def create_model(
         checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present, spec §5.2).
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
             ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``layer_init_values``,
-            ``in_chans``, ``impl``, ``head_hidden_dim``, ``drop_rate``.
+            ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is
+            ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """
     if name not in MODEL_CONFIGS:
         raise ValueError(f"create_model: unknown model {name!r}; available: {list_models()}")
     unknown = set(overrides) - _OVERRIDES
     if unknown:
-        raise TypeError(f"create_model: unknown arguments {sorted(unknown)}; accepted: {sorted(_OVERRIDES)}")
+        hint = "; choose fused or reference ops with ppma.ops.set_impl / use_impl" if "impl" in unknown else ""
+        raise TypeError(f"create_model: unknown arguments {sorted(unknown)}; accepted: {sorted(_OVERRIDES)}{hint}")
     cfg = dataclasses.replace(MODEL_CONFIGS[name], num_classes=num_classes, **overrides)
     if drop_path_rate is not None:
         cfg = dataclasses.replace(cfg, drop_path_rate=drop_path_rate)

@@ -3,13 +3,14 @@
 from ppma.nn.layers import ClassifierHead, ConvFFN, ConvStem, DropPath, DWConv2d, LayerScale, PatchMerging
 from ppma.nn.decay import PathDecay
 from ppma.nn.rope import RotaryEmbedding2D, apply_rotary, rotate_every_two
-from ppma.nn.attention import PPMAAttention
+from ppma.nn.attention import MaskedAttentionOp, PPMAAttention
 from ppma.nn.block import PPMABlock
 
 __all__ = [
     "PathDecay",
     "RotaryEmbedding2D",
     "PPMAAttention",
+    "MaskedAttentionOp",
     "PPMABlock",
     "ConvStem",
     "PatchMerging",

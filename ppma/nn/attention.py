@@ -6,15 +6,39 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.ops import reference
 from ppma.nn.decay import PathDecay
 from ppma.nn.layers import DWConv2d
 from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
 
-__all__ = ["PPMAAttention", "ATTENTION_MODES", "IMPLS"]
+__all__ = ["PPMAAttention", "MaskedAttentionOp", "ATTENTION_MODES"]
 
-ATTENTION_MODES = ("full", "criss_cross")
-IMPLS = ("fused", "reference")
+# mode -> the op it runs: "full" is the official "whole" mode, "criss_cross" the official "chunk" mode.
+_MODE_OPS = {"full": ops.polyline_attention, "criss_cross": ops.criss_cross_attention}
+ATTENTION_MODES = tuple(_MODE_OPS)
+
+
+class MaskedAttentionOp(nn.Module):
+    """The polyline attention operator of one mode as a module without parameters (spec §1.6):
+    ``forward(q, k, v, log_alpha, log_beta)`` is ``ppma.ops.polyline_attention`` (``mode="full"``) or
+    ``ppma.ops.criss_cross_attention`` (``mode="criss_cross"``) with the fixed ``scale``.
+
+    Shapes: ``q, k: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``, ``log_alpha, log_beta:
+    [B, H, W, heads]`` -> ``[B, H, W, heads, dv]``. It exists so that forward hooks see exactly what the
+    operator receives (``ppma-visualize`` reads the attention weights this way). Whether the compiled
+    kernels or the reference run is ``ppma.ops.set_impl``'s choice, not the module's.
+    """
+
+    def __init__(self, mode: str, scale: float) -> None:
+        super().__init__()
+        if mode not in _MODE_OPS:
+            raise ValueError(f"MaskedAttentionOp: mode must be one of {ATTENTION_MODES}, got {mode!r}")
+        self.mode, self.scale = mode, scale
+
+    def forward(self, q, k, v, log_alpha, log_beta) -> torch.Tensor:
+        return _MODE_OPS[self.mode](q, k, v, log_alpha, log_beta, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, scale={self.scale}"
 
 
 class PPMAAttention(nn.Module):
@@ -27,17 +51,16 @@ class PPMAAttention(nn.Module):
     * ``mode="criss_cross"`` (official "chunk"): ``0.5 B(A v) + 0.5 A(B v)`` with masked row attention
       ``A`` and column attention ``B``;
 
-    and ``out = proj(attn + lepe)``.
+    and ``out = proj(attn + lepe)``. The operator runs in the child ``attn_op`` (a :class:`MaskedAttentionOp`
+    with scale 1, since ``k`` is already scaled); ``ppma.ops.set_impl`` picks fused kernels or the reference.
 
     Args:
         dim: channels ``C``.
         num_heads: heads; ``head_dim = C / num_heads``.
         mode: ``"full"`` or ``"criss_cross"``.
-        impl: ``"fused"`` (``ppma.ops``, the compiled kernels when built) or ``"reference"``
-            (``ppma.ops.reference``, pure PyTorch). Both compute the same numbers.
     """
 
-    def __init__(self, dim: int, num_heads: int, mode: str = "full", impl: str = "fused") -> None:
+    def __init__(self, dim: int, num_heads: int, mode: str = "full") -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"PPMAAttention: dim ({dim}) must be divisible by num_heads ({num_heads})")
@@ -45,28 +68,13 @@ class PPMAAttention(nn.Module):
             raise ValueError(f"PPMAAttention: mode must be one of {ATTENTION_MODES}, got {mode!r}")
         self.dim, self.num_heads, self.head_dim, self.mode = dim, num_heads, dim // num_heads, mode
         self.scale = self.head_dim**-0.5
-        self.impl = impl
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
         self.lepe = DWConv2d(dim, 5)
         self.decay = PathDecay(dim, num_heads)
         self.proj = nn.Linear(dim, dim)
-
-    @property
-    def impl(self) -> str:
-        return self._impl
-
-    @impl.setter
-    def impl(self, value: str) -> None:
-        if value not in IMPLS:
-            raise ValueError(f"PPMAAttention: impl must be one of {IMPLS}, got {value!r}")
-        self._impl = value
-
-    def _attention_fn(self):
-        if self.mode == "full":
-            return ops.polyline_attention if self._impl == "fused" else reference.polyline_attention_ref
-        return ops.criss_cross_attention if self._impl == "fused" else reference.criss_cross_attention_ref
+        self.attn_op = MaskedAttentionOp(mode, scale=1.0)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]`` (already normalised) -> ``[B, H, W, C]``.
@@ -91,8 +99,8 @@ class PPMAAttention(nn.Module):
         # official q k^T matmul inputs (a no-op in fp32 / fp64).
         q, k = q.to(v.dtype), k.to(v.dtype)
         log_alpha, log_beta = self.decay(x)
-        out = self._attention_fn()(q, k, v.reshape(shape), log_alpha, log_beta, 1.0)
+        out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta)
         return self.proj(out.reshape(B, H, W, C).to(v.dtype) + lepe)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, mode={self.mode!r}, impl={self._impl!r}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, mode={self.mode!r}"

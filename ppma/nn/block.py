@@ -23,24 +23,25 @@ class PPMABlock(nn.Module):
         mode: attention mode, ``"full"`` or ``"criss_cross"``.
         drop_path: stochastic depth rate of this block.
         layerscale: whether to use layer scale; ``layer_init_values`` is its initial value.
-        impl: ``"fused"`` or ``"reference"`` attention ops.
+
+    Everything after ``dim, num_heads`` is keyword-only.
     """
 
     def __init__(
         self,
         dim: int,
         num_heads: int,
+        *,
         mlp_ratio: float = 3.0,
         mode: str = "full",
         drop_path: float = 0.0,
         layerscale: bool = False,
         layer_init_values: float = 1e-6,
-        impl: str = "fused",
     ) -> None:
         super().__init__()
         self.cpe = DWConv2d(dim, 3)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = PPMAAttention(dim, num_heads, mode=mode, impl=impl)
+        self.attn = PPMAAttention(dim, num_heads, mode=mode)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)

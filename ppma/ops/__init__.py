@@ -1,13 +1,28 @@
 """Public functional API of the PPMA operators (design §2).
 
 ``q, k: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``, ``log_alpha, log_beta: [B, H, W, heads]``.
-Each function runs the fused ``torch.ops.ppma`` kernel when ``ppma._C`` is built, and the pure-PyTorch
-reference of ``ppma.ops.reference`` otherwise (with one warning).
+Each function runs the fused ``torch.ops.ppma`` kernel when ``ppma._C`` is built for the tensors' device,
+and the pure-PyTorch reference of ``ppma.ops.reference`` otherwise (with one warning).
+
+The one fused/reference switch of the package lives here: ``set_impl("fused" | "reference")``,
+``get_impl()`` and the context manager ``use_impl(...)`` (initial value: ``PPMA_IMPL``, default ``"fused"``).
+``set_check_decays(True)`` (or ``PPMA_CHECK_DECAYS=1``) makes every op reject positive log-decays.
 """
 
+from ppma.ops._dispatch import IMPLS, get_impl, set_check_decays, set_impl, use_impl
 from ppma.ops.criss_cross_attention import criss_cross_attention
 from ppma.ops.polyline_attention import polyline_attention
 from ppma.ops.polyline_scan import polyline_scan
 from ppma.ops import reference
 
-__all__ = ["polyline_attention", "criss_cross_attention", "polyline_scan", "reference"]
+__all__ = [
+    "polyline_attention",
+    "criss_cross_attention",
+    "polyline_scan",
+    "reference",
+    "IMPLS",
+    "set_impl",
+    "get_impl",
+    "use_impl",
+    "set_check_decays",
+]

@@ -1,91 +1,150 @@
-"""Input validation and dispatch helpers shared by the public op wrappers (design §2).
+"""Input validation and helpers shared by the public op wrappers and the reference (design §2).
 
-Errors name the argument and print the shapes / dtypes / devices. The checks only compare shapes,
-dtypes and devices, so they trace under ``torch.compile`` with dynamic shapes without data-dependent
-Python.
+Errors name the argument and print the shapes / dtypes / devices / values. The default checks only compare
+types, shapes, dtypes and devices, so they trace under ``torch.compile`` with dynamic shapes without
+data-dependent Python; the one check that reads values (positive log-decays) is opt-in
+(``ppma.ops.set_check_decays``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ppma import _ext
+from ppma.ops import _dispatch
 
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
+# Log-decays below this floor (down to -inf, i.e. a decay of exactly 0) are treated as the floor by every
+# backend and by the reference: exp(-1e4) is exactly 0 in every supported dtype, so a path through such an
+# edge has weight 0, and the prefix sums stay finite (-inf - -inf would be NaN). docs/ops.md, "Edges".
+LOG_DECAY_FLOOR = -1e4
 
-def _check_floating(op: str, name: str, t: torch.Tensor) -> None:
+
+def _check_tensor(op: str, name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_floating(op: str, name: str, t: torch.Tensor) -> None:
+    _check_tensor(op, name, t)
     if t.dtype not in _FLOATING:
         raise ValueError(f"{op}: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
 
 
 def check_decay_shapes(op: str, ref: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> None:
-    """``log_alpha, log_beta: [B, H, W, heads]`` matching ``ref.shape[:4]``."""
+    """``log_alpha, log_beta: [B, H, W, heads]`` tensors matching ``ref.shape[:4]``, on ``ref``'s device."""
     grid = tuple(ref.shape[:4])
     for name, t in (("log_alpha", log_alpha), ("log_beta", log_beta)):
+        _check_tensor(op, name, t)
         if t.dim() != 4 or tuple(t.shape) != grid:
             raise ValueError(f"{op}: {name} must be [B, H, W, heads] = {grid}, got shape {tuple(t.shape)}")
-
-
-def check_decays(op: str, ref: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> None:
-    """``log_alpha, log_beta: [B, H, W, heads]`` matching ``ref.shape[:4]``, same dtype and device."""
-    _check_floating(op, "log_alpha", log_alpha)
-    _check_floating(op, "log_beta", log_beta)
-    check_decay_shapes(op, ref, log_alpha, log_beta)
-    for name, t in (("log_alpha", log_alpha), ("log_beta", log_beta)):
         if t.device != ref.device:
             raise ValueError(f"{op}: {name} is on {t.device} but the features are on {ref.device}")
+
+
+def check_decay_values(op: str, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> None:
+    """With ``ppma.ops.set_check_decays(True)``: raise if a log-decay is positive (a decay above 1)."""
+    if not _dispatch.check_decays_enabled():
+        return
+    for name, t in (("log_alpha", log_alpha), ("log_beta", log_beta)):
+        bad = t > 0
+        if bool(bad.any()):
+            raise ValueError(
+                f"{op}: {name} must be <= 0 (log of a decay in [0, 1]); {int(bad.sum())} of {t.numel()} values "
+                f"are positive, the largest {t.max().item():.4g} (set_check_decays(False) to skip this check)"
+            )
+
+
+def check_decay_dtypes(op: str, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> None:
+    """Floating log-decays of one dtype (which may differ from the features')."""
+    _check_floating(op, "log_alpha", log_alpha)
+    _check_floating(op, "log_beta", log_beta)
     if log_alpha.dtype != log_beta.dtype:
         raise ValueError(f"{op}: log_alpha has dtype {log_alpha.dtype} but log_beta has dtype {log_beta.dtype}")
 
 
 def check_attention_shapes(op, q, k, v, log_alpha, log_beta) -> None:
-    """Shapes only: ``q, k: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``, decays ``[B, H, W, heads]``."""
+    """Types, shapes and devices: ``q, k: [B, H, W, heads, d]`` with ``d > 0``, ``v: [B, H, W, heads, dv]``,
+    decays ``[B, H, W, heads]``, all on one device. Shared by the wrappers and the reference."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(op, name, t)
     if q.dim() != 5:
         raise ValueError(f"{op}: q must be [B, H, W, heads, d], got shape {tuple(q.shape)}")
     if tuple(k.shape) != tuple(q.shape):
         raise ValueError(f"{op}: k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.dim() != 5 or tuple(v.shape[:4]) != tuple(q.shape[:4]):
         raise ValueError(f"{op}: v must be [B, H, W, heads, dv] matching q {tuple(q.shape)}, got {tuple(v.shape)}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"{op}: q and k must have a positive head dim d, got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
     check_decay_shapes(op, q, log_alpha, log_beta)
 
 
 def check_attention_inputs(op, q, k, v, log_alpha, log_beta) -> None:
     """``check_attention_shapes`` plus: floating dtypes, q/k/v share dtype and device (the decays may have
-    another floating dtype, e.g. fp32 decays with bf16 features)."""
+    another floating dtype, e.g. fp32 decays with bf16 features), and the opt-in decay-value check."""
+    check_attention_shapes(op, q, k, v, log_alpha, log_beta)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_floating(op, name, t)
-    check_attention_shapes(op, q, k, v, log_alpha, log_beta)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{op}: {name} has dtype {t.dtype} but q has dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
-    check_decays(op, q, log_alpha, log_beta)
+    check_decay_dtypes(op, log_alpha, log_beta)
+    check_decay_values(op, log_alpha, log_beta)
 
 
 def check_scan_shapes(op, x, log_alpha, log_beta) -> None:
-    """Shapes only: ``x: [B, H, W, heads, c]``, decays ``[B, H, W, heads]``."""
+    """Types, shapes and devices: ``x: [B, H, W, heads, c]``, decays ``[B, H, W, heads]`` on ``x``'s device."""
+    _check_tensor(op, "x", x)
     if x.dim() != 5:
         raise ValueError(f"{op}: x must be [B, H, W, heads, c], got shape {tuple(x.shape)}")
     check_decay_shapes(op, x, log_alpha, log_beta)
 
 
-def check_scan_inputs(op, x, log_alpha, log_beta) -> None:
-    """``x: [B, H, W, heads, c]``, decays ``[B, H, W, heads]`` on the same device."""
-    _check_floating(op, "x", x)
+def check_scan_inputs(op, x, log_alpha, log_beta, transpose) -> None:
+    """``x: [B, H, W, heads, c]``, decays ``[B, H, W, heads]`` on the same device, ``transpose`` a bool."""
     check_scan_shapes(op, x, log_alpha, log_beta)
-    check_decays(op, x, log_alpha, log_beta)
+    _check_floating(op, "x", x)
+    check_decay_dtypes(op, log_alpha, log_beta)
+    check_transpose(op, transpose)
+    check_decay_values(op, log_alpha, log_beta)
 
 
-def use_fused(t: torch.Tensor) -> bool:
-    """Whether the compiled op can run on ``t``'s device; otherwise warn once and use the reference."""
-    if _ext.has_ext() and (t.device.type == "cpu" or _ext.has_cuda_kernels()):
-        return True
-    _ext.warn_fallback()
-    return False
+def check_transpose(op: str, transpose) -> None:
+    if not isinstance(transpose, bool):
+        raise TypeError(f"{op}: transpose must be a bool, got {type(transpose).__name__} {transpose!r}")
+
+
+def resolve_scale(op: str, scale, head_dim: int) -> float:
+    """The logit scale as a Python float: ``head_dim ** -0.5`` when ``scale`` is None. A 0-dim tensor is
+    read with ``float()`` (no gradient flows to it)."""
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise TypeError(f"{op}: scale must be a number; a tensor that requires grad would get no gradient")
+    if not isinstance(scale, (bool, str, bytes)):
+        try:
+            return float(scale)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"{op}: scale must be a real number or None, got {type(scale).__name__} {scale!r}")
+
+
+def check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    """All ``tensors`` on the device of the first one. The fake (meta) kernels call this: a call of the
+    registered op with one input on ``meta`` dispatches to them, and they must not return empty CPU memory."""
+    (first, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != ref.device:
+            raise RuntimeError(f"ppma::{op}: {name} is on {t.device} but {first} is on {ref.device}")
+
+
+def is_empty(*tensors: torch.Tensor) -> bool:
+    """Whether an op has nothing to compute (a zero-sized batch, grid, head count or value dim). The wrappers
+    send such inputs to the reference, which returns empty results with a working autograd graph."""
+    return any(t.numel() == 0 for t in tensors)
 
 
 def no_double_backward(op: str) -> None:
@@ -102,8 +161,9 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def fake_attention_grads(q, k, v, log_alpha, log_beta):
+def fake_attention_grads(op, grad_out, q, k, v, log_alpha, log_beta, **saved):
     """Fake (meta) results of an attention backward op: gradients shaped like its five inputs."""
+    check_same_device(op, q=q, grad_out=grad_out, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta, **saved)
     return tuple(t.new_empty(t.shape) for t in (q, k, v, log_alpha, log_beta))
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import torch
 
 from ppma import _ext
+from ppma.ops._dispatch import run_fused
 from ppma.ops._validate import (
     check_attention_inputs,
+    check_same_device,
     fake_attention_grads,
     input_grads,
+    is_empty,
     lse_dtype,
     no_double_backward,
-    use_fused,
+    resolve_scale,
 )
 from ppma.ops.reference import criss_cross_attention_ref
 
@@ -35,27 +38,29 @@ def criss_cross_attention(
 
     Args:
         q, k: ``[B, H, W, heads, d]``; v: ``[B, H, W, heads, dv]`` (same dtype and device).
-        log_alpha, log_beta: ``[B, H, W, heads]`` log-decays (<= 0) along rows / columns.
-        scale: logit scale, ``d ** -0.5`` when None.
+        log_alpha, log_beta: ``[B, H, W, heads]`` log-decays (<= 0) along rows / columns; values below
+            ``-1e4`` (down to ``-inf``, a decay of 0) count as ``-1e4``, whose path weight is 0.
+        scale: logit scale (a real number), ``d ** -0.5`` when None.
 
     Returns:
-        ``[B, H, W, heads, dv]`` in the dtype of ``v``.
+        ``[B, H, W, heads, dv]`` in the dtype of ``v``. Runs the compiled kernel or the reference as
+        ``ppma.ops.set_impl`` says; NaN/Inf propagate as in the reference.
     """
     check_attention_inputs(_OP, q, k, v, log_alpha, log_beta)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if not use_fused(q):
+    scale = resolve_scale(_OP, scale, q.shape[-1])
+    if not run_fused(q) or is_empty(q, v):
         return criss_cross_attention_ref(q, k, v, log_alpha, log_beta, scale)
-    return torch.ops.ppma.criss_cross_attention(q, k, v, log_alpha, log_beta, float(scale))[0]
+    return torch.ops.ppma.criss_cross_attention(q, k, v, log_alpha, log_beta, scale)[0]
 
 
 def _fake(q, k, v, log_alpha, log_beta, scale):
+    check_same_device(_OP, q=q, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta)
     B, H, W, G, _ = q.shape
     return v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
 
 
 def _fake_backward(grad_out, q, k, v, log_alpha, log_beta, lse, scale):
-    return fake_attention_grads(q, k, v, log_alpha, log_beta)
+    return fake_attention_grads(_OP + "_backward", grad_out, q, k, v, log_alpha, log_beta, lse=lse)
 
 
 def _setup_context(ctx, inputs, output):

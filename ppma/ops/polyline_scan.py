@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ppma import _ext
-from ppma.ops._validate import check_scan_inputs, input_grads, no_double_backward, use_fused
+from ppma.ops._dispatch import run_fused
+from ppma.ops._validate import check_same_device, check_scan_inputs, input_grads, is_empty, no_double_backward
 from ppma.ops.reference import polyline_scan_ref
 
 _OP = "polyline_scan"
@@ -23,23 +24,26 @@ def polyline_scan(
 
     Args:
         x: ``[B, H, W, heads, c]``.
-        log_alpha, log_beta: ``[B, H, W, heads]`` log-decays (<= 0) along rows / columns.
-        transpose: apply ``L^T`` (rows first, then columns; the H2V mask) instead of ``L``.
+        log_alpha, log_beta: ``[B, H, W, heads]`` log-decays (<= 0) along rows / columns; ``-inf`` (a decay
+            of 0) cuts the path, like any value below ``-1e4``.
+        transpose (bool): apply ``L^T`` (rows first, then columns; the H2V mask) instead of ``L``.
 
     Returns:
         ``[B, H, W, heads, c]`` in the dtype of ``x``, in linear time.
     """
-    check_scan_inputs(_OP, x, log_alpha, log_beta)
-    if not use_fused(x):
+    check_scan_inputs(_OP, x, log_alpha, log_beta, transpose)
+    if not run_fused(x) or is_empty(x):
         return polyline_scan_ref(x, log_alpha, log_beta, transpose)
-    return torch.ops.ppma.polyline_scan(x, log_alpha, log_beta, bool(transpose))
+    return torch.ops.ppma.polyline_scan(x, log_alpha, log_beta, transpose)
 
 
 def _fake(x, log_alpha, log_beta, transpose):
+    check_same_device(_OP, x=x, log_alpha=log_alpha, log_beta=log_beta)
     return x.new_empty(x.shape)
 
 
 def _fake_backward(grad_y, x, log_alpha, log_beta, transpose):
+    check_same_device(_OP + "_backward", x=x, grad_y=grad_y, log_alpha=log_alpha, log_beta=log_beta)
     return x.new_empty(x.shape), log_alpha.new_empty(log_alpha.shape), log_beta.new_empty(log_beta.shape)
 
 

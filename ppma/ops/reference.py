@@ -12,6 +12,9 @@ Conventions (design §2):
 * ``log_alpha`` is the horizontal log-decay, used along rows; ``log_beta`` the vertical one, used along
   columns. The decay of token ``n`` sits on the edge between ``n - 1`` and ``n`` (spec §1.2), so
   ``log_alpha[:, :, 0]`` and ``log_beta[:, 0]`` never enter any mask and receive exactly zero gradient.
+* Log-decays below ``LOG_DECAY_FLOOR = -1e4`` (down to ``-inf``, a decay of exactly 0) count as the floor,
+  as in the kernels: ``exp(-1e4)`` is 0 in every dtype, so a path through such an edge has weight 0, and
+  the prefix sums stay finite (docs/ops.md, "Edges").
 * Dense masks are returned per head as ``[B, heads, N, N]``; row masks as ``[B, heads, H, W, W]``
   (``[b, g, i, j, l] = log alpha_{i, j:l}``), column masks as ``[B, heads, W, H, H]``
   (``[b, g, l, i, k] = log beta_{i:k, l}``).
@@ -27,7 +30,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ppma.ops._validate import check_attention_shapes, check_scan_shapes
+from ppma.ops._validate import (
+    LOG_DECAY_FLOOR,
+    check_attention_shapes,
+    check_decay_values,
+    check_scan_shapes,
+    check_transpose,
+    resolve_scale,
+)
 
 __all__ = [
     "path_log_decays_ref",
@@ -90,9 +100,10 @@ def prefix_sum_excl_first(d: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
     The official code includes ``d_0`` in the cumulative sum; every mask entry is a difference
     ``c_max - c_min`` in which ``d_0`` cancels, so leaving it out gives the same masks (up to rounding,
-    more precisely) and makes the gradient of ``d_0`` exactly zero (spec §1.2).
+    more precisely) and makes the gradient of ``d_0`` exactly zero (spec §1.2). Values below
+    ``LOG_DECAY_FLOOR`` count as the floor (NaN stays NaN).
     """
-    d = d.movedim(dim, -1)
+    d = d.movedim(dim, -1).clamp_min(LOG_DECAY_FLOOR)
     c = torch.cat([torch.zeros_like(d[..., :1]), torch.cumsum(d[..., 1:], dim=-1)], dim=-1)
     return c.movedim(-1, dim)
 
@@ -163,17 +174,19 @@ def polyline_attention_ref(
     ``out = (0.5 softmax(S + M) + 0.5 softmax(S + M^T)) v``. Shapes: ``q, k [B, H, W, heads, d]``,
     ``v [B, H, W, heads, dv]``, ``log_alpha, log_beta [B, H, W, heads]`` -> ``[B, H, W, heads, dv]``.
     """
-    check_attention_shapes("polyline_attention_ref", q, k, v, log_alpha, log_beta)
+    op = "polyline_attention_ref"
+    check_attention_shapes(op, q, k, v, log_alpha, log_beta)
+    check_decay_values(op, log_alpha, log_beta)
     B, H, W, G, D = q.shape
-    scale = D**-0.5 if scale is None else scale
-    ct = _compute_dtype(q)
+    scale = resolve_scale(op, scale, D)
+    ct, dv = _compute_dtype(q), v.shape[-1]  # explicit sizes: a -1 cannot be inferred for empty tensors
     qf = q.to(ct).reshape(B, H * W, G, D).transpose(1, 2)  # [B, G, N, d]
     kf = k.to(ct).reshape(B, H * W, G, D).transpose(1, 2)
-    vf = v.to(ct).reshape(B, H * W, G, -1).transpose(1, 2)
+    vf = v.to(ct).reshape(B, H * W, G, dv).transpose(1, 2)
     M = polyline_log_mask(log_alpha.to(ct), log_beta.to(ct))
     S = scale * (qf @ kf.transpose(-1, -2))
     P = 0.5 * torch.softmax(S + M, dim=-1) + 0.5 * torch.softmax(S + M.transpose(-1, -2), dim=-1)
-    out = (P @ vf).transpose(1, 2).reshape(B, H, W, G, -1)
+    out = (P @ vf).transpose(1, 2).reshape(B, H, W, G, dv)
     return out.to(v.dtype)
 
 
@@ -191,9 +204,11 @@ def criss_cross_attention_ref(
     ``B_l = softmax(scale q_l k_l^T + log beta-mask of column l)`` (H x H);
     ``out = 0.5 B (A v) + 0.5 A (B v)`` (the H2V and V2H orders). Shapes as in ``polyline_attention_ref``.
     """
-    check_attention_shapes("criss_cross_attention_ref", q, k, v, log_alpha, log_beta)
+    op = "criss_cross_attention_ref"
+    check_attention_shapes(op, q, k, v, log_alpha, log_beta)
+    check_decay_values(op, log_alpha, log_beta)
     B, H, W, G, D = q.shape
-    scale = D**-0.5 if scale is None else scale
+    scale = resolve_scale(op, scale, D)
     ct, out_dtype = _compute_dtype(q), v.dtype
     q, k, v = q.to(ct), k.to(ct), v.to(ct)
     # Rows: [B, G, H, W, d]; columns: [B, G, W, H, d].
@@ -233,7 +248,10 @@ def polyline_scan_ref(
     ``transpose=True``: rows first, then columns: ``y = L^T x`` (the H2V mask).
     ``x: [B, H, W, heads, c]``, ``log_alpha, log_beta: [B, H, W, heads]`` -> ``[B, H, W, heads, c]``.
     """
-    check_scan_shapes("polyline_scan_ref", x, log_alpha, log_beta)
+    op = "polyline_scan_ref"
+    check_scan_shapes(op, x, log_alpha, log_beta)
+    check_transpose(op, transpose)
+    check_decay_values(op, log_alpha, log_beta)
     ct = _compute_dtype(x)
     la, lb = log_alpha.to(ct), log_beta.to(ct)
 

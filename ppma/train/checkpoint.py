@@ -98,7 +98,7 @@ def _pick_state(ckpt: dict, key: str, path: str):
     return key, ckpt[key]
 
 
-def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None, impl=None):
+def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None):
     """Build the model for checkpoint ``path`` and load its weights: a ``ppma-train`` checkpoint carries its
     config; an official PPMA checkpoint (spec §5.2) is converted by ``ppma.models.convert_official_state_dict``
     into ``model_name`` (default ``ppma_tiny``) with ``num_classes`` (default 1000). ``key`` picks the weights
@@ -112,8 +112,6 @@ def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_cl
     ckpt = load_checkpoint(path)
     if isinstance(ckpt, dict) and "config" in ckpt and "version" in ckpt:  # ours
         cfg = TrainConfig.from_dict(ckpt["config"], source=f"the config of checkpoint {path}")
-        if impl is not None:
-            cfg.model.overrides["impl"] = impl
         if model_name is not None and model_name != cfg.model.name:
             raise ValueError(f"--model {model_name!r} differs from the checkpoint's model {cfg.model.name!r}")
         cfg.model.checkpoint_path = None
@@ -129,8 +127,7 @@ def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_cl
     except ImportError as exc:  # the model package provides the converter
         raise ImportError("official checkpoints need ppma.models.convert_official_state_dict") from exc
     name = model_name or "ppma_tiny"
-    overrides = {"impl": impl} if impl else {}
-    model = ppma.create_model(name, num_classes=num_classes or 1000, **overrides)
+    model = ppma.create_model(name, num_classes=num_classes or 1000)
     used, _ = _pick_state(ckpt, key, path)
     state = convert_official_state_dict(ckpt, key=None if key == "auto" else key)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -46,7 +46,7 @@ class ModelConfig:
     # None: the variant's own rate (0.1 / 0.15 / 0.4 for T / S / B, spec §4.1).
     drop_path_rate: Optional[float] = None
     # Any keyword of ppma.create_model: embed_dims, depths, num_heads, mlp_ratios, criss_cross, layerscale,
-    # layer_init_values, in_chans, impl. Free-form (checked by the factory). `--set model.overrides={...}`
+    # layer_init_values, in_chans (fused or reference ops: the --impl flag). Free-form (checked by the factory). `--set model.overrides={...}`
     # replaces the whole mapping, `--set model.overrides.KEY=VALUE` one entry.
     overrides: Dict[str, Any] = field(default_factory=dict)
     checkpoint_path: Optional[str] = None  # initial weights (e.g. converted official ones)
@@ -229,7 +229,7 @@ def _build(layers: list[tuple[Any, str, bool]]) -> TrainConfig:
     """Merge ``(update, source, whole)`` layers onto the defaults. ``whole``: the layer gives
     ``model.overrides`` as one value (a file, ``--set model.overrides={...}``), which then replaces the
     free-form mapping instead of merging into it (a merge would keep keys the layer meant to drop); a dotted
-    key inside it (``--set model.overrides.impl=...``) changes one entry."""
+    key inside it (``--set model.overrides.depths=...``) changes one entry."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, ValidationError
 

@@ -8,7 +8,6 @@ attention weights as the model computes them. ``ppma-visualize`` (:mod:`ppma.tra
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
@@ -61,9 +60,6 @@ def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], criss_cross
 
 # ----------------------------------------------------------------------------------------------- capture
 
-_OPS = ("polyline_attention", "criss_cross_attention", "polyline_attention_ref", "criss_cross_attention_ref")
-
-
 @contextlib.contextmanager
 def capture_attention(model: torch.nn.Module):
     """Record, during a forward pass, every PPMA attention call (operator inputs) and every ``PathDecay``
@@ -71,60 +67,29 @@ def capture_attention(model: torch.nn.Module):
 
     Yields ``records``: a dict with ``calls`` (list of dicts with ``kind`` in {"full", "criss_cross"},
     ``q``, ``k`` ``[B, H, W, heads, d]``, ``log_alpha``, ``log_beta`` ``[B, H, W, heads]``, ``scale``)
-    and ``decays`` (list of ``(module_name, log_alpha, log_beta)``). The operators are wrapped wherever
-    a loaded ``ppma`` module holds a reference to them."""
-    import ppma.ops
-    import ppma.ops.reference
+    and ``decays`` (list of ``(module_name, log_alpha, log_beta)``). Both are read with forward hooks: on
+    every ``ppma.nn.MaskedAttentionOp`` (the module through which each attention layer calls its operator,
+    whichever implementation ``ppma.ops.set_impl`` picks) and every ``ppma.nn.PathDecay``."""
+    from ppma.nn import MaskedAttentionOp, PathDecay
 
     records = {"calls": [], "decays": []}
-    depth = [0]  # the fused wrappers fall back to the *_ref functions: record the outermost call only
-    originals = {}
-    for name in _OPS:
-        src = ppma.ops.reference if name.endswith("_ref") else ppma.ops
-        originals[name] = getattr(src, name)
 
-    def wrap(name, fn):
-        kind = "criss_cross" if name.startswith("criss") else "full"
+    def on_attention(mod, inputs, output):
+        q, k, _, log_alpha, log_beta = inputs
+        records["calls"].append({"kind": mod.mode, "q": q.detach(), "k": k.detach(),
+                                 "log_alpha": log_alpha.detach(), "log_beta": log_beta.detach(),
+                                 "scale": mod.scale})
 
-        def wrapper(q, k, v, log_alpha, log_beta, *args, **kwargs):
-            scale = args[0] if args else kwargs.get("scale")
-            if depth[0] == 0:
-                records["calls"].append({"kind": kind, "q": q.detach(), "k": k.detach(),
-                                         "log_alpha": log_alpha.detach(), "log_beta": log_beta.detach(),
-                                         "scale": scale})
-            depth[0] += 1
-            try:
-                return fn(q, k, v, log_alpha, log_beta, *args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return wrapper
-
-    wrappers = {name: wrap(name, fn) for name, fn in originals.items()}
-    patched = []  # (module, attribute, original)
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == "ppma" or mod_name.startswith("ppma.")):
-            continue
-        for attr, value in list(vars(mod).items()):
-            for name, fn in originals.items():
-                if value is fn:
-                    patched.append((mod, attr, value))
-                    setattr(mod, attr, wrappers[name])
     handles = []
-    try:
-        from ppma.nn import PathDecay
-    except ImportError:  # no decay modules: fall back to the decays the operators receive
-        PathDecay = None
-    if PathDecay is not None:
-        for mname, m in model.named_modules():
-            if isinstance(m, PathDecay):
-                handles.append(m.register_forward_hook(
-                    lambda mod, inp, out, mname=mname: records["decays"].append(
-                        (mname, out[0].detach(), out[1].detach()))))
+    for mname, m in model.named_modules():
+        if isinstance(m, MaskedAttentionOp):
+            handles.append(m.register_forward_hook(on_attention))
+        elif isinstance(m, PathDecay):
+            handles.append(m.register_forward_hook(
+                lambda mod, inp, out, mname=mname: records["decays"].append(
+                    (mname, out[0].detach(), out[1].detach()))))
     try:
         yield records
     finally:
-        for mod, attr, value in patched:
-            setattr(mod, attr, value)
         for h in handles:
             h.remove()

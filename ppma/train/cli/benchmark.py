@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     from ppma.train.benchmark import measure
     from ppma.train.build import model_kwargs, resolve_factory
     from ppma.train.config import parse_assignment
+    import ppma.ops
 
     device = resolve_device(args.device)
     amp_dtype = resolve_amp_dtype(args.amp, device)
@@ -100,12 +101,13 @@ def main(argv=None) -> int:
     for name in args.model:
         for impl in args.impl:
             torch.manual_seed(0)
-            model = create(name, num_classes=args.num_classes, in_chans=args.in_chans, impl=impl, **overrides)
+            model = create(name, num_classes=args.num_classes, in_chans=args.in_chans, **overrides)
             row = {"model": name, "impl": impl, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-            row.update(measure(model, batch_size=args.batch_size, img_size=args.img_size, in_chans=args.in_chans,
-                               num_classes=args.num_classes, device=device, amp_dtype=amp_dtype,
-                               warmup=args.warmup, iters=args.iters, train=not args.no_train,
-                               channels_last=args.channels_last))
+            with ppma.ops.use_impl(impl):  # the ops read the switch at call time: same model, both impls
+                row.update(measure(model, batch_size=args.batch_size, img_size=args.img_size,
+                                   in_chans=args.in_chans, num_classes=args.num_classes, device=device,
+                                   amp_dtype=amp_dtype, warmup=args.warmup, iters=args.iters,
+                                   train=not args.no_train, channels_last=args.channels_last))
             print(json.dumps(row), flush=True)
             rows.append(row)
             del model

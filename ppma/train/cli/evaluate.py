@@ -53,10 +53,11 @@ def main(argv=None) -> int:
     from ppma.train.config import DataConfig
     from ppma.train.data import build_digits, build_eval_transform
     from ppma.train.engine import evaluate
+    import ppma.ops
 
     device = resolve_device(args.device)
     model, info = load_model_from_checkpoint(
-        args.checkpoint, model_name=args.model, key=args.key, num_classes=args.num_classes, impl=args.impl
+        args.checkpoint, model_name=args.model, key=args.key, num_classes=args.num_classes
     )
     model.to(device).eval()
     # official checkpoints carry no config: the data defaults of the ImageNet recipe
@@ -72,8 +73,9 @@ def main(argv=None) -> int:
                                   d.mean, d.std)
         dataset = ImageFolder(root, tf)
     amp = amp_dtype(args.amp, device)
-    res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp, num_workers=args.num_workers,
-                   progress=True)
+    with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
+        res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp,
+                       num_workers=args.num_workers, progress=True)
     result = {"checkpoint": args.checkpoint, "weights": info["key"], "kind": info["kind"], "data": args.data,
               "images": res["n"], "top1": res["acc1"], "top5": res["acc5"], "loss": res["loss"], "img_size": img_size}
     print(f"{args.checkpoint} [{info['key']}]: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import ppma.ops
 from ppma.train.config import TrainConfig, load_config
 from ppma.train.trainer import train
 
@@ -62,19 +63,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values["data.dataset"] = args.data
         else:
             values["data.dataset"], values["data.path"] = "imagefolder", args.data
-    if args.impl is not None:
-        values["model.overrides.impl"] = args.impl
     if args.no_progress:
         values["train.progress"] = False
     return load_config(args.config, args.set, values)
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
     try:
-        cfg = config_from_args(parse_args(argv))
+        cfg = config_from_args(args)
     except (KeyError, TypeError, ValueError) as exc:  # a bad config: its message, not a traceback
         raise SystemExit(f"ppma-train: error: {exc.args[0]}") from None
-    train(cfg)
+    with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
+        train(cfg)
     return 0
 
 

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         logits = model(x)
     calls = rec["calls"]
     if not calls:
-        raise RuntimeError("the model made no PPMA attention call (ppma.ops.polyline_attention/criss_cross_attention)")
+        raise RuntimeError("the model made no PPMA attention call (no ppma.nn.MaskedAttentionOp ran)")
     decays = rec["decays"]
     names = [d[0] for d in decays] if len(decays) == len(calls) else [f"attention.{n}" for n in range(len(calls))]
     # pick the block
