@@ -20,9 +20,14 @@ Official names (``PPMA.py:PPMAViT``, spec §5.1) map one to one onto ours::
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import hashlib
 import logging
 import os
+import pickle
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Sequence
 
@@ -32,6 +37,8 @@ __all__ = [
     "convert_official_state_dict",
     "convert_to_official_state_dict",
     "select_state_dict",
+    "read_checkpoint",
+    "checkpoint_safe_globals",
     "load_checkpoint",
     "EVAL_KEYS",
     "DOWNSTREAM_KEYS",
@@ -191,56 +198,190 @@ def convert_to_official_state_dict(state_dict: Mapping[str, torch.Tensor]) -> di
     return out
 
 
+# ---------------------------------------------------------------------------------------------- reading files
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = re.findall(r"\d+", torch.__version__)[:2]
+    return int(major), int(minor)
+
+
+def _numpy_safe_globals() -> list:
+    """The numpy objects a pickled array or scalar refers to (mm checkpoints keep numpy values in their logs)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    allowed: list = [np.ndarray, np.dtype]
+    allowed += [type(np.dtype(t)) for t in (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32,
+                                            np.int64, np.uint8, np.bool_)]
+    for name in ("_reconstruct", "scalar"):
+        fn = getattr(multiarray, name)
+        if _torch_version() >= (2, 6):  # (object, path) pairs: files written by numpy 1.x and 2.x name the module differently
+            allowed += [(fn, f"numpy.core.multiarray.{name}"), (fn, f"numpy._core.multiarray.{name}")]
+        else:
+            allowed.append(fn)
+    return allowed
+
+
+def checkpoint_safe_globals() -> list:
+    """What :func:`read_checkpoint` allows ``torch.load(weights_only=True)`` to rebuild besides tensors and plain
+    Python containers: ``argparse.Namespace`` (the ``args`` of the official classification ``best.pth``), numpy
+    arrays, scalars and dtypes, and mmengine's ``HistoryBuffer`` (the logs inside MMEngine ``iter_*.pth`` /
+    ``epoch_*.pth``). Nothing that can run code when it is rebuilt."""
+    allowed: list = [argparse.Namespace, *_numpy_safe_globals()]
+    try:
+        from mmengine.logging import HistoryBuffer
+
+        allowed.append(HistoryBuffer)
+    except Exception:  # mmengine not installed: its checkpoints cannot hold anything we could rebuild anyway
+        pass
+    return allowed
+
+
+@contextlib.contextmanager
+def _allow_checkpoint_globals():
+    allowed = checkpoint_safe_globals()
+    if hasattr(torch.serialization, "safe_globals"):
+        with torch.serialization.safe_globals(allowed):
+            yield
+    else:  # torch 2.4: no context manager; the allowlist stays for the process
+        torch.serialization.add_safe_globals(allowed)
+        yield
+
+
+def _torch_load(path: str, map_location) -> dict:
+    with _allow_checkpoint_globals():
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise RuntimeError(
+                f"read_checkpoint: {path!r} holds objects that a weights-only load does not rebuild (allowed: tensors, "
+                f"plain containers, argparse.Namespace, numpy arrays, mmengine HistoryBuffer). ppma never falls back "
+                f"to unrestricted unpickling; extract the state dict in a trusted environment. Details: {exc}"
+            ) from exc
+
+
+def _download(url: str) -> str:
+    """Download ``url`` once into ``<torch hub dir>/checkpoints`` (rank 0 first when distributed) and return the
+    path. The file name gets a hash of the URL, because the official files all share names (``best.pth``)."""
+    name = os.path.basename(urllib.parse.urlparse(url).path) or "checkpoint.pth"
+    cache_dir = os.path.join(torch.hub.get_dir(), "checkpoints")
+    path = os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:8]}-{name}")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if (not distributed or torch.distributed.get_rank() == 0) and not os.path.isfile(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        _logger.info(f"ppma: downloading {url} to {path}")
+        torch.hub.download_url_to_file(url, path, progress=False)
+    if distributed:
+        torch.distributed.barrier()
+    return path
+
+
+def read_checkpoint(source: str | os.PathLike, map_location="cpu") -> dict:
+    """Read a checkpoint safely: ``torch.load(weights_only=True)`` with :func:`checkpoint_safe_globals` allowed.
+
+    Args:
+        source: a local ``.pth``/``.pt``/``.safetensors`` file; an ``http(s)://`` URL (downloaded once into
+            ``<torch hub dir>/checkpoints``); ``hf://<repo id>/<path in repo>[@revision]`` (through the Hugging
+            Face hub client and its cache, see :mod:`ppma.models.hub`); or another scheme that mmengine's
+            ``CheckpointLoader`` knows (only with torch >= 2.6, whose ``torch.load`` is weights-only by default).
+        map_location: as for ``torch.load``.
+
+    Returns:
+        The loaded object (a dict for every checkpoint layout of spec §5.2).
+    """
+    source = os.fspath(source)
+    scheme = source.split("://", 1)[0] if "://" in source else ""
+    if scheme in ("http", "https"):
+        path = _download(source)
+    elif scheme == "hf":
+        from ppma.models.hub import download_hf
+
+        path = download_hf(source)
+    elif scheme:
+        if _torch_version() < (2, 6):
+            raise RuntimeError(f"read_checkpoint: {source!r}: mmengine's loaders would unpickle without restriction "
+                               f"under torch {torch.__version__}; download the file and pass its path")
+        from mmengine.runner import CheckpointLoader
+
+        with _allow_checkpoint_globals():
+            return CheckpointLoader.load_checkpoint(source, map_location=map_location)
+    else:
+        path = source
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"read_checkpoint: no checkpoint file at {path!r}")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path, device=str(map_location))
+    return _torch_load(path, map_location)
+
+
+# ---------------------------------------------------------------------------------------------- loading into a model
+
+
+def _matching(keys, patterns) -> list[str]:
+    return [k for k in keys if any(re.match(p, k) for p in patterns)]
+
+
 def load_checkpoint(
     model: torch.nn.Module,
-    path: str | os.PathLike,
+    source: str | os.PathLike,
     key: str | Sequence[str] | None = None,
     strict: bool = True,
     map_location="cpu",
     verbose: bool = True,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
 ):
-    """Load an official or ppma checkpoint file (``.pth``/``.pt`` or ``.safetensors``) into ``model``.
+    """Load an official or ppma checkpoint (file, URL or ``hf://``, see :func:`read_checkpoint`) into ``model``.
 
-    ``.pth`` files are read with ``torch.load(weights_only=True)``. Missing RoPE ``angle`` buffers (a fixed
-    function of the head dim) are taken from the model. Entries whose shape differs from the
-    model's (e.g. a 1000-class ``head.fc`` into a 10-class model) are dropped and reported; with
-    ``strict=True`` every other mismatch (missing or unexpected keys) raises.
+    The weights are converted by :func:`convert_official_state_dict`. Missing RoPE ``angle`` buffers (a fixed
+    function of the head dim) are taken from the model. A classifier ``head.fc`` of another size than the
+    model's (e.g. 1000 classes into a 10-class model), or one the model does not have, is dropped and reported.
+
+    Args:
+        strict: raise ``RuntimeError`` (before anything is loaded) on any other missing key, unexpected key or
+            shape mismatch, except keys matching ``allow_missing`` / ``allow_unexpected`` (regexes matched at the
+            start of the key). ``strict=False`` loads what fits and only logs the rest.
 
     Returns:
         The ``(missing_keys, unexpected_keys)`` result of ``load_state_dict``.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"load_checkpoint: no checkpoint file at {path!r}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        checkpoint = load_file(path, device=str(map_location))
-    else:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    checkpoint = read_checkpoint(source, map_location=map_location)
     sd = convert_official_state_dict(checkpoint, key=key, verbose=verbose)
     own = model.state_dict()
     for k, v in own.items():  # the RoPE angles are a fixed function of head_dim; tolerate checkpoints without them
         if k.endswith(".rope.angle") and k not in sd:
             sd[k] = v
-    mismatched = [k for k, v in sd.items() if k in own and own[k].shape != v.shape]
-    for k in mismatched:
+    classifier = [k for k in sd if k.startswith("head.fc.") and (k not in own or own[k].shape != sd[k].shape)]
+    for k in classifier:
         if verbose:
-            _logger.warning(f"ppma: dropping {k}: checkpoint shape {tuple(sd[k].shape)} != model {tuple(own[k].shape)}")
+            _logger.info(f"ppma: not loading the classifier entry {k} {tuple(sd[k].shape)}: the model's "
+                         f"{tuple(own[k].shape) if k in own else 'has none'}")
         del sd[k]
-    if strict and mismatched:
-        allowed = all(k.startswith("head.fc.") for k in mismatched)
-        if not allowed:
-            raise RuntimeError(f"load_checkpoint: shape mismatch for {mismatched}")
-        result = model.load_state_dict(sd, strict=False)
-        bad_missing = [k for k in result.missing_keys if not k.startswith("head.fc.")]
-        if bad_missing or result.unexpected_keys:
+    mismatched = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items() if k in own and own[k].shape != v.shape}
+    missing = [k for k in own if k not in sd and not (classifier and k.startswith("head.fc."))]
+    unexpected = [k for k in sd if k not in own]
+    if strict:
+        bad_missing = sorted(set(missing) - set(_matching(missing, allow_missing)))
+        bad_unexpected = sorted(set(unexpected) - set(_matching(unexpected, allow_unexpected)))
+        if mismatched or bad_missing or bad_unexpected:
             raise RuntimeError(
-                f"load_checkpoint: missing keys {bad_missing}, unexpected keys {result.unexpected_keys}"
+                f"load_checkpoint: {os.fspath(source)!r} does not fit {type(model).__name__} (is it another PPMA "
+                f"variant?): Missing keys {bad_missing[:10]}{' ...' if len(bad_missing) > 10 else ''} "
+                f"({len(bad_missing)}); unexpected keys {bad_unexpected[:10]}"
+                f"{' ...' if len(bad_unexpected) > 10 else ''} ({len(bad_unexpected)}); "
+                f"shape mismatches (checkpoint, model) {dict(list(mismatched.items())[:10])} ({len(mismatched)})"
             )
-    else:
-        result = model.load_state_dict(sd, strict=strict)
+    for k, (got, want) in mismatched.items():
+        if verbose:
+            _logger.warning(f"ppma: dropping {k}: checkpoint shape {got} != model {want}")
+        del sd[k]
+    result = model.load_state_dict(sd, strict=False)
     if verbose:
-        _logger.info(f"ppma: loaded {len(sd)} tensors from {os.path.basename(path)}; "
+        _logger.info(f"ppma: loaded {len(sd)} tensors from {os.path.basename(os.fspath(source))}; "
                      f"missing {len(result.missing_keys)}, unexpected {len(result.unexpected_keys)}")
     return result
