@@ -37,6 +37,7 @@ __all__ = [
     "convert_official_state_dict",
     "convert_to_official_state_dict",
     "select_state_dict",
+    "convert_mm_checkpoint",
     "read_checkpoint",
     "checkpoint_safe_globals",
     "load_checkpoint",
@@ -230,13 +231,26 @@ def checkpoint_safe_globals() -> list:
     Python containers: ``argparse.Namespace`` (the ``args`` of the official classification ``best.pth``), numpy
     arrays, scalars and dtypes, and mmengine's ``HistoryBuffer`` (the logs inside MMEngine ``iter_*.pth`` /
     ``epoch_*.pth``). Nothing that can run code when it is rebuilt."""
-    allowed: list = [argparse.Namespace, *_numpy_safe_globals()]
+    return [argparse.Namespace, *_numpy_safe_globals(), *_mmengine_safe_globals()]
+
+
+def _mmengine_safe_globals() -> list:
     try:
         from mmengine.logging import HistoryBuffer
-
-        allowed.append(HistoryBuffer)
     except Exception:  # mmengine not installed: its checkpoints cannot hold anything we could rebuild anyway
-        pass
+        return []
+    allowed: list = [HistoryBuffer]
+    if _torch_version() >= (2, 6):
+        names = {"min", "max", "current", "mean", *getattr(HistoryBuffer, "_statistics_methods", {})}
+
+        def history_buffer_method(obj, name):
+            """The ``getattr(HistoryBuffer, name)`` that a pickled HistoryBuffer uses to refer to its statistics
+            methods; any other attribute lookup is refused."""
+            if obj is HistoryBuffer and name in names:
+                return getattr(HistoryBuffer, name)
+            raise pickle.UnpicklingError(f"checkpoint asks for getattr({obj!r}, {name!r}), which is not allowed")
+
+        allowed.append((history_buffer_method, "builtins.getattr"))
     return allowed
 
 
@@ -385,3 +399,110 @@ def load_checkpoint(
         _logger.info(f"ppma: loaded {len(sd)} tensors from {os.path.basename(os.fspath(source))}; "
                      f"missing {len(result.missing_keys)}, unexpected {len(result.unexpected_keys)}")
     return result
+
+
+# ---------------------------------------------------------------------------------------------- mm checkpoints
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def convert_mm_checkpoint(checkpoint: Mapping, verbose: bool = True) -> dict:
+    """An official MMSegmentation 0.x / MMDetection 2.x checkpoint (spec §5.2: UPerNet ADE20K / Cityscapes
+    ``iter_160000.pth``, Mask R-CNN ``epoch_12.pth`` / ``epoch_36.pth``) -> a checkpoint that ppma's
+    MMSegmentation 1.x / MMDetection 3.x configs load with ``load_from``.
+
+    - ``backbone.*`` is renamed to our naming (spec §5.1; ``outnorm{i}`` -> ``out_norms.{i}``, layer scales
+      reshaped). A backbone already in our naming passes through, so converting twice changes nothing.
+    - Neck and head parameters keep their names: UPerHead / FCNHead (mmseg 0.x -> 1.x) and FPN, RPNHead and
+      StandardRoIHead with Shared2FCBBoxHead / FCNMaskHead (mmdet 2.x -> 3.x) did not rename any parameter; the
+      1.x / 3.x model zoos serve the very 0.x / 2.x files for these models.
+    - ``meta``: the class names and palette move to ``dataset_meta`` (where 1.x / 3.x read them); a few plain
+      entries (epoch, iteration, versions) are kept under ``converted_from``. The optimiser state (mmcv 1.x
+      layout) is dropped: ``load_from`` starts a new run or an evaluation, it does not resume.
+    - Only tensors and plain Python values are written, so stock mmengine reads the file under torch >= 2.6
+      (whose ``torch.load`` is weights-only by default) without any flag.
+
+    Raises:
+        ValueError: the checkpoint has no ``backbone.*`` entries, or a backbone entry matches no PPMA name.
+    """
+    sd, _ = select_state_dict(checkpoint, ("state_dict", "model"))
+    sd = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in sd.items()}
+    backbone = {k[len("backbone.") :]: v for k, v in sd.items() if k.startswith("backbone.")}
+    if not backbone:
+        raise ValueError(f"convert_mm_checkpoint: no backbone.* entries (keys start with "
+                         f"{sorted({k.split('.')[0] for k in sd})}); not an MMSegmentation/MMDetection checkpoint")
+    ours = convert_official_state_dict(backbone, verbose=False)
+    unknown = [k for k in ours if not k.startswith(("stem.", "stages.", "out_norms."))]
+    if unknown:
+        raise ValueError(f"convert_mm_checkpoint: backbone entries that match no PPMA name: {unknown[:8]}")
+    state_dict = {**{"backbone." + k: v for k, v in ours.items()},
+                  **{k: v for k, v in sd.items() if not k.startswith("backbone.")}}
+    meta = checkpoint.get("meta") if isinstance(checkpoint.get("meta"), Mapping) else {}
+    dataset_meta = dict(meta.get("dataset_meta") or {})
+    if meta.get("CLASSES") is not None:  # mmseg 0.x / mmdet 2.x
+        dataset_meta.setdefault("classes", tuple(meta["CLASSES"]))
+    if meta.get("PALETTE") is not None:
+        dataset_meta.setdefault("palette", [list(map(int, c)) for c in meta["PALETTE"]])
+    new_meta = {"converted_from": {k: v for k, v in meta.items() if isinstance(v, _PLAIN) and k != "config"}}
+    if dataset_meta:
+        new_meta["dataset_meta"] = dataset_meta
+    if verbose:
+        _logger.info(f"ppma: converted {len(ours)} backbone and {len(state_dict) - len(ours)} neck/head entries"
+                     f"{'; classes ' + str(len(dataset_meta['classes'])) if 'classes' in dataset_meta else ''}")
+    return {"meta": new_meta, "state_dict": state_dict}
+
+
+def _is_mm_checkpoint(checkpoint) -> bool:
+    sd = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+    return isinstance(sd, Mapping) and any(k.startswith(("backbone.", "module.backbone.")) for k in sd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ppma-convert SRC DST``: official checkpoint -> ppma checkpoint (see ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="ppma-convert",
+        description="Convert an official PPMA checkpoint. MMSegmentation 0.x / MMDetection 2.x checkpoints "
+        "(UPerNet ADE20K / Cityscapes, Mask R-CNN COCO) become checkpoints that ppma's configs load with "
+        "load_from=...; classification checkpoints (best.pth) become {'state_dict': ...} in ppma's naming "
+        "(or a bare .safetensors file).",
+    )
+    parser.add_argument("src", help="a file, an http(s) URL, hf://<repo>/<path>, or the name of an official "
+                        "checkpoint (ppma_tiny, upernet_ppma_tiny_512x512_160k_ade20k, ...; downloaded from the "
+                        "Hugging Face hub into its cache)")
+    parser.add_argument("dst", help="output file (.pth, or .safetensors for classification weights)")
+    parser.add_argument("--key", default=None, help="classification: the entry to convert (model_ema, models, "
+                        "model, state_dict); default model_ema when present (the weights the paper reports)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    src = args.src
+    if "://" not in src and not os.path.exists(src):
+        from ppma.models.hub import download_official, official_files
+
+        if src not in official_files():
+            parser.error(f"{src!r} is neither a file nor an official checkpoint name ({sorted(official_files())})")
+        src = download_official(src)
+    checkpoint = read_checkpoint(src)
+    if _is_mm_checkpoint(checkpoint):
+        if args.dst.endswith(".safetensors"):
+            parser.error("an mm checkpoint is written as .pth (mmengine's load_from reads torch files)")
+        out = convert_mm_checkpoint(checkpoint)
+        kind = "mm (load_from)"
+    else:
+        sd = convert_official_state_dict(checkpoint, key=args.key)
+        out = sd if args.dst.endswith(".safetensors") else {"state_dict": sd}
+        kind = "classification"
+    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
+    if args.dst.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in out.items()}, args.dst)
+    else:
+        torch.save(out, args.dst)
+    n = len(out["state_dict"]) if "state_dict" in out else len(out)
+    print(f"ppma-convert: wrote {args.dst} ({kind} checkpoint, {n} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
