@@ -29,6 +29,7 @@ def test_configs_exist():
     names = {os.path.basename(p) for p in CONFIGS}
     for arch in ("tiny", "small", "base"):
         assert f"upernet_ppma_{arch}_512x512_160k_ade20k.py" in names
+        assert f"upernet_ppma_{arch}_1024x1024_160k_cityscapes.py" in names
         for sched in ("1x", "3x"):
             assert f"mask_rcnn_ppma_{arch}_fpn_{sched}_coco.py" in names
 
@@ -58,6 +59,44 @@ def test_config_backbone_builds(path):
     assert [tuple(o.shape) for o in outs] == [
         (1, dims[0], 18, 25), (1, dims[1], 9, 13), (1, dims[2], 5, 7), (1, dims[3], 3, 4)
     ]
+
+
+@pytest.mark.parametrize("arch", ["tiny", "small", "base"])
+def test_cityscapes_configs(arch):
+    """spec §6.3: 19 classes, 1024x1024 crops, slide test stride 768 at (2048, 1024), batch 1 per GPU,
+    evaluation every 4k of 160k iterations, the ADE20K optimiser."""
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "segmentation", f"upernet_ppma_{arch}_1024x1024_160k_cityscapes.py"))
+    m = cfg.model
+    assert m.decode_head.num_classes == m.auxiliary_head.num_classes == 19
+    assert m.auxiliary_head.in_channels == m.decode_head.in_channels[2]
+    assert tuple(m.data_preprocessor.size) == (1024, 1024) and tuple(cfg.data_preprocessor.size) == (1024, 1024)
+    assert m.test_cfg == dict(mode="slide", crop_size=(1024, 1024), stride=(768, 768))
+    train = cfg.train_dataloader
+    assert train.batch_size == 1 and train.dataset.type == "CityscapesDataset"
+    crop = [t for t in train.dataset.pipeline if t["type"] == "RandomCrop"][0]
+    assert tuple(crop["crop_size"]) == (1024, 1024)
+    resize = [t for t in cfg.test_dataloader.dataset.pipeline if t["type"] == "Resize"][0]
+    assert tuple(resize["scale"]) == (2048, 1024)
+    assert cfg.train_cfg.max_iters == 160000 and cfg.train_cfg.val_interval == 4000
+    assert cfg.optim_wrapper.optimizer.lr == 6e-5 and cfg.param_scheduler[1].end == 160000
+    assert m.backbone.init_cfg.checkpoint.endswith(
+        {"tiny": "PPMA_T_202502251000", "small": "PPMA_S_202504021000", "base": "PPMA_B_202504101400"}[arch]
+        + "/best.pth")
+
+
+def test_ade20k_multiscale_test_settings():
+    """The official --aug-test: ratios 0.5..1.75 of the (2048, 512) test scale, each with and without flip."""
+    cfg = Config.fromfile(os.path.join(ROOT, "configs", "segmentation", "upernet_ppma_tiny_512x512_160k_ade20k.py"))
+    assert cfg.tta_model.type == "SegTTAModel"
+    load, tta = cfg.tta_pipeline
+    assert load["type"] == "LoadImageFromFile" and tta["type"] == "TestTimeAug"
+    scales, flips, annotations, pack = tta["transforms"]
+    assert [tuple(t["scale"]) for t in scales] == [(1024, 256), (1536, 384), (2048, 512), (2560, 640), (3072, 768),
+                                                   (3584, 896)]
+    assert all(t["keep_ratio"] for t in scales)
+    assert [(t["prob"], t["direction"]) for t in flips] == [(0.0, "horizontal"), (1.0, "horizontal")]
+    assert annotations[0]["type"] == "LoadAnnotations" and pack[0]["type"] == "PackSegInputs"
+    assert cfg.model.test_cfg.mode == "slide"  # every scale is predicted with sliding windows, as the official run
 
 
 def test_backbone_out_indices_norms_and_equivalence():
