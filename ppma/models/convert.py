@@ -40,6 +40,7 @@ __all__ = [
     "convert_mm_checkpoint",
     "read_checkpoint",
     "checkpoint_safe_globals",
+    "allow_checkpoint_globals",
     "load_checkpoint",
     "EVAL_KEYS",
     "DOWNSTREAM_KEYS",
@@ -255,7 +256,9 @@ def _mmengine_safe_globals() -> list:
 
 
 @contextlib.contextmanager
-def _allow_checkpoint_globals():
+def allow_checkpoint_globals():
+    """Within the block, every weights-only ``torch.load`` (ours, and mmengine's under torch >= 2.6, where
+    weights-only is the default) may rebuild :func:`checkpoint_safe_globals` too."""
     allowed = checkpoint_safe_globals()
     if hasattr(torch.serialization, "safe_globals"):
         with torch.serialization.safe_globals(allowed):
@@ -266,7 +269,7 @@ def _allow_checkpoint_globals():
 
 
 def _torch_load(path: str, map_location) -> dict:
-    with _allow_checkpoint_globals():
+    with allow_checkpoint_globals():
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
@@ -320,7 +323,7 @@ def read_checkpoint(source: str | os.PathLike, map_location="cpu") -> dict:
                                f"under torch {torch.__version__}; download the file and pass its path")
         from mmengine.runner import CheckpointLoader
 
-        with _allow_checkpoint_globals():
+        with allow_checkpoint_globals():
             return CheckpointLoader.load_checkpoint(source, map_location=map_location)
     else:
         path = source
