@@ -132,3 +132,91 @@ def test_download_official_names_and_hf_uris(tmp_path, monkeypatch):
     for stem in hub.DOWNSTREAM_FILES:  # every downstream entry names a config of this repository
         folder = "segmentation" if stem.startswith("upernet") else "detection"
         assert os.path.isfile(os.path.join(ROOT, "configs", folder, stem + ".py")), stem
+
+
+class _MirrorHandler(__import__("http.server").server.BaseHTTPRequestHandler):
+    """The two requests huggingface_hub makes for a file: HEAD /<repo>/resolve/<revision>/<path> (commit, ETag and
+    size in the headers), then GET for the bytes. Serves ``files`` ({path in repo: bytes}) and counts the GETs."""
+
+    files: dict = {}
+    gets: list = []
+
+    def _file(self):
+        prefix = f"/{hub.HF_REPO_ID}/resolve/main/"
+        path = self.path.split("?")[0]
+        return self.files.get(path[len(prefix):]) if path.startswith(prefix) else None
+
+    def _headers(self, data):
+        import hashlib
+
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+
+    def do_HEAD(self):  # noqa: N802
+        data = self._file()
+        if data is None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.end_headers()
+            return
+        self._headers(data)
+
+    def do_GET(self):  # noqa: N802
+        data = self._file()
+        if data is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        type(self).gets.append(self.path)
+        self._headers(data)
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_download_through_a_mirror_and_cache(tmp_path):
+    """HF_ENDPOINT pointing at a local mirror: the first pretrained=True downloads into the hub cache layout,
+    later ones (ppma and timm) read the cache."""
+    import http.server
+    import io
+    import threading
+
+    pytest.importorskip("timm")
+    official = official_like.PPMAViT(**{**official_like.OFFICIAL_VARIANTS["ppma_tiny"], **SMALL_KW}).eval()
+    randomize_(official, seed=4)
+    buf = io.BytesIO()
+    torch.save(official_best_pth(official, official.state_dict()), buf)
+    _MirrorHandler.files = {hub.CLASSIFICATION_FILES["ppma_tiny"]: buf.getvalue()}
+    _MirrorHandler.gets = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MirrorHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    code = r"""
+import json, sys, torch, ppma.models, timm
+kw = json.loads(sys.argv[1])
+x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    a = ppma.create_model("ppma_tiny", pretrained=True, **kw).eval()(x)
+    b = timm.create_model("ppma_tiny", pretrained=True, **kw).eval()(x)
+torch.save({"x": x, "a": a, "b": b}, sys.argv[2])
+"""
+    env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+               HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_DISABLE_XET="1", PYTHONPATH=ROOT)
+    env.pop("HF_HUB_OFFLINE", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(SMALL_KW), str(tmp_path / "out.pt")], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_MirrorHandler.gets) == 1, _MirrorHandler.gets  # downloaded once, then read from the cache
+    cached = tmp_path / "hub" / "models--ZhongchenZhao--PPMA" / "snapshots" / COMMIT / hub.CLASSIFICATION_FILES["ppma_tiny"]
+    assert cached.exists() and (tmp_path / "hub" / "models--ZhongchenZhao--PPMA" / "refs" / "main").read_text() == COMMIT
+    out = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        expected = official(out["x"])
+    assert _rel_err(out["a"], expected) < 1e-5 and _rel_err(out["b"], expected) < 1e-5
