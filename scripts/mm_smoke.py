@@ -190,7 +190,7 @@ def options(cfg, kind, data_root, crop, iters, lr, pretrained, work_dir):
             "model.test_cfg.crop_size": size,
             "model.test_cfg.stride": stride,
             "train_cfg.max_iters": iters,
-            "train_cfg.val_interval": iters + 1,  # evaluated once, after training
+            "train_cfg.val_begin": iters + 1,  # no validation inside the loop (it would run at the last iteration)
             "default_hooks.checkpoint.interval": iters,
         })
     else:
@@ -200,7 +200,7 @@ def options(cfg, kind, data_root, crop, iters, lr, pretrained, work_dir):
         opts.update(_loaders(cfg, data_root, f))
         opts.update({
             "train_cfg.max_epochs": epochs,
-            "train_cfg.val_interval": epochs + 1,
+            "train_cfg.val_begin": epochs + 1,
             "default_hooks.checkpoint.interval": epochs,
             "val_evaluator.ann_file": os.path.join(data_root, "annotations", "instances_val2017.json"),
             "test_evaluator.ann_file": os.path.join(data_root, "annotations", "instances_val2017.json"),

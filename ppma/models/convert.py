@@ -318,9 +318,11 @@ def read_checkpoint(source: str | os.PathLike, map_location="cpu") -> dict:
 
         path = download_hf(source)
     elif scheme:
-        if _torch_version() < (2, 6):
+        forced_off = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+        if _torch_version() < (2, 6) or forced_off:  # mmengine calls torch.load without weights_only
             raise RuntimeError(f"read_checkpoint: {source!r}: mmengine's loaders would unpickle without restriction "
-                               f"under torch {torch.__version__}; download the file and pass its path")
+                               f"here (torch {torch.__version__}, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD={int(forced_off)}); "
+                               f"download the file and pass its path")
         from mmengine.runner import CheckpointLoader
 
         with allow_checkpoint_globals():
