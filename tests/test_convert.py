@@ -175,6 +175,14 @@ def test_read_checkpoint_allowlist(tmp_path):
     m = create_model("ppma_tiny", checkpoint_path=tmp_path / "best.pth", **SMALL_KW)
     assert torch.equal(m.stem.conv1.weight, model.stem.conv1.weight)
 
+    from ppma.models.convert import allow_checkpoint_globals
+
+    with allow_checkpoint_globals():  # re-entrant: an inner read must not take the outer allowance away
+        read_checkpoint(tmp_path / "best.pth")
+        assert torch.load(tmp_path / "best.pth", weights_only=True)["args"].lr == 1e-3
+    with pytest.raises(Exception, match="Namespace"):  # and nothing stays allowed after the block
+        torch.load(tmp_path / "best.pth", weights_only=True)
+
     torch.save({"state_dict": official, "payload": _Payload()}, tmp_path / "evil.pth")
     with pytest.raises(RuntimeError, match="never falls back"):
         read_checkpoint(tmp_path / "evil.pth")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -227,12 +228,17 @@ def _numpy_safe_globals() -> list:
     return allowed
 
 
+@functools.lru_cache(maxsize=None)
+def _safe_globals() -> tuple:
+    return (argparse.Namespace, *_numpy_safe_globals(), *_mmengine_safe_globals())
+
+
 def checkpoint_safe_globals() -> list:
     """What :func:`read_checkpoint` allows ``torch.load(weights_only=True)`` to rebuild besides tensors and plain
     Python containers: ``argparse.Namespace`` (the ``args`` of the official classification ``best.pth``), numpy
     arrays, scalars and dtypes, and mmengine's ``HistoryBuffer`` (the logs inside MMEngine ``iter_*.pth`` /
     ``epoch_*.pth``). Nothing that can run code when it is rebuilt."""
-    return [argparse.Namespace, *_numpy_safe_globals(), *_mmengine_safe_globals()]
+    return list(_safe_globals())
 
 
 def _mmengine_safe_globals() -> list:
@@ -261,7 +267,10 @@ def allow_checkpoint_globals():
     weights-only is the default) may rebuild :func:`checkpoint_safe_globals` too."""
     allowed = checkpoint_safe_globals()
     if hasattr(torch.serialization, "safe_globals"):
-        with torch.serialization.safe_globals(allowed):
+        # re-entrant: torch's context removes on exit what it added on entry, so an inner block must add only what
+        # is not allowed yet, or it would take the outer block's allowances away when it ends
+        current = torch.serialization.get_safe_globals()
+        with torch.serialization.safe_globals([g for g in allowed if g not in current]):
             yield
     else:  # torch 2.4: no context manager; the allowlist stays for the process
         torch.serialization.add_safe_globals(allowed)
