@@ -162,3 +162,128 @@ def test_load_checkpoint_files(tmp_path, fmt):
     (tmp_path / "cut.pth").write_bytes(path.read_bytes()[:100])
     with pytest.raises(ValueError, match="cut.pth' is not a readable checkpoint"):
         load_checkpoint(other, tmp_path / "cut.pth")
+
+
+def test_read_checkpoint_allowlist(tmp_path):
+    """Official best.pth (argparse.Namespace) and numpy values load weights-only; anything else is refused
+    without being run."""
+    import argparse
+
+    import numpy as np
+
+    from ppma.models.convert import read_checkpoint
+
+    model, official = _official_tiny()
+    ckpt = {"models": official, "model_ema": official, "epoch": 299, "max_accuracy": 82.6,
+            "args": argparse.Namespace(model="PPMAViT_T", lr=1e-3), "hist": np.arange(3.0), "best": np.float64(1.5)}
+    torch.save(ckpt, tmp_path / "best.pth")
+    back = read_checkpoint(tmp_path / "best.pth")
+    assert back["args"].model == "PPMAViT_T" and back["best"] == 1.5 and back["hist"].tolist() == [0.0, 1.0, 2.0]
+    m = create_model("ppma_tiny", checkpoint_path=tmp_path / "best.pth", **SMALL_KW)
+    assert torch.equal(m.stem.conv1.weight, model.stem.conv1.weight)
+
+    from ppma.models.convert import allow_checkpoint_globals
+
+    with allow_checkpoint_globals():  # re-entrant: an inner read must not take the outer allowance away
+        read_checkpoint(tmp_path / "best.pth")
+        assert torch.load(tmp_path / "best.pth", weights_only=True)["args"].lr == 1e-3
+    with pytest.raises(Exception, match="Namespace"):  # and nothing stays allowed after the block
+        torch.load(tmp_path / "best.pth", weights_only=True)
+
+    torch.save({"state_dict": official, "payload": _Payload()}, tmp_path / "evil.pth")
+    with pytest.raises(RuntimeError, match="never falls back"):
+        read_checkpoint(tmp_path / "evil.pth")
+    assert not _Payload.ran
+
+
+class _Payload:
+    """Unpickling this would call a function: a weights-only load must refuse it."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (_Payload._run, ())
+
+    @staticmethod
+    def _run():
+        _Payload.ran = True
+
+
+def test_strict_loading_names_the_differences(tmp_path):
+    _, official = _official_tiny()
+    torch.save({"model": official}, tmp_path / "t.pth")
+    wider = create_model("ppma_tiny", **dict(SMALL_KW, embed_dims=(32, 64, 96, 160)))
+    before = wider.stem.conv1.weight.clone()
+    with pytest.raises(RuntimeError, match="shape mismatches"):
+        load_checkpoint(wider, tmp_path / "t.pth")
+    assert torch.equal(wider.stem.conv1.weight, before)  # nothing loaded when the check fails
+    load_checkpoint(wider, tmp_path / "t.pth", strict=False)  # lenient: loads what fits
+    assert not torch.equal(wider.stem.conv1.weight, before)
+    headless = create_model("ppma_tiny", num_classes=0, checkpoint_path=tmp_path / "t.pth", **SMALL_KW)
+    assert not hasattr(headless.head, "fc") or not isinstance(headless.head.fc, torch.nn.Linear)
+
+
+def _mm_official(official: dict, outnorms=(64, 128, 256, 512)) -> dict:
+    """An mmseg 0.x-style checkpoint: backbone in the official naming (its classifier deleted, outnorms added,
+    spec §4.2), neck/heads, mmcv 1.x meta, optimiser."""
+    sd = {"backbone." + k: v for k, v in official.items() if not k.startswith(("proj.", "norm.", "head."))}
+    sd.update({f"backbone.outnorm{i}.{p}": torch.randn(c) for i, c in enumerate(outnorms) for p in ("weight", "bias")})
+    sd["decode_head.lateral_convs.0.conv.weight"] = torch.randn(8, 32, 1, 1)
+    sd["decode_head.conv_seg.weight"] = torch.randn(150, 8, 1, 1)
+    sd["auxiliary_head.convs.0.bn.running_var"] = torch.rand(8)
+    meta = {"mmcv_version": "1.7.2", "config": "model = dict(...)", "CLASSES": ("wall", "building"),
+            "PALETTE": [[120, 120, 120], [180, 120, 120]], "iter": 160000, "hook_msgs": {"last_ckpt": "x"}}
+    return {"meta": meta, "state_dict": sd, "optimizer": {"state": {}, "param_groups": []}}
+
+
+def test_convert_mm_checkpoint(tmp_path):
+    from ppma.models import convert_mm_checkpoint
+
+    model, official = _official_tiny()
+    src = _mm_official(official, outnorms=(32, 64, 96, 128))
+    out = convert_mm_checkpoint(src, verbose=False)
+    sd = out["state_dict"]
+    for k, v in model.state_dict().items():
+        if not k.startswith("head."):
+            assert torch.equal(sd["backbone." + k], v), k
+    assert not any(k.startswith("backbone.head") for k in sd)
+    assert torch.equal(sd["backbone.out_norms.2.weight"], src["state_dict"]["backbone.outnorm2.weight"])
+    for k in ("decode_head.lateral_convs.0.conv.weight", "decode_head.conv_seg.weight",
+              "auxiliary_head.convs.0.bn.running_var"):
+        assert torch.equal(sd[k], src["state_dict"][k])  # neck/head names are the same in mmseg 1.x / mmdet 3.x
+    assert len(sd) == len(src["state_dict"])
+    assert out["meta"]["dataset_meta"] == {"classes": ("wall", "building"), "palette": [[120, 120, 120], [180, 120, 120]]}
+    assert out["meta"]["converted_from"] == {"mmcv_version": "1.7.2", "iter": 160000}
+    again = convert_mm_checkpoint(out, verbose=False)  # idempotent
+    assert again["state_dict"].keys() == sd.keys()
+    # only plain types: stock mmengine (a weights-only torch.load with no allowlist) reads it
+    torch.save(out, tmp_path / "converted.pth")
+    torch.load(tmp_path / "converted.pth", weights_only=True)
+    with pytest.raises(ValueError, match="backbone"):
+        convert_mm_checkpoint({"state_dict": {"neck.x": torch.zeros(1)}})
+    bad = {"state_dict": {"backbone.layers.0.blocks.0.relative_bias": torch.zeros(1)}}
+    with pytest.raises(ValueError, match="match no PPMA name"):
+        convert_mm_checkpoint(bad)
+
+
+def test_ppma_convert_command(tmp_path, capsys):
+    from ppma.models.convert import main
+
+    model, official = _official_tiny()
+    torch.save(_mm_official(official, outnorms=(32, 64, 96, 128)), tmp_path / "iter_160000.pth")
+    assert main([str(tmp_path / "iter_160000.pth"), str(tmp_path / "mm.pth")]) == 0
+    out = torch.load(tmp_path / "mm.pth", weights_only=True)
+    assert "backbone.stages.2.blocks.1.attn.q.weight" in out["state_dict"]
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in official.items()}
+    torch.save({"models": official, "model_ema": ema}, tmp_path / "best.pth")
+    assert main([str(tmp_path / "best.pth"), str(tmp_path / "cls.safetensors")]) == 0
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "cls.safetensors"))
+    assert torch.equal(sd["stem.conv1.weight"], ema["patch_embed.proj.0.weight"])  # EMA by default
+    assert main([str(tmp_path / "best.pth"), str(tmp_path / "raw.pth"), "--key", "models"]) == 0
+    raw = torch.load(tmp_path / "raw.pth", weights_only=True)["state_dict"]
+    assert torch.equal(raw["stem.conv1.weight"], official["patch_embed.proj.0.weight"])
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nothing.pth"), str(tmp_path / "x.pth")])

@@ -91,8 +91,7 @@ def test_create_model_overrides_and_errors():
         create_model("ppma_tiny", embed_dim=3)
     with pytest.raises(ValueError, match="4 entries"):
         create_model("ppma_tiny", depths=(1, 1, 1))
-    with pytest.raises(ValueError, match="checkpoint_path"):
-        create_model("ppma_tiny", pretrained=True)
+    # pretrained=True without checkpoint_path downloads the official weights: tests/test_hub.py
     with pytest.raises(TypeError, match="ppma.ops.set_impl"):  # the switch is not a model setting
         create_model("ppma_tiny", impl="reference")
 

@@ -1,6 +1,6 @@
 # Mask R-CNN + FPN with PPMA-S on COCO, 1x schedule (spec §6.2), MMDetection 3.x.
 # Pretrained weights: the official ImageNet checkpoint (classification/PPMA_S_202504021000/best.pth); the backbone
-# loads its `model` entry (as the official code) through ppma's converter.
+# loads its raw (non-EMA) weights, the `model` or `models` entry, as the official downstream code does.
 _base_ = [
     "_base_/mask_rcnn_ppma_fpn.py",
     "_base_/coco_instance.py",

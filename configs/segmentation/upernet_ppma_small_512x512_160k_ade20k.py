@@ -1,6 +1,6 @@
 # UPerNet + PPMA-S on ADE20K, 512x512 crops, 160k iterations (spec §6.3), MMSegmentation 1.x.
 # Pretrained weights: the official ImageNet checkpoint (classification/PPMA_S_202504021000/best.pth); the backbone
-# loads its `model` entry (as the official code) through ppma's converter.
+# loads its raw (non-EMA) weights, the `model` or `models` entry, as the official downstream code does.
 _base_ = [
     "_base_/upernet_ppma.py",
     "_base_/ade20k.py",

@@ -13,9 +13,11 @@ from ppma.models.registry import create_model, list_models
 from ppma.models.convert import (
     DOWNSTREAM_KEYS,
     EVAL_KEYS,
+    convert_mm_checkpoint,
     convert_official_state_dict,
     convert_to_official_state_dict,
     load_checkpoint,
+    read_checkpoint,
 )
 from ppma.models.flops import count_macs, register_flop_formulas
 
@@ -31,6 +33,8 @@ __all__ = [
     "list_models",
     "convert_official_state_dict",
     "convert_to_official_state_dict",
+    "convert_mm_checkpoint",
+    "read_checkpoint",
     "load_checkpoint",
     "EVAL_KEYS",
     "DOWNSTREAM_KEYS",

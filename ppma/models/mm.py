@@ -38,8 +38,10 @@ class PPMABackbone(BaseModule):
         with_cp: activation checkpointing of every block.
         checkpoint_key: checkpoint entries tried in order by ``init_cfg=dict(type="Pretrained", ...)``;
             default ``("model", "models", "model_ema", "state_dict")``, mirroring the official backbones.
-        init_cfg: mmengine init config; ``dict(type="Pretrained", checkpoint=path)`` loads an official
-            classification (or mm) checkpoint through :func:`ppma.models.convert_official_state_dict`.
+        init_cfg: mmengine init config; ``dict(type="Pretrained", checkpoint=...)`` loads an official
+            classification checkpoint (``best.pth``), an mm checkpoint (its ``backbone.*``) or a ppma checkpoint
+            through :func:`ppma.models.load_checkpoint`: a local file, an ``http(s)://`` URL, ``hf://<repo>/<path>``
+            or another mmengine ``CheckpointLoader`` scheme, always read with a weights-only ``torch.load``.
         **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, ...).
     """
 
@@ -74,18 +76,29 @@ class PPMABackbone(BaseModule):
                 stage.grad_checkpointing = True
 
     def init_weights(self) -> None:
-        """Load ``init_cfg=dict(type="Pretrained", checkpoint=...)`` through the PPMA converter
-        (non-strict: the out-norms are new and the classifier is dropped); otherwise keep the
-        official initialisation done at construction."""
+        """Load ``init_cfg=dict(type="Pretrained", checkpoint=...)`` through the PPMA converter; otherwise keep
+        the official initialisation done at construction.
+
+        Only the expected differences are accepted: the classification head (``head.*``, official
+        ``proj``/``norm``/``head``) and stages or out-norms this backbone does not build may be extra, the
+        out-norms (new in the dense-prediction backbone, spec §4.2) may be missing. Anything else, such as a
+        PPMA-T checkpoint given to a PPMA-S config, raises instead of training a mostly random backbone.
+        """
         cfg = self.init_cfg
         if isinstance(cfg, dict) and cfg.get("type") == "Pretrained":
-            path = cfg["checkpoint"]
-            result = load_checkpoint(self, path, key=self.checkpoint_key, strict=False)
-            unexpected = [k for k in result.unexpected_keys if not k.startswith("head.")]
+            source = cfg["checkpoint"]
+            result = load_checkpoint(
+                self,
+                source,
+                key=self.checkpoint_key,
+                strict=True,
+                allow_missing=[r"out_norms\."],
+                allow_unexpected=[r"head\.", *(rf"stages\.{s}\." for s in range(len(self.stages), 4)),
+                                  *(rf"out_norms\.{i}\." for i in range(4) if i not in self.out_indices)],
+            )
             print_log(
-                f"PPMA backbone: loaded {path}; missing keys {result.missing_keys}; "
-                f"ignored classifier keys {len(result.unexpected_keys) - len(unexpected)}; "
-                f"other unexpected keys {unexpected}",
+                f"PPMA backbone: loaded {source}; newly initialised: {result.missing_keys}; ignored "
+                f"{len(result.unexpected_keys)} entries of the classifier or of stages and out-norms not built",
                 logger="current",
             )
             self._is_init = True

@@ -24,18 +24,24 @@ def create_model(
     drop_path_rate: float | None = None,
     checkpoint_path: str | os.PathLike | None = None,
     checkpoint_key: str | None = None,
+    revision: str | None = None,
     **overrides,
 ) -> PPMA:
     """Build ``ppma_tiny``, ``ppma_small`` or ``ppma_base``.
 
     Args:
         name: model name (see :func:`list_models`).
-        pretrained: load weights from ``checkpoint_path`` (required: no model hub is contacted).
+        pretrained: load the official ImageNet-1K weights: from ``checkpoint_path`` when given, otherwise from
+            the Hugging Face hub (``ZhongchenZhao/PPMA``, :mod:`ppma.models.hub`), downloaded once into the hub
+            cache; ``HF_HUB_OFFLINE=1`` reads only that cache, ``HF_ENDPOINT`` selects a mirror.
         num_classes: classifier outputs; 0 for none. A 1000-class checkpoint head is dropped when it differs.
         drop_path_rate: stochastic depth; ``None`` keeps the variant default (0.1 / 0.15 / 0.4).
-        checkpoint_path: an official or ppma checkpoint (``.pth`` or ``.safetensors``); loading it implies
+        checkpoint_path: an official or ppma checkpoint: a ``.pth``/``.safetensors`` file, a URL or
+            ``hf://<repo>/<path>`` (see :func:`~ppma.models.convert.read_checkpoint`); loading it implies
             ``pretrained``.
-        checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present, spec §5.2).
+        checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present: ``best.pth`` is
+            saved when the EMA accuracy peaks and the paper reports EMA accuracy, spec §5.2).
+        revision: branch, tag or commit of the hub repository (default ``main``).
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
             ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``layer_init_values``,
             ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is
@@ -50,12 +56,11 @@ def create_model(
     cfg = dataclasses.replace(MODEL_CONFIGS[name], num_classes=num_classes, **overrides)
     if drop_path_rate is not None:
         cfg = dataclasses.replace(cfg, drop_path_rate=drop_path_rate)
+    if pretrained and checkpoint_path is None:  # before building: a missing file fails fast
+        from ppma.models.hub import download_official
+
+        checkpoint_path = download_official(name, revision=revision)
     model = PPMA(cfg)
-    if pretrained and checkpoint_path is None:
-        raise ValueError(
-            f"create_model({name!r}, pretrained=True) needs checkpoint_path: download the official weights "
-            "(Hugging Face ZhongchenZhao/PPMA, checkpoints/classification/*/best.pth) and pass the file"
-        )
     if checkpoint_path is not None:
         from ppma.models.convert import load_checkpoint
 

@@ -1,9 +1,12 @@
 """Registration of ``ppma_tiny``, ``ppma_small`` and ``ppma_base`` with timm (imported by ``ppma.models``
 when timm is importable): ``timm.create_model("ppma_tiny", features_only=True)`` and friends.
 
-No weights are hosted: ``pretrained=True`` needs a local file, e.g.
-``timm.create_model("ppma_tiny", pretrained=True, pretrained_cfg_overlay=dict(file="best.pth"))``;
-official checkpoints are converted on the fly (``checkpoint_filter_fn``).
+``pretrained=True`` loads the official ImageNet-1K weights (spec §5.2) through timm's Hugging Face hub support:
+the pretrained configs name ``hf_hub_id="ZhongchenZhao/PPMA"`` and the ``hf_hub_filename`` of each ``best.pth``,
+so the file is downloaded once into the hub cache (``HF_HUB_CACHE``; ``HF_HUB_OFFLINE=1`` and ``HF_ENDPOINT``
+work as for any hub model) and converted on the fly by :func:`checkpoint_filter_fn`. The EMA weights
+(``model_ema``) are loaded: ``best.pth`` is written when the EMA accuracy peaks and the paper reports EMA accuracy.
+A local file works too: ``pretrained_cfg_overlay=dict(file="best.pth")``.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ppma.models.convert import EVAL_KEYS, convert_official_state_dict
+from ppma.models.hub import CLASSIFICATION_FILES, HF_REPO_ID
 from ppma.models.ppma import MODEL_CONFIGS, PPMA
 
 __all__ = ["checkpoint_filter_fn", "default_cfgs"]
 
 
 def checkpoint_filter_fn(state_dict, model: PPMA):
-    """Convert an official checkpoint (or a dict holding one, spec §5.2) to our naming."""
+    """Convert an official checkpoint (or a dict holding one, spec §5.2) to our naming; from a ``best.pth``
+    holding both, the EMA weights (``model_ema``, :data:`~ppma.models.EVAL_KEYS` order)."""
     if isinstance(state_dict, dict) and any(k in state_dict for k in EVAL_KEYS):
         return convert_official_state_dict(state_dict)
     return convert_official_state_dict(state_dict, verbose=False)
@@ -43,7 +48,9 @@ def _cfg(**kwargs) -> dict:
     }
 
 
-default_cfgs = generate_default_cfgs({name: _cfg() for name in ("ppma_tiny", "ppma_small", "ppma_base")})
+default_cfgs = generate_default_cfgs(
+    {name: _cfg(hf_hub_id=HF_REPO_ID, hf_hub_filename=CLASSIFICATION_FILES[name]) for name in CLASSIFICATION_FILES}
+)
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> PPMA:

@@ -17,13 +17,17 @@ test_pipeline = [
     dict(type="LoadAnnotations", reduce_zero_label=True),
     dict(type="PackSegInputs"),
 ]
+# Multi-scale + flip test (`--tta`; the official 0.x `--aug-test`): MultiScaleFlipAug(img_scale=(2048, 512),
+# img_ratios=...) resized every image to fit ratio x (2048, 512), so the scales are given explicitly here.
+# (`Resize(scale_factor=r)`, as in MMSegmentation's own 1.x configs, would scale the original image size instead.)
+# Each scale is predicted in the model's test mode (sliding 512x512 windows, stride 341).
 img_ratios = [0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
 tta_pipeline = [
     dict(type="LoadImageFromFile", backend_args=None),
     dict(
         type="TestTimeAug",
         transforms=[
-            [dict(type="Resize", scale_factor=r, keep_ratio=True) for r in img_ratios],
+            [dict(type="Resize", scale=(int(2048 * r), int(512 * r)), keep_ratio=True) for r in img_ratios],
             [dict(type="RandomFlip", prob=0.0, direction="horizontal"),
              dict(type="RandomFlip", prob=1.0, direction="horizontal")],
             [dict(type="LoadAnnotations")],
