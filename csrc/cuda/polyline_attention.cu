@@ -1,6 +1,7 @@
 // CUDA launchers of ppma::polyline_attention and its backward (design §2): argument checks, device
 // guard, current stream, dtype and head-dim dispatch, Params, checked launches. Kernels:
-// csrc/kernels/polyline_attention_{fwd,bwd}.cuh.
+// csrc/kernels/polyline_attention_tc.cuh (tensor cores: fp16 / bf16, d and dv multiples of 8 up to 128, sm_80+;
+// see use_tensor_cores) and csrc/kernels/polyline_attention_{fwd,bwd}.cuh (CUDA cores: every other case).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,10 +10,12 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <type_traits>
 
 #include "cuda/launch_utils.h"
 #include "kernels/polyline_attention_bwd.cuh"
 #include "kernels/polyline_attention_fwd.cuh"
+#include "kernels/polyline_attention_tc.cuh"
 
 namespace ppma {
 namespace cuda {
@@ -33,8 +36,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at:
   at::Tensor out_v2h = at::empty_like(out);
   at::Tensor lse = at::empty({sz.B, sz.H, sz.W, sz.G, 2}, q.options().dtype(acc));
   if (q.numel() == 0 || v.numel() == 0) return {out.zero_(), out_v2h.zero_(), lse.zero_()};
-  const int dpad = padded_head_dim(op, sz.d, sz.dv);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (use_tensor_cores(q, sz)) {
+    const int dpad = tc_head_dim(sz);
+    PPMA_TC_DPAD_SWITCH(dpad, [&] { check_grid(op, polyline_attention_tc_blocks<DPAD>(sz), sz); });
+    const at::Tensor qa = aligned_rows(q), ka = aligned_rows(k), va = aligned_rows(v);
+    at::Tensor cr, cc;
+    std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "polyline_attention_cuda_tc", [&] {
+      using T = typename CudaType<scalar_t>::type;
+      PolylineAttnParams<T, float> p;
+      set_attention_inputs<scalar_t>(p, sz, scale, qa, ka, va, cr, cc);
+      p.out = cptr<scalar_t>(out);
+      p.out_v2h = cptr<scalar_t>(out_v2h);
+      p.lse = lse.data_ptr<float>();
+      PPMA_TC_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_tc_fwd<T, DPAD>(p, stream); });
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return {out, out_v2h, lse};
+  }
+  const int dpad = padded_head_dim(op, sz.d, sz.dv);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_attention_cuda", [&] {
+    using T = typename CudaType<scalar_t>::type;
+    PPMA_DPAD_SWITCH(dpad, [&] { check_grid(op, polyline_attention_fwd_blocks<T, DPAD>(sz), sz); });
+  });
   at::Tensor cr, cc;
   std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
 
@@ -75,49 +100,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
   const GridSizes sz = grid_sizes(q, v.size(4));
   AttentionGrads g(q, v, log_alpha, acc);
   if (q.numel() == 0 || v.numel() == 0) return g.zeros(log_alpha, log_beta);
-  const int dpad = padded_head_dim(op, sz.d, sz.dv);
   const int64_t N = int64_t(sz.H) * sz.W, BG = int64_t(sz.B) * sz.G;
   const auto fopt = q.options().dtype(acc);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const bool tc = use_tensor_cores(q, sz);
+  const int dpad = tc ? tc_head_dim(sz) : padded_head_dim(op, sz.d, sz.dv);
+  // RowTiling tile size of the cross-term tables, and the largest grid
+  int tile = 0;
+  int64_t blocks = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_attention_backward_cuda", [&] {
+    using T = typename CudaType<scalar_t>::type;
+    if (tc) {
+      PPMA_TC_DPAD_SWITCH(dpad, [&] {
+        tile = polyline_attention_tc_bwd_tile<DPAD>();
+        blocks = polyline_attention_tc_blocks<DPAD>(sz);
+      });
+    } else {
+      PPMA_DPAD_SWITCH(dpad, [&] {
+        tile = polyline_attention_bwd_tile<T, DPAD>();
+        blocks = polyline_attention_bwd_blocks<T, DPAD>(sz);
+      });
+    }
+  });
+  check_grid(op, blocks, sz);
+  const RowTiling tl(sz.H, sz.W, tile);
   at::Tensor cr, cc;
   std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
   at::Tensor delta = at::empty({BG, N, 2}, fopt);
   at::Tensor own = at::empty({4, BG, N}, fopt);  // gq_cr, gq_cc, gk_cr, gk_cc (every token written)
+  // x1_cr, x1_cc, x2_cr, x2_cc: [BG][num_ctas][table], at most 4 * N entries per (b, head) each (RowTiling)
+  at::Tensor tabs = at::zeros({4, BG, int64_t(tl.num_ctas) * tl.table}, fopt);
+  const at::Tensor qk = tc ? aligned_rows(q) : q, kk = tc ? aligned_rows(k) : k, vk = tc ? aligned_rows(v) : v;
+  const at::Tensor dk_out = tc ? aligned_rows(dout) : dout;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_attention_backward_cuda", [&] {
     using T = typename CudaType<scalar_t>::type;
     using A = typename AccType<T>::type;
-    PPMA_DPAD_SWITCH(dpad, [&] {
-      const RowTiling tl(sz.H, sz.W, polyline_attention_bwd_tile<T, DPAD>());
-      at::Tensor tabs = at::zeros({4, BG, int64_t(tl.num_tiles) * tl.table}, fopt);  // x1_cr, x1_cc, x2_cr, x2_cc
-      PolylineAttnParams<T, A> p;
-      set_attention_inputs<scalar_t>(p, sz, scale, q, k, v, cr, cc);
-      p.lse = lse.data_ptr<A>();
-      p.dout = cptr<scalar_t>(dout);
-      p.sdo = strides4(dout);
-      p.out_c = cptr<scalar_t>(out);
-      p.out_v2h_c = cptr<scalar_t>(out_v2h);
-      p.delta = delta.data_ptr<A>();
-      p.dq = cptr<scalar_t>(g.gq);
-      p.dk = cptr<scalar_t>(g.gk);
-      p.dv = cptr<scalar_t>(g.gv);
-      A* o = own.data_ptr<A>();
-      p.gq_cr = o;
-      p.gq_cc = o + BG * N;
-      p.gk_cr = o + 2 * BG * N;
-      p.gk_cc = o + 3 * BG * N;
-      A* t = tabs.data_ptr<A>();
-      const int64_t ts = BG * int64_t(tl.num_tiles) * tl.table;
-      p.x1_cr = t;
-      p.x1_cc = t + ts;
-      p.x2_cr = t + 2 * ts;
-      p.x2_cc = t + 3 * ts;
-      p.tile_rows = tl.R;
-      p.g_log_alpha = g.gla.data_ptr<A>();
-      p.g_log_beta = g.glb.data_ptr<A>();
-      launch_polyline_attention_bwd<T, DPAD>(p, stream);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    PolylineAttnParams<T, A> p;
+    set_attention_inputs<scalar_t>(p, sz, scale, qk, kk, vk, cr, cc);
+    p.lse = lse.data_ptr<A>();
+    p.dout = cptr<scalar_t>(dk_out);
+    p.sdo = strides4(dk_out);
+    p.out_c = cptr<scalar_t>(out);
+    p.out_v2h_c = cptr<scalar_t>(out_v2h);
+    p.delta = delta.data_ptr<A>();
+    p.dq = cptr<scalar_t>(g.gq);
+    p.dk = cptr<scalar_t>(g.gk);
+    p.dv = cptr<scalar_t>(g.gv);
+    A* o = own.data_ptr<A>();
+    p.gq_cr = o;
+    p.gq_cc = o + BG * N;
+    p.gk_cr = o + 2 * BG * N;
+    p.gk_cc = o + 3 * BG * N;
+    A* t = tabs.data_ptr<A>();
+    const int64_t ts = BG * int64_t(tl.num_ctas) * tl.table;
+    p.x1_cr = t;
+    p.x1_cc = t + ts;
+    p.x2_cr = t + 2 * ts;
+    p.x2_cc = t + 3 * ts;
+    p.g_log_alpha = g.gla.data_ptr<A>();
+    p.g_log_beta = g.glb.data_ptr<A>();
+    if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
+      if (tc) {
+        PPMA_TC_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_tc_bwd<T, DPAD>(p, stream); });
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
+    PPMA_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_bwd<T, DPAD>(p, stream); });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return g.result(log_alpha, log_beta);
 }

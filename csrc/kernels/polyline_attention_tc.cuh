@@ -35,28 +35,46 @@
 
 namespace ppma {
 
+// Blocks per SM that ptxas must fit in registers (__launch_bounds__). 2 lets every kernel use up to 255 registers
+// without spilling (except the d = 128 dkdv kernel: 28 bytes); 3 (168 registers) gives more warps but spills
+// 16-32 bytes in most backward kernels. Which is faster is for a GPU to say: rebuild with
+// -DPPMA_TC_MIN_BLOCKS=3 to compare.
+#ifndef PPMA_TC_MIN_BLOCKS
+#define PPMA_TC_MIN_BLOCKS 2
+#endif
+
 template <int DPAD>
 struct TcTraits {
   static_assert(DPAD == 16 || DPAD == 32 || DPAD == 64 || DPAD == 128, "DPAD must be 16, 32, 64 or 128");
   static constexpr int NW = 4, NT = 32 * NW, BM = 16 * NW;  // 16 query (or key) rows per warp
-  static constexpr int BN = DPAD <= 64 ? 64 : 32;            // inner tile of the forward and the dq kernel
-  static constexpr int BN2 = DPAD <= 32 ? 64 : 32;           // inner (query) tile of the dkdv kernel
+  // Inner tiles: the largest that compile without register spills for 128 threads (ptxas -v, sm_80 / sm_90;
+  // .ci/check_cuda.sh fails on a spill): forward keys, dq keys, dkdv queries.
+  static constexpr int BN = DPAD <= 64 ? 64 : 16;
+  static constexpr int BNQ = DPAD <= 64 ? 32 : 16;
+  static constexpr int BN2 = 16;
   static constexpr int LD = DPAD + 8;  // shared row stride in elements: 16 B of padding, conflict-free ldmatrix
   static constexpr int KD = DPAD / 16; // k16 steps over the head dim (= pairs of n8 tiles over the head dim)
   static constexpr int NO = DPAD / 8;  // n8 tiles of an output block
-  static constexpr int TBL = BM;       // cross-table entries (BM >= BN, BN2)
-  static_assert(BN <= BM && BN2 <= BM, "");
+  static constexpr int TBL = BM;       // cross-table entries (BM >= every inner tile)
+  static_assert(BN <= BM && BNQ <= BM && BN2 <= BM, "");
 };
 
 // A token of a tile, as the kernels see it: prefix sums (log2 units), map position, and its offsets into the
 // cross tables: a query of local index a (row il = a / ncols, column jl = a % ncols of its tile) has
 // o1 = il * cap_k, o2 = jl; a key of local index c (kl, ll) has o1 = ll, o2 = kl * cap_q. Then
 // XQ[q.o1 + k.o1] = (cr, cc)(query row, key column) and XK[q.o2 + k.o2] = (cr, cc)(key row, query column).
+// Positions and offsets are packed in 16 bits each (the launcher takes this path for H, W < 2^15 only): four
+// words, one 16-byte shared load per key, few registers.
 struct TcTok {
   float cr, cc;
-  int row, col;
-  int o1, o2;
+  int rc;  // row | col << 16
+  int oo;  // o1 | o2 << 16
+  PPMA_HOST_DEVICE int row() const { return rc & 0xffff; }
+  PPMA_HOST_DEVICE int col() const { return rc >> 16; }
+  PPMA_HOST_DEVICE int o1() const { return oo & 0xffff; }
+  PPMA_HOST_DEVICE int o2() const { return oo >> 16; }
 };
+constexpr int kTcMaxSide = 32767;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -65,21 +83,21 @@ PPMA_HOST_DEVICE TcTok tc_token(const TileDesc& t, int a, bool is_query, int cap
                                 const float* ccb, int W) {
   const int aa = a < t.count ? a : t.count - 1;  // rows / columns beyond the tile: its last token (masked later)
   const int il = aa / t.ncols, jl = aa % t.ncols;
+  const int row = t.row0 + il, col = t.col0 + jl;
+  const int64_t p = int64_t(row) * W + col;
   TcTok k;
-  k.row = t.row0 + il;
-  k.col = t.col0 + jl;
-  const int64_t p = int64_t(k.row) * W + k.col;
   k.cr = crb[p] * kLog2e;
   k.cc = ccb[p] * kLog2e;
-  k.o1 = is_query ? il * cap_other : jl;
-  k.o2 = is_query ? jl : il * cap_other;
+  k.rc = row | (col << 16);
+  k.oo = is_query ? (il * cap_other) | (jl << 16) : jl | ((il * cap_other) << 16);
   return k;
 }
 
 // The two biases of query q and key k (log2 units), from the cross-table entries xq, xk.
 PPMA_HOST_DEVICE void tc_bias(const TcTok& q, const TcTok& k, float2 xq, float2 xk, float& m1, float& m2) {
-  m1 = segment_bias(q.cr, xq.x, q.col, k.col) + segment_bias(k.cc, xq.y, k.row, q.row);  // R_i(j,l) + C_l(i,k)
-  m2 = segment_bias(xk.x, k.cr, q.col, k.col) + segment_bias(q.cc, xk.y, q.row, k.row);  // R_k(j,l) + C_j(i,k)
+  const int qi = q.row(), qj = q.col(), kk = k.row(), kl = k.col();
+  m1 = segment_bias(q.cr, xq.x, qj, kl) + segment_bias(k.cc, xq.y, kk, qi);  // R_i(j,l) + C_l(i,k)
+  m2 = segment_bias(xk.x, k.cr, qj, kl) + segment_bias(q.cc, xk.y, qi, kk);  // R_k(j,l) + C_j(i,k)
 }
 
 // Cross tables of a (query tile, key tile) pair (log2 units); see the header comment.
@@ -143,23 +161,41 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// acc[n] += A B_n over the head dim, n over the NSx8 columns of a tile: A from registers (KD k16 steps), B from a
-// row-major [n][k] shared tile (ldmatrix, two n8 tiles per x4). n8 tiles at or beyond `n_valid` are skipped.
+// One k16 step of acc[n] += A B_n, n over the NS n8 tiles of a tile: B from a row-major [n][k] shared tile
+// (ldmatrix, two n8 tiles per x4); n8 tiles at or beyond `n_valid` are skipped.
+template <typename T, int NS, int LD>
+__device__ __forceinline__ void tc_mma_abt_step(float (&acc)[NS][4], const uint32_t (&af)[4], const uint16_t* bs,
+                                                int kd, int n_valid, int lane) {
+#pragma unroll
+  for (int np = 0; np < NS / 2; ++np) {
+    if (16 * np < n_valid) {
+      uint32_t bf[4];
+      mma::ldsm_x4<false>(bf, bs + (16 * np + mma::ldsm_b_row(lane)) * LD + 16 * kd + mma::ldsm_b_col(lane));
+      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+      mma::mma16816<T>(acc[2 * np], af, b0);
+      mma::mma16816<T>(acc[2 * np + 1], af, b1);
+    }
+  }
+}
+
+// acc[n] += A B_n over the head dim (KD k16 steps), A from registers.
 template <typename T, int KD, int NS, int LD>
 __device__ __forceinline__ void tc_gemm_abt(float (&acc)[NS][4], const uint32_t (&af)[KD][4], const uint16_t* bs,
                                             int n_valid, int lane) {
 #pragma unroll
-  for (int kd = 0; kd < KD; ++kd) {
+  for (int kd = 0; kd < KD; ++kd) tc_mma_abt_step<T, NS, LD>(acc, af[kd], bs, kd, n_valid, lane);
+}
+
+// The same with A from rows [row0, row0 + 16) of a row-major [m][k] shared tile, one k16 step at a time (keeps
+// 4 registers of A live instead of 4 KD).
+template <typename T, int KD, int NS, int LD>
+__device__ __forceinline__ void tc_gemm_abt_s(float (&acc)[NS][4], const uint16_t* as, int row0, const uint16_t* bs,
+                                              int n_valid, int lane) {
 #pragma unroll
-    for (int np = 0; np < NS / 2; ++np) {
-      if (16 * np < n_valid) {
-        uint32_t bf[4];
-        mma::ldsm_x4<false>(bf, bs + (16 * np + mma::ldsm_b_row(lane)) * LD + 16 * kd + mma::ldsm_b_col(lane));
-        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-        mma::mma16816<T>(acc[2 * np], af[kd], b0);
-        mma::mma16816<T>(acc[2 * np + 1], af[kd], b1);
-      }
-    }
+  for (int kd = 0; kd < KD; ++kd) {
+    uint32_t af[4];
+    mma::ldsm_x4<false>(af, as + (row0 + mma::ldsm_a_row(lane)) * LD + 16 * kd + mma::ldsm_a_col(lane));
+    tc_mma_abt_step<T, NS, LD>(acc, af, bs, kd, n_valid, lane);
   }
 }
 
@@ -262,7 +298,7 @@ struct TcFwdSmem {
 
 // Grid: RowTiling(H, W, BM).num_tiles * B * heads blocks (tile fastest); 128 threads.
 template <typename T, int DPAD>
-__global__ void __launch_bounds__(128) polyline_attention_tc_fwd_kernel(PolylineAttnParams<T, float> p) {
+__global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc_fwd_kernel(PolylineAttnParams<T, float> p) {
   using Tr = TcTraits<DPAD>;
   constexpr int NT = Tr::NT, BM = Tr::BM, BN = Tr::BN, LD = Tr::LD, KD = Tr::KD, NO = Tr::NO;
   constexpr int NS = BN / 8, KS = BN / 16;
@@ -284,8 +320,11 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_fwd_kernel(Polyline
   tc_load_tile<NT, BM, DPAD, LD>(sm.q, p.q, p.sq, b, g, tq, p.sz.d, tid);
   mma::cp_async_wait_all();
   __syncthreads();
-  uint32_t qf[KD][4];
-  tc_load_a<KD, LD>(qf, sm.q, 16 * warp, lane);
+  // Q fragments stay in registers up to DPAD 64; at 128 they are re-read from shared memory per key tile, which
+  // leaves the registers to the two output accumulators.
+  constexpr bool kQRegs = DPAD <= 64;
+  uint32_t qf[kQRegs ? KD : 1][4];
+  if constexpr (kQRegs) tc_load_a<KD, LD>(qf, sm.q, 16 * warp, lane);
   TcTok rq[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) rq[r] = tc_token(tq, 16 * warp + mma::c_row(lane, 2 * r), true, cap_k, crb, ccb, W);
@@ -314,7 +353,10 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_fwd_kernel(Polyline
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) s1[n][i] = 0.f;
-    tc_gemm_abt<T, KD, NS, LD>(s1, qf, sm.k, nk, lane);
+    if constexpr (kQRegs)
+      tc_gemm_abt<T, KD, NS, LD>(s1, qf, sm.k, nk, lane);
+    else
+      tc_gemm_abt_s<T, KD, NS, LD>(s1, sm.q, 16 * warp, sm.k, nk, lane);
 
     // Both logit tiles from the one score tile: s1 = S + M, s2 = S + M' (log2 units), -inf beyond the keys.
     float mx1[2] = {-INFINITY, -INFINITY}, mx2[2] = {-INFINITY, -INFINITY};
@@ -325,7 +367,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_fwd_kernel(Polyline
         const int r = i >> 1, c = 8 * n + mma::c_col(lane, i);
         const TcTok kk = sm.key[c];
         float b1, b2;
-        tc_bias(rq[r], kk, sm.xq[rq[r].o1 + kk.o1], sm.xk[rq[r].o2 + kk.o2], b1, b2);
+        tc_bias(rq[r], kk, sm.xq[rq[r].o1() + kk.o1()], sm.xk[rq[r].o2() + kk.o2()], b1, b2);
         const float x = s1[n][i] * sl2;
         const bool ok = c < nk;
         s1[n][i] = ok ? x + b1 : -INFINITY;
@@ -333,6 +375,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_fwd_kernel(Polyline
         mx1[r] = max(mx1[r], s1[n][i]);
         mx2[r] = max(mx2[r], s2[n][i]);
       }
+      mma::load_fence();
     }
     // Online softmax: new row maxima (every tile has a real key, so they are finite), rescale, exponentiate.
     float a1[2], a2[2];
@@ -408,22 +451,21 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_fwd_kernel(Polyline
 template <int DPAD>
 struct TcDqSmem {
   using Tr = TcTraits<DPAD>;
-  union {
-    uint16_t qdo[Tr::BM * Tr::LD];        // staging of Q, then dO, into registers
-    float ds1[Tr::BM * (Tr::BN + 1)];     // the dS1 tile of the current key tile, for the cross terms
-  } u;
-  uint16_t k[Tr::BN * Tr::LD];
-  uint16_t v[Tr::BN * Tr::LD];
-  TcTok key[Tr::BN];
+  uint16_t q[Tr::BM * Tr::LD];  // the CTA's query tile and its dO, resident (A operands read per k16 step)
+  uint16_t dO[Tr::BM * Tr::LD];
+  float ds1[Tr::BM * (Tr::BNQ + 1)];  // the dS1 tile of the current key tile, for the cross terms
+  uint16_t k[Tr::BNQ * Tr::LD];
+  uint16_t v[Tr::BNQ * Tr::LD];
+  TcTok key[Tr::BNQ];
   float2 xq[Tr::TBL], xk[Tr::TBL];
 };
 
 // Grid: RowTiling(H, W, BM).num_ctas * B * heads blocks; a CTA owns the tiles of its RowTiling unit and
 // accumulates that unit's table of x1 cross terms.
 template <typename T, int DPAD>
-__global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineAttnParams<T, float> p) {
+__global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc_dq_kernel(PolylineAttnParams<T, float> p) {
   using Tr = TcTraits<DPAD>;
-  constexpr int NT = Tr::NT, BM = Tr::BM, BN = Tr::BN, LD = Tr::LD, KD = Tr::KD, NO = Tr::NO;
+  constexpr int NT = Tr::NT, BM = Tr::BM, BN = Tr::BNQ, LD = Tr::LD, KD = Tr::KD, NO = Tr::NO;
   constexpr int NS = BN / 8, KS = BN / 16, DSLD = BN + 1;
   PPMA_DYNAMIC_SMEM(TcDqSmem<DPAD>, sm);
 
@@ -445,23 +487,15 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineA
     const TileDesc tq = tq_.tile(tq_.cta_tile(cta, m));
     const bool active = 16 * warp < tq.count;
     __syncthreads();  // the previous tile's use of the shared buffers is over
-    tc_load_tile<NT, BM, DPAD, LD>(sm.u.qdo, p.q, p.sq, b, g, tq, p.sz.d, tid);
-    mma::cp_async_wait_all();
-    __syncthreads();
-    uint32_t qf[KD][4], df[KD][4];
-    tc_load_a<KD, LD>(qf, sm.u.qdo, 16 * warp, lane);
-    __syncthreads();
-    tc_load_tile<NT, BM, DPAD, LD>(sm.u.qdo, p.dout, p.sdo, b, g, tq, p.sz.dv, tid);
-    mma::cp_async_wait_all();
-    __syncthreads();
-    tc_load_a<KD, LD>(df, sm.u.qdo, 16 * warp, lane);
+    tc_load_tile<NT, BM, DPAD, LD>(sm.q, p.q, p.sq, b, g, tq, p.sz.d, tid);
+    tc_load_tile<NT, BM, DPAD, LD>(sm.dO, p.dout, p.sdo, b, g, tq, p.sz.dv, tid);
 
     TcTok rq[2];
     float lse1[2], lse2[2], D1[2], D2[2], own_cr[2] = {0.f, 0.f}, own_cc[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       rq[r] = tc_token(tq, 16 * warp + mma::c_row(lane, 2 * r), true, cap_k, crb, ccb, W);
-      const int64_t tok = int64_t(rq[r].row) * W + rq[r].col;
+      const int64_t tok = int64_t(rq[r].row()) * W + rq[r].col();
       const float* l = p.lse + ((int64_t(b) * N + tok) * G + g) * 2;
       lse1[r] = l[0] * kLog2e;
       lse2[r] = l[1] * kLog2e;
@@ -476,7 +510,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineA
 
     for (int kt = 0; kt < tk_.num_tiles; ++kt) {
       const TileDesc tk = tk_.tile(kt);
-      __syncthreads();  // Q / dO staging (first tile) or the previous dS1 tile and K, V are consumed
+      __syncthreads();  // the previous dS1 tile and K, V are consumed
       tc_load_tile<NT, BN, DPAD, LD>(sm.k, p.k, p.sk, b, g, tk, p.sz.d, tid);
       tc_load_tile<NT, BN, DPAD, LD>(sm.v, p.v, p.sv, b, g, tk, p.sz.dv, tid);
       for (int c = tid; c < BN; c += NT) sm.key[c] = tc_token(tk, c, false, cap_q, crb, ccb, W);
@@ -490,8 +524,8 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineA
         for (int n = 0; n < NS; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
-        tc_gemm_abt<T, KD, NS, LD>(sc, qf, sm.k, nk, lane);  // S = Q K^T
-        tc_gemm_abt<T, KD, NS, LD>(dp, df, sm.v, nk, lane);  // dP = dO V^T
+        tc_gemm_abt_s<T, KD, NS, LD>(sc, sm.q, 16 * warp, sm.k, nk, lane);  // S = Q K^T
+        tc_gemm_abt_s<T, KD, NS, LD>(dp, sm.dO, 16 * warp, sm.v, nk, lane);  // dP = dO V^T
 #pragma unroll
         for (int n = 0; n < NS; ++n) {
 #pragma unroll
@@ -499,17 +533,18 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineA
             const int r = i >> 1, a = 16 * warp + mma::c_row(lane, i), c = 8 * n + mma::c_col(lane, i);
             const TcTok kk = sm.key[c];
             float b1, b2;
-            tc_bias(rq[r], kk, sm.xq[rq[r].o1 + kk.o1], sm.xk[rq[r].o2 + kk.o2], b1, b2);
+            tc_bias(rq[r], kk, sm.xq[rq[r].o1() + kk.o1()], sm.xk[rq[r].o2() + kk.o2()], b1, b2);
             const float x = sc[n][i] * sl2;
             const float P1 = mma::exp2_fast(x + b1 - lse1[r]), P2 = mma::exp2_fast(x + b2 - lse2[r]);
             const bool ok = c < nk && a < tq.count;
             const float g1 = ok ? P1 * (0.5f * dp[n][i] - D1[r]) : 0.f;
             const float g2 = ok ? P2 * (0.5f * dp[n][i] - D2[r]) : 0.f;
-            own_cr[r] += sgn_diff<float>(rq[r].col, kk.col) * g1;  // R_i(j,l) on (i,j)
-            own_cc[r] += sgn_diff<float>(rq[r].row, kk.row) * g2;  // C_j(i,k) on (i,j)
-            sm.u.ds1[a * DSLD + c] = g1;
+            own_cr[r] += sgn_diff<float>(rq[r].col(), kk.col()) * g1;  // R_i(j,l) on (i,j)
+            own_cc[r] += sgn_diff<float>(rq[r].row(), kk.row()) * g2;  // C_j(i,k) on (i,j)
+            sm.ds1[a * DSLD + c] = g1;
             sc[n][i] = g1 + g2;  // dS, the gradient of the shared logits
           }
+          mma::load_fence();
         }
         uint32_t sf[KS][4];
         tc_pack_a<T, NS>(sf, sc);
@@ -524,7 +559,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineA
         const int i = tq.row0 + il, l = tk.col0 + ll;
         float scr = 0.f, scc = 0.f;
         for (int kl = 0; kl < tk.rows; ++kl) {
-          const float* col = sm.u.ds1 + kl * tk.ncols + ll;
+          const float* col = sm.ds1 + kl * tk.ncols + ll;
           float sum = 0.f, sgn_sum = 0.f;
           for (int jl = 0; jl < tq.ncols; ++jl) {
             const float v = col[(il * tq.ncols + jl) * DSLD];
@@ -547,7 +582,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dq_kernel(PolylineA
         const float gcr = quad_sum(own_cr[r]), gcc = quad_sum(own_cc[r]);
         const int a = 16 * warp + mma::c_row(lane, 2 * r);
         if ((lane & 3) == 0 && a < tq.count) {
-          const int64_t tok = int64_t(rq[r].row) * W + rq[r].col;
+          const int64_t tok = int64_t(rq[r].row()) * W + rq[r].col();
           p.gq_cr[int64_t(bg) * N + tok] = gcr;
           p.gq_cc[int64_t(bg) * N + tok] = gcc;
         }
@@ -573,7 +608,7 @@ struct TcDkvSmem {
 };
 
 template <typename T, int DPAD>
-__global__ void __launch_bounds__(128) polyline_attention_tc_dkdv_kernel(PolylineAttnParams<T, float> p) {
+__global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc_dkdv_kernel(PolylineAttnParams<T, float> p) {
   using Tr = TcTraits<DPAD>;
   constexpr int NT = Tr::NT, BM = Tr::BM, BN = Tr::BN2, LD = Tr::LD, KD = Tr::KD, NO = Tr::NO;
   constexpr int NS = BN / 8, KS = BN / 16, DSLD = BN + 1;
@@ -616,7 +651,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dkdv_kernel(Polylin
       tc_load_tile<NT, BN, DPAD, LD>(sm.dO, p.dout, p.sdo, b, g, tq, p.sz.dv, tid);
       for (int c = tid; c < BN; c += NT) {
         const TcTok t = tc_token(tq, c, true, cap_k, crb, ccb, W);
-        const int64_t tok = int64_t(t.row) * W + t.col;
+        const int64_t tok = int64_t(t.row()) * W + t.col();
         const float* l = p.lse + ((int64_t(b) * N + tok) * G + g) * 2;
         sm.qtok[c] = t;
         sm.qstat[c] = make_float4(l[0] * kLog2e, l[1] * kLog2e, p.delta[(int64_t(bg) * N + tok) * 2],
@@ -627,16 +662,13 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dkdv_kernel(Polylin
       __syncthreads();
       const int nq = tq.count;
       if (active) {
-        uint32_t kf[KD][4];
         float sc[NS][4], dp[NS][4];
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
-        tc_load_a<KD, LD>(kf, sm.k, 16 * warp, lane);
-        tc_gemm_abt<T, KD, NS, LD>(sc, kf, sm.q, nq, lane);  // S^T = K Q^T
-        tc_load_a<KD, LD>(kf, sm.v, 16 * warp, lane);
-        tc_gemm_abt<T, KD, NS, LD>(dp, kf, sm.dO, nq, lane);  // dP^T = V dO^T
+        tc_gemm_abt_s<T, KD, NS, LD>(sc, sm.k, 16 * warp, sm.q, nq, lane);   // S^T = K Q^T
+        tc_gemm_abt_s<T, KD, NS, LD>(dp, sm.v, 16 * warp, sm.dO, nq, lane);  // dP^T = V dO^T
 #pragma unroll
         for (int n = 0; n < NS; ++n) {
 #pragma unroll
@@ -645,18 +677,19 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dkdv_kernel(Polylin
             const TcTok qq = sm.qtok[c];
             const float4 st = sm.qstat[c];
             float b1, b2;
-            tc_bias(qq, rk[r], sm.xq[qq.o1 + rk[r].o1], sm.xk[qq.o2 + rk[r].o2], b1, b2);
+            tc_bias(qq, rk[r], sm.xq[qq.o1() + rk[r].o1()], sm.xk[qq.o2() + rk[r].o2()], b1, b2);
             const float x = sc[n][i] * sl2;
             const bool ok = c < nq && a < tk.count;
             const float P1 = ok ? mma::exp2_fast(x + b1 - st.x) : 0.f;
             const float P2 = ok ? mma::exp2_fast(x + b2 - st.y) : 0.f;
             const float g1 = P1 * (0.5f * dp[n][i] - st.z), g2 = P2 * (0.5f * dp[n][i] - st.w);
-            own_cc[r] += sgn_diff<float>(rk[r].row, qq.row) * g1;  // C_l(i,k) on (k,l)
-            own_cr[r] += sgn_diff<float>(rk[r].col, qq.col) * g2;  // R_k(j,l) on (k,l)
+            own_cc[r] += sgn_diff<float>(rk[r].row(), qq.row()) * g1;  // C_l(i,k) on (k,l)
+            own_cr[r] += sgn_diff<float>(rk[r].col(), qq.col()) * g2;  // R_k(j,l) on (k,l)
             sm.ds2[a * DSLD + c] = g2;
             dp[n][i] = 0.5f * (P1 + P2);  // dP is not needed any more: its registers take (P1 + P2) / 2
             sc[n][i] = g1 + g2;
           }
+          mma::load_fence();
         }
         uint32_t pf[KS][4], sf[KS][4];
         tc_pack_a<T, NS>(pf, dp);
@@ -696,7 +729,7 @@ __global__ void __launch_bounds__(128) polyline_attention_tc_dkdv_kernel(Polylin
         const float gcr = quad_sum(own_cr[r]), gcc = quad_sum(own_cc[r]);
         const int a = 16 * warp + mma::c_row(lane, 2 * r);
         if ((lane & 3) == 0 && a < tk.count) {
-          const int64_t tok = int64_t(rk[r].row) * W + rk[r].col;
+          const int64_t tok = int64_t(rk[r].row()) * W + rk[r].col();
           p.gk_cr[int64_t(bg) * N + tok] = gcr;
           p.gk_cc[int64_t(bg) * N + tok] = gcc;
         }

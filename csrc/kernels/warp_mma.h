@@ -154,6 +154,14 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
+// Keeps the compiler from hoisting the shared-memory loads of later score columns above this point: without it,
+// the fully unrolled per-element loops load every column's bias data first and run out of registers.
+__device__ __forceinline__ void load_fence() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" ::: "memory");
+#endif
+}
+
 // Fast 2^x (ex2.approx under --use_fast_math); the kernels fold log2(e) into the scale and prefix sums.
 __device__ __forceinline__ float exp2_fast(float x) { return exp2f(x); }
 

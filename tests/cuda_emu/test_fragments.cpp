@@ -200,10 +200,10 @@ static void test_bias_tables(int H, int W, int BM, int BN) {
         for (int kc = 0; kc < tk.count; ++kc) {
           const TcTok q = tc_token(tq, qa, true, cap_k, cr.data(), cc.data(), W);
           const TcTok k = tc_token(tk, kc, false, cap_q, cr.data(), cc.data(), W);
-          EXPECT(setq[q.o1 + k.o1] && setk[q.o2 + k.o2], "bias reads an unset table entry");
+          EXPECT(setq[q.o1() + k.o1()] && setk[q.o2() + k.o2()], "bias reads an unset table entry");
           float m1, m2;
-          tc_bias(q, k, xq[q.o1 + k.o1], xk[q.o2 + k.o2], m1, m2);
-          const int i = q.row, j = q.col, kr = k.row, l = k.col;
+          tc_bias(q, k, xq[q.o1() + k.o1()], xk[q.o2() + k.o2()], m1, m2);
+          const int i = q.row(), j = q.col(), kr = k.row(), l = k.col();
           const int p = tq.tok0 + qa, s = tk.tok0 + kc;
           EXPECT(i * W + j == p && kr * W + l == s, "token of a local index");
           // M[p,s] = R_i(j,l) + C_l(i,k), M'[p,s] = R_k(j,l) + C_j(i,k) (natural units; the tables hold log2 units)
