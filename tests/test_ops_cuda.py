@@ -229,3 +229,146 @@ def test_compile(op):
     want = fn(*ins, 0.2)
     check(op, out, want, torch.float32)
     out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-core polyline_attention (fp16 / bf16, d and dv multiples of 8 up to 128), the launch limits, and the
+# packed short-line criss-cross kernels (issue 9). The same kernels run on the CPU through the emulator in
+# tests/test_cuda_emulation.py; these run them on the GPU.
+# ---------------------------------------------------------------------------------------------
+
+TC_SHAPES = [  # (B, H, W, heads, d, dv)
+    (2, 8, 8, 2, 16, 16),
+    (1, 14, 14, 2, 32, 32),
+    (2, 7, 7, 3, 64, 64),
+    (1, 5, 9, 1, 128, 128),
+    (1, 3, 70, 2, 32, 32),  # W > 64: row segments
+    (1, 9, 1, 2, 24, 40),  # d != dv, zero-padded to 64
+]
+if FULL:
+    TC_SHAPES += [(1, 1, 300, 1, 32, 32), (2, 32, 32, 4, 32, 32), (1, 48, 48, 2, 32, 32), (1, 13, 33, 2, 128, 64)]
+
+
+@pytest.fixture
+def cuda_cores(monkeypatch):
+    """Runs the CUDA-core kernels instead of the tensor-core ones (the launcher reads the variable per call)."""
+    monkeypatch.setenv("PPMA_CUDA_TENSOR_CORES", "0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", TC_SHAPES)
+def test_polyline_attention_tensor_cores(shape, dtype):
+    """The tensor-core path against the fp64 reference, forward and every gradient, and against the CPU kernel."""
+    q, k, v, la, lb = make_inputs(shape, dtype, noncontig=shape[1] > 1, seed=sum(shape))
+    scale = shape[4] ** -0.5
+    out, out_v2h, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, scale)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.polyline_attention_ref, q, k, v, la, lb, scale, go)
+    check("out", out, want, dtype)
+    grads = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, out_v2h, lse, scale)
+    for n, g, w in zip(("q", "k", "v", "log_alpha", "log_beta"), grads, wgrads):
+        check(f"grad_{n}", g, w, dtype, mult=2.0)
+    assert grads[3][:, :, 0].abs().max() == 0 and grads[4][:, 0].abs().max() == 0
+    if _has_cpu_kernel("polyline_attention"):
+        cpu = torch.ops.ppma.polyline_attention(q.cpu(), k.cpu(), v.cpu(), la.cpu(), lb.cpu(), scale)
+        check("out vs CPU kernel", out.cpu(), cpu[0], dtype)
+        check("lse vs CPU kernel", lse.cpu(), cpu[2], torch.float32, mult=10.0)
+
+
+def test_polyline_attention_tensor_cores_vs_cuda_cores(monkeypatch):
+    """The two CUDA paths on the same bf16 inputs agree up to the 16-bit rounding of P and dS."""
+    shape = (2, 12, 12, 2, 32, 32)
+    q, k, v, la, lb = make_inputs(shape, torch.bfloat16, seed=11)
+    go = torch.randn(q.shape[:4] + (32,), device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        o = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.2)
+        return (*o, *torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, *o, 0.2))
+
+    tc = run()
+    monkeypatch.setenv("PPMA_CUDA_TENSOR_CORES", "0")
+    core = run()
+    for name, a, b in zip(("out", "out_v2h", "lse", "dq", "dk", "dv", "dla", "dlb"), tc, core):
+        assert rel_err(a, b) < (1e-4 if name == "lse" else 2e-2), name
+
+
+@pytest.mark.parametrize("path", ["tensor_cores", "cuda_cores"])
+def test_polyline_attention_deterministic_large(path, monkeypatch):
+    """4096 tokens in bf16: right numbers, and two backward runs bitwise equal (no atomics anywhere)."""
+    if path == "cuda_cores":
+        monkeypatch.setenv("PPMA_CUDA_TENSOR_CORES", "0")
+    q, k, v, la, lb = make_inputs((1, 64, 64, 2, 32, 32), torch.bfloat16, seed=7)
+    out, ov, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.18)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.polyline_attention_ref, q, k, v, la, lb, 0.18, go)
+    check("out", out, want, torch.bfloat16)
+    g1 = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, ov, lse, 0.18)
+    g2 = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, ov, lse, 0.18)
+    for a, b, w in zip(g1, g2, wgrads):
+        assert torch.equal(a, b), "backward is not deterministic"
+        check("grad", a, w, torch.bfloat16, mult=2.0)
+
+
+def test_polyline_attention_misaligned_rows():
+    """Rows that are not 16-byte aligned (a storage offset of one element) go through a copy, same numbers."""
+    q, k, v, la, lb = make_inputs((1, 5, 6, 2, 32, 32), torch.bfloat16, seed=2)
+    buf = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    qm = buf[1:].view(q.shape).copy_(q)
+    a = torch.ops.ppma.polyline_attention(qm, k, v, la, lb, 0.2)
+    b = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.2)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("op", ["polyline_attention", "criss_cross_attention"])
+def test_many_batch_heads(op):
+    """B * heads above 65535 (the limit of gridDim.y): the 1-D grids cover every (b, head)."""
+    B, H, W, G, d = 33000, 1, 3, 2, 16
+    q, k, v, la, lb = make_inputs((B, H, W, G, d, d), torch.float32, seed=4)
+    f = getattr(torch.ops.ppma, op)
+    outs = f(q, k, v, la, lb, 0.25)
+    ref_fn = ref.polyline_attention_ref if op == "polyline_attention" else ref.criss_cross_attention_ref
+    idx = torch.tensor([0, 1, B // 2, B - 1], device="cuda")  # spot-check batches spread over the grid
+    want = ref_fn(q[idx].double(), k[idx].double(), v[idx].double(), la[idx].double(), lb[idx].double(), 0.25)
+    check(op, outs[0][idx], want, torch.float32)
+    assert torch.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_above_128(dtype):
+    """Head dims up to 512 run on the CUDA-core kernels (zero-padded to 256 or 512)."""
+    for shape in [(1, 3, 4, 1, 200, 136), (1, 2, 3, 1, 300, 512)]:
+        q, k, v, la, lb = make_inputs(shape, dtype, seed=shape[4])
+        scale = shape[4] ** -0.5
+        for op, ref_fn in (("polyline_attention", ref.polyline_attention_ref),
+                           ("criss_cross_attention", ref.criss_cross_attention_ref)):
+            outs = getattr(torch.ops.ppma, op)(q, k, v, la, lb, scale)
+            want = ref_fn(*(t.double() for t in (q, k, v, la, lb)), scale)
+            check(op, outs[0], want, dtype)
+
+
+def test_head_dim_above_512_is_refused():
+    q, k, v, la, lb = make_inputs((1, 2, 2, 1, 520, 16), torch.float32)
+    for op in ("polyline_attention", "criss_cross_attention"):
+        with pytest.raises(RuntimeError, match="head dims up to 512"):
+            getattr(torch.ops.ppma, op)(q, k, v, la, lb, 0.1)
+
+
+CC_PACKED = [(2, 28, 28, 2, 32, 32), (1, 56, 56, 1, 16, 16), (2, 7, 9, 3, 16, 16), (1, 70, 5, 1, 32, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", CC_PACKED)
+def test_criss_cross_packed_lines(shape, dtype):
+    """Short lines (<= 64) run packed, several per block (70-long columns: the generic kernels), deterministic."""
+    q, k, v, la, lb = make_inputs(shape, dtype, seed=sum(shape))
+    scale = shape[4] ** -0.5
+    out, lse = torch.ops.ppma.criss_cross_attention(q, k, v, la, lb, scale)
+    go = torch.randn_like(out)
+    want, wgrads = ref_grads(ref.criss_cross_attention_ref, q, k, v, la, lb, scale, go)
+    check("out", out, want, dtype)
+    g1 = torch.ops.ppma.criss_cross_attention_backward(go, q, k, v, la, lb, lse, scale)
+    g2 = torch.ops.ppma.criss_cross_attention_backward(go, q, k, v, la, lb, lse, scale)
+    for n, a, b, w in zip(("q", "k", "v", "log_alpha", "log_beta"), g1, g2, wgrads):
+        assert torch.equal(a, b), f"grad_{n}: backward is not deterministic"
+        check(f"grad_{n}", a, w, dtype, mult=2.0)

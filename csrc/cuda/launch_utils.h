@@ -1,6 +1,6 @@
 // Host-side helpers of the CUDA launchers: the CUDA-specific argument check (the shape, dtype and device checks
 // shared with the CPU backend are in common/checks.h), torch -> CUDA element types, Params strides and sizes,
-// the head-dim and tensor-core dispatch, the grid-size check, and the pieces every attention launcher repeats (prefix sums of the log-decays, the
+// the head-dim dispatch, the grid-size check, and the pieces every attention launcher repeats (prefix sums of the log-decays, the
 // q/k/v fields of the Params, the gradient outputs of the backward ops).
 #pragma once
 
@@ -12,8 +12,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -97,34 +95,6 @@ inline int padded_head_dim(const char* op, int64_t d, int64_t dv) {
 inline void check_grid(const char* op, int64_t blocks, const GridSizes& sz) {
   TORCH_CHECK(grid_fits(blocks), op, ": the inputs need a grid of ", blocks, " blocks (B = ", sz.B, ", heads = ",
               sz.G, ", H = ", sz.H, ", W = ", sz.W, "), more than the CUDA limit of ", kMaxGridX);
-}
-
-// The tensor-core polyline_attention kernels (sm_80+) take fp16 / bf16 with d, dv multiples of 8 up to 128.
-// Everything else runs on the CUDA-core kernels, and PPMA_CUDA_TENSOR_CORES=0 forces those (for comparisons);
-// the two differ in rounding only (the tensor-core path rounds P and dS to 16 bits before its products).
-inline bool use_tensor_cores(const at::Tensor& q, const GridSizes& sz) {
-  const auto st = q.scalar_type();
-  if (st != at::kHalf && st != at::kBFloat16) return false;
-  if (sz.d % 8 != 0 || sz.dv % 8 != 0 || sz.d > 128 || sz.dv > 128) return false;
-  const char* env = std::getenv("PPMA_CUDA_TENSOR_CORES");
-  if (env != nullptr && std::string(env) == "0") return false;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
-  return major >= 8;
-}
-
-// Padded head dim of the tensor-core kernels: 16, 32, 64 or 128.
-inline int tc_head_dim(const GridSizes& sz) {
-  const int m = sz.d > sz.dv ? sz.d : sz.dv;
-  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
-}
-
-// The tensor-core kernels copy 16-byte rows with cp.async: a feature tensor whose token rows are not 16-byte
-// aligned (odd strides or storage offset) is copied to a fresh contiguous tensor first.
-inline at::Tensor aligned_rows(const at::Tensor& t) {
-  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int i = 0; i < 4; ++i) ok = ok && (t.stride(i) * int64_t(t.element_size())) % 16 == 0;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // Prefix sums cr, cc ([B * heads, H * W], dtype acc) of log_alpha, log_beta ([B, H, W, heads], converted to acc

@@ -9,6 +9,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -20,6 +23,37 @@
 namespace ppma {
 namespace cuda {
 namespace {
+
+// The tensor-core polyline_attention kernels (sm_80+) take fp16 / bf16 with d, dv multiples of 8 up to 128 (and
+// H, W up to kTcMaxSide, as they pack positions in 16 bits).
+// Everything else runs on the CUDA-core kernels, and PPMA_CUDA_TENSOR_CORES=0 forces those (for comparisons);
+// the two differ in rounding only (the tensor-core path rounds P and dS to 16 bits before its products).
+inline bool use_tensor_cores(const at::Tensor& q, const GridSizes& sz) {
+  const auto st = q.scalar_type();
+  if (st != at::kHalf && st != at::kBFloat16) return false;
+  if (sz.d % 8 != 0 || sz.dv % 8 != 0 || sz.d > 128 || sz.dv > 128) return false;
+  if (sz.H > kTcMaxSide || sz.W > kTcMaxSide) return false;
+  const char* env = std::getenv("PPMA_CUDA_TENSOR_CORES");
+  if (env != nullptr && std::string(env) == "0") return false;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
+  return major >= 8;
+}
+
+// Padded head dim of the tensor-core kernels: 16, 32, 64 or 128.
+inline int tc_head_dim(const GridSizes& sz) {
+  const int m = sz.d > sz.dv ? sz.d : sz.dv;
+  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
+}
+
+// The tensor-core kernels copy 16-byte rows with cp.async: a feature tensor whose token rows are not 16-byte
+// aligned (odd strides or storage offset) is copied to a fresh contiguous tensor first.
+inline at::Tensor aligned_rows(const at::Tensor& t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int i = 0; i < 4; ++i)
+    ok = ok && (t.size(i) == 1 || (t.stride(i) * int64_t(t.element_size())) % 16 == 0);
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                                        const at::Tensor& v_in,
@@ -75,6 +109,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at:
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, out_v2h, lse};
+}
+
+// The backward kernels of one dtype: tensor cores (fp16 / bf16 only) or CUDA cores.
+template <typename T, typename A>
+void launch_backward(const PolylineAttnParams<T, A>& p, bool tc, int dpad, cudaStream_t stream) {
+  if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
+    if (tc) {
+      PPMA_TC_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_tc_bwd<T, DPAD>(p, stream); });
+      return;
+    }
+  }
+  PPMA_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_bwd<T, DPAD>(p, stream); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_attention_backward_cuda(
@@ -160,14 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     p.x2_cc = t + 3 * ts;
     p.g_log_alpha = g.gla.data_ptr<A>();
     p.g_log_beta = g.glb.data_ptr<A>();
-    if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
-      if (tc) {
-        PPMA_TC_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_tc_bwd<T, DPAD>(p, stream); });
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-    }
-    PPMA_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_bwd<T, DPAD>(p, stream); });
+    launch_backward(p, tc, dpad, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return g.result(log_alpha, log_beta);
