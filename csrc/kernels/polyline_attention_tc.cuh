@@ -48,10 +48,21 @@ struct TcTraits {
   static_assert(DPAD == 16 || DPAD == 32 || DPAD == 64 || DPAD == 128, "DPAD must be 16, 32, 64 or 128");
   static constexpr int NW = 4, NT = 32 * NW, BM = 16 * NW;  // 16 query (or key) rows per warp
   // Inner tiles: the largest that compile without register spills for 128 threads (ptxas -v, sm_80 / sm_90;
-  // .ci/check_cuda.sh fails on a spill): forward keys, dq keys, dkdv queries.
-  static constexpr int BN = DPAD <= 64 ? 64 : 16;
-  static constexpr int BNQ = DPAD <= 64 ? 32 : 16;
-  static constexpr int BN2 = 16;
+  // .ci/check_cuda.sh fails on a spill): forward keys, dq keys, dkdv queries. Multiples of 16 up to BM; the
+  // PPMA_TC_BN* macros let a GPU session time other sizes without editing the code.
+#ifndef PPMA_TC_BN_FWD
+#define PPMA_TC_BN_FWD (DPAD <= 64 ? 64 : 16)
+#endif
+#ifndef PPMA_TC_BN_DQ
+#define PPMA_TC_BN_DQ (DPAD <= 64 ? 32 : 16)
+#endif
+#ifndef PPMA_TC_BN_DKDV
+#define PPMA_TC_BN_DKDV 16
+#endif
+  static constexpr int BN = PPMA_TC_BN_FWD;
+  static constexpr int BNQ = PPMA_TC_BN_DQ;
+  static constexpr int BN2 = PPMA_TC_BN_DKDV;
+  static_assert(BN % 16 == 0 && BNQ % 16 == 0 && BN2 % 16 == 0, "inner tiles are multiples of 16");
   static constexpr int LD = DPAD + 8;  // shared row stride in elements: 16 B of padding, conflict-free ldmatrix
   static constexpr int KD = DPAD / 16; // k16 steps over the head dim (= pairs of n8 tiles over the head dim)
   static constexpr int NO = DPAD / 8;  // n8 tiles of an output block
