@@ -20,6 +20,7 @@ echo "[setup] installing build, test and training dependencies"
 pip_install "setuptools>=64" wheel ninja numpy pyyaml tqdm pillow \
   pytest expecttest hypothesis \
   "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" timm scikit-learn safetensors matplotlib \
+  "omegaconf>=2.3,<3" \
   "mmengine>=0.10"
 echo "[setup] building ppma (C++ operators$( [ "${FORCE_CUDA:-0}" = 1 ] && echo ' + CUDA'))"
 MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation --no-deps -e .

@@ -12,19 +12,11 @@ from ppma._compat import ensure_torchvision
 ensure_torchvision()  # timm imports torchvision (see ppma._compat)
 pytest.importorskip("timm")
 
-from test_train import tiny_args  # noqa: E402
+from test_train import _one_thread, tiny_args  # noqa: E402, F401 (_one_thread: an autouse fixture)
 
-from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
+from ppma.train.cli.train import config_from_args, parse_args  # noqa: E402
+from ppma.train.trainer import train  # noqa: E402
 
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared CPU OpenMP oversubscription slows them a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
@@ -46,7 +38,8 @@ def _write_image_folder(root, classes=4, per_class=3, size=20, split="val"):
 
 
 def test_eval_cli_on_image_folder(tmp_path, tiny_checkpoint):
-    from ppma.train.evaluate import load_model_from_checkpoint, main
+    from ppma.train.checkpoint import load_model_from_checkpoint
+    from ppma.train.cli.evaluate import main
 
     n = _write_image_folder(tmp_path / "data")
     out = tmp_path / "eval.json"
@@ -74,7 +67,7 @@ def test_eval_cli_on_image_folder(tmp_path, tiny_checkpoint):
 def test_train_imagefolder_with_the_imagenet_recipe(tmp_path):
     """The ImageNet config's pipeline end to end on a tiny ImageFolder: timm transforms with RandAugment and
     random erasing, Mixup/CutMix with SoftTargetCrossEntropy, repeated augmentation, EMA."""
-    from ppma.train.main import main
+    from ppma.train.cli.train import main
 
     _write_image_folder(tmp_path / "data", classes=4, per_class=4, size=40, split="train")
     _write_image_folder(tmp_path / "data", classes=4, per_class=2, size=40, split="val")
@@ -92,7 +85,7 @@ def test_train_imagefolder_with_the_imagenet_recipe(tmp_path):
 
 
 def test_eval_cli_rejects_unknown_key(tmp_path, tiny_checkpoint):
-    from ppma.train.evaluate import main
+    from ppma.train.cli.evaluate import main
 
     _write_image_folder(tmp_path / "data", classes=4, per_class=1)
     with pytest.raises(KeyError, match="no weights under key"):
@@ -105,7 +98,7 @@ def test_eval_cli_official_checkpoint(tmp_path):
     ppma.models.convert_official_state_dict; the EMA weights are used by default."""
     import ppma
     from ppma.models import convert_to_official_state_dict
-    from ppma.train.evaluate import main
+    from ppma.train.cli.evaluate import main
 
     n = _write_image_folder(tmp_path / "data", classes=3, per_class=2, size=32)
     torch.manual_seed(0)
@@ -132,7 +125,7 @@ def test_eval_cli_official_checkpoint(tmp_path):
 
 
 def test_benchmark_cli_quick(tmp_path):
-    from ppma.train.benchmark import main
+    from ppma.train.cli.benchmark import main
 
     extra = ["--override", "embed_dims=[8, 16, 16, 16]", "--override", "depths=[1, 1, 1, 1]",
              "--override", "num_heads=[1, 2, 2, 2]", "--override", "criss_cross=[true, true, false, false]"]
@@ -201,7 +194,7 @@ def test_attention_row_is_the_models_attention():
 def test_visualize_cli_writes_pngs(tmp_path, tiny_checkpoint):
     from PIL import Image
 
-    from ppma.train.visualize import main
+    from ppma.train.cli.visualize import main
 
     img = tmp_path / "in.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 30, 3), dtype=np.uint8)).save(img)

@@ -16,11 +16,12 @@ from ppma._compat import ensure_torchvision  # noqa: E402
 
 ensure_torchvision()  # timm imports torchvision (see ppma._compat)
 pytest.importorskip("timm")
-pytest.importorskip("yaml")
+yaml = pytest.importorskip("yaml")
 
 from ppma.train.checkpoint import load_checkpoint  # noqa: E402
-from ppma.train.config import DEFAULTS, load_config  # noqa: E402
-from ppma.train.main import config_from_args, parse_args, train  # noqa: E402
+from ppma.train.cli.train import config_from_args, parse_args  # noqa: E402
+from ppma.train.config import TrainConfig, load_config  # noqa: E402
+from ppma.train.trainer import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "classification", "*.yaml")))
@@ -55,14 +56,22 @@ def _one_thread():
     yield
     torch.set_num_threads(n)
 
+
 # ------------------------------------------------------------------------------------------------ config
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
 def test_configs_load(path):
     cfg = load_config(path)
-    assert set(cfg.to_dict()) == set(DEFAULTS)
+    assert set(cfg.to_dict()) == set(TrainConfig().to_dict())
     assert cfg.sched.epochs > 0 and cfg.data.batch_size > 0
+    # every entry of the file arrives unchanged
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    for section, entries in raw.items():
+        for key, value in entries.items():
+            assert cfg.to_dict()[section][key] == value, f"{section}.{key}"
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # the checkpoint round trip
 
 
 def test_imagenet_configs_follow_the_recipe():
@@ -90,6 +99,59 @@ def test_config_overrides_and_errors(tmp_path):
     bad.write_text("sched:\n  epoch: 3\n")
     with pytest.raises(KeyError, match="sched.epoch"):
         load_config(str(bad))
+
+
+def test_config_errors_name_the_key(tmp_path):
+    """Unknown keys name the key, a guess and the allowed keys; wrong types name the key and the expected type;
+    both name where the value came from (file, --set, flag, checkpoint)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  weigth_decay: 0.1\n")
+    with pytest.raises(KeyError, match=r"'optim.weigth_decay' \(.*bad.yaml\); did you mean 'weight_decay'\? "
+                                       r"Allowed keys of section 'optim': opt, base_lr, base_batch, lr, weight_decay"):
+        load_config(str(bad))
+    with pytest.raises(KeyError, match=r"'optimizer'.*Allowed sections: model, data, aug, optim, sched, ema, train"):
+        load_config(None, ["optimizer.lr=0.1"])
+    # a dotted override of an unknown key, through the command line
+    with pytest.raises(KeyError, match=r"unknown config key 'train.epochs' \(--set train.epochs=3\)"):
+        config_from_args(parse_args(["--set", "train.epochs=3"]))
+    with pytest.raises(KeyError, match="sched.epoch"):  # a checkpoint's config is checked the same way
+        TrainConfig.from_dict({"sched": {"epoch": 3}})
+    from ppma.train.cli.train import main
+
+    with pytest.raises(SystemExit, match=r"^ppma-train: error: unknown config key 'train.epochs'"):
+        main(["--set", "train.epochs=3"])  # the command line prints the message, not a traceback
+
+    bad.write_text("sched:\n  epochs: six\n")
+    with pytest.raises(TypeError, match=r"'sched.epochs' \(.*bad.yaml\) must be int, got 'six' \(str\)"):
+        load_config(str(bad))
+    for assignment, message in [
+        ("data.img_size=2.5", r"'data.img_size' \(--set data.img_size=2.5\) must be int, got 2.5 \(float\)"),
+        ("data.batch_size=null", r"'data.batch_size' .* must be int, got None"),
+        ("optim.betas=[0.9, x]", r"'optim.betas\[1\]' .* must be a list of float, got 'x' \(str\)"),
+        ("optim.lr=[1]", r"'optim.lr' .* must be float or null, got \[1\] \(list\)"),
+        ("ema.enabled=2.0", r"'ema.enabled' .* must be bool, got 2.0"),
+        ("sched.epochs.x=1", r"'sched.epochs' .* must be int, got \{'x': 1\} \(dict\)"),
+        ("sched=3", r"section 'sched' \(--set sched=3\) must be a mapping of keys, got 3"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            load_config(None, [assignment])
+    with pytest.raises(TypeError, match=r"'sched.epochs' \(sched.epochs=2.5\) must be int"):
+        load_config(None, values={"sched.epochs": 2.5})
+    with pytest.raises(ValueError, match="--set expects KEY=VALUE"):
+        load_config(None, ["optim.lr"])
+
+
+def test_config_values_and_free_form_overrides():
+    demo = os.path.join(ROOT, "configs", "classification", "demo_digits.yaml")
+    cfg = load_config(demo, ["sched.min_lr=1e-4", "train.output=123"])
+    assert cfg.sched.min_lr == 1e-4  # YAML 1.1 reads 1e-4 as a string; the float entry converts it
+    assert cfg.train.output == "123"
+    # model.overrides takes any key: a dotted key changes one entry, a whole mapping replaces the file's
+    cfg = load_config(demo, ["model.overrides.impl=reference"])
+    assert cfg.model.overrides["impl"] == "reference" and cfg.model.overrides["depths"] == [1, 1, 2, 1]
+    assert load_config(demo, ["model.overrides={impl: reference}"]).model.overrides == {"impl": "reference"}
+    assert config_from_args(parse_args(["--config", demo, "--impl", "fused"])).model.overrides["embed_dims"] == [
+        32, 64, 96, 128]
 
 
 def test_weight_decay_groups():
@@ -214,11 +276,10 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert not any(k.startswith("module.") for k in ckpt["model"])
     # distributed evaluation is exact: re-evaluate the saved model in one process and compare
     from ppma.train.build import build_model
-    from ppma.train.config import Config
     from ppma.train.data import build_datasets
     from ppma.train.engine import evaluate
 
-    cfg = Config(ckpt["config"])
+    cfg = TrainConfig.from_dict(ckpt["config"])
     model = build_model(cfg.model, ckpt["num_classes"], ckpt["in_chans"])
     model.load_state_dict(ckpt["model"])
     _, val, _ = build_datasets(cfg, need_train=False)

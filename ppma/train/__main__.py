@@ -2,6 +2,6 @@
 
 import sys
 
-from ppma.train.main import main
+from ppma.train.cli.train import main
 
 sys.exit(main())

@@ -1,75 +1,46 @@
-"""``ppma-benchmark``: model throughput by the paper's protocol (spec §7.5) plus training speed and memory.
+"""Model throughput by the paper's protocol (spec §7.5), plus training speed and peak memory.
 
-Inference: batch 64, 224x224, ``model.eval()``, ``torch.inference_mode()``, ``--warmup`` untimed iterations,
-then ``--iters`` timed ones (synchronised clocks); images/s = batch * iters / time. AMP is stated in the
-output (the paper does not say which precision it used). Training: forward + backward + AdamW step on
-random labels, images/s and peak memory (CUDA only). Each attention implementation (``impl=fused`` and
-``impl=reference``) is measured in the same process on the same inputs::
-
-    ppma-benchmark --model ppma_tiny ppma_small ppma_base --amp fp16 --output benchmarks/results/throughput
+Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then ``iters`` timed
+ones with synchronised clocks; images/s = batch * iters / time. Training: forward + backward + AdamW step on
+random labels. The ``ppma-benchmark`` command (:mod:`ppma.train.cli.benchmark`) runs this over models and
+attention implementations and writes the tables.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
 
-__all__ = ["main", "measure"]
+from ppma.train._common import synchronize
+from ppma.train.engine import autocast, optimizer_step
+
+__all__ = ["measure"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ppma-benchmark", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", nargs="+", default=["ppma_tiny"])
-    p.add_argument("--impl", nargs="+", default=["fused", "reference"], choices=["fused", "reference"])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--in-chans", type=int, default=3)
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--no-train", action="store_true", help="inference only")
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="model override (YAML value), e.g. --override 'embed_dims=[8, 16, 16, 16]'")
-    p.add_argument("--factory", help="'package.module:callable' instead of ppma.create_model")
-    p.add_argument("--output", default="benchmarks/results/throughput",
-                   help="output path without extension: writes .json and .md")
-    return p.parse_args(argv)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_loop(fn, device, warmup: int, iters: int) -> list[float]:
+def _time_loop(fn, device: torch.device, warmup: int, iters: int) -> list[float]:
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 
 
+def _peak_mib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans: int, num_classes: int,
             device: torch.device, amp_dtype, warmup: int, iters: int, train: bool, channels_last: bool) -> dict:
-    """Inference (and optionally training) throughput of ``model`` on random ``[batch, in_chans, S, S]`` input."""
-    from ppma.train.engine import autocast
-
+    """Inference (and optionally training) throughput of ``model`` on random ``[batch, in_chans, S, S]`` input:
+    ``infer_images_per_sec``, ``infer_ms_median``, ``infer_peak_mem_mib`` (CUDA only, else None) and, with
+    ``train``, the same three for ``train_*``."""
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -91,7 +62,7 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
     t = _time_loop(infer, device, warmup, iters)
     out["infer_images_per_sec"] = batch_size * iters / sum(t)
     out["infer_ms_median"] = 1e3 * statistics.median(t)
-    out["infer_peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    out["infer_peak_mem_mib"] = _peak_mib(device)
 
     if train:
         model.train()
@@ -104,105 +75,10 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
         def step():
             with autocast(device, amp_dtype):
                 loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-            opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            optimizer_step(loss, opt, scaler)
 
         t = _time_loop(step, device, max(1, warmup // 2), iters)
         out["train_images_per_sec"] = batch_size * iters / sum(t)
         out["train_ms_median"] = 1e3 * statistics.median(t)
-        out["train_peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+        out["train_peak_mem_mib"] = _peak_mib(device)
     return out
-
-
-def _env(device: torch.device) -> dict:
-    import ppma
-
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "platform": platform.platform(), "ppma": getattr(ppma, "__version__", None),
-           "ppma_extension": bool(getattr(ppma, "has_ext", lambda: False)()),
-           "device": str(device), "cpu_threads": torch.get_num_threads(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
-
-
-def _markdown(result: dict) -> str:
-    e, s = result["env"], result["settings"]
-    lines = [
-        f"# PPMA throughput ({e.get('gpu', e['device'])})", "",
-        f"batch {s['batch_size']}, {s['img_size']}x{s['img_size']}, AMP {s['amp']}, {s['warmup']} warm-up + "
-        f"{s['iters']} timed iterations; torch {e['torch']}, CUDA {e['cuda']}, ppma extension built: "
-        f"{e['ppma_extension']}; {e['date']}", "",
-        "| model | impl | params (M) | inference img/s | inference ms/batch (median) | train img/s | train peak mem (MiB) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['model']} | {r['impl']} | {r['params_m']:.2f} | {f(r.get('infer_images_per_sec'), '.1f')} | "
-            f"{f(r.get('infer_ms_median'), '.1f')} | {f(r.get('train_images_per_sec'), '.1f')} | "
-            f"{f(r.get('train_peak_mem_mib'), '.0f')} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import yaml
-
-    from ppma.train.build import resolve_factory
-    from ppma.train.main import _amp_dtype, _device
-
-    device = _device(args.device)
-    amp_dtype = _amp_dtype(args.amp, device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    overrides = {}
-    for item in args.override:
-        k, v = item.split("=", 1)
-        v = yaml.safe_load(v)
-        overrides[k] = tuple(v) if isinstance(v, list) else v
-    create = resolve_factory(args.factory)
-    rows = []
-    for name in args.model:
-        for impl in args.impl:
-            torch.manual_seed(0)
-            model = create(name, num_classes=args.num_classes, in_chans=args.in_chans, impl=impl, **overrides)
-            row = {"model": name, "impl": impl, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-            row.update(measure(model, batch_size=args.batch_size, img_size=args.img_size, in_chans=args.in_chans,
-                               num_classes=args.num_classes, device=device, amp_dtype=amp_dtype,
-                               warmup=args.warmup, iters=args.iters, train=not args.no_train,
-                               channels_last=args.channels_last))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    result = {"env": _env(device),
-              "settings": {"batch_size": args.batch_size, "img_size": args.img_size, "amp": args.amp,
-                           "warmup": args.warmup, "iters": args.iters, "overrides": {k: list(v) if isinstance(v, tuple)
-                                                                                     else v for k, v in overrides.items()},
-                           "channels_last": args.channels_last},
-              "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)) or ".", exist_ok=True)
-    with open(args.output + ".json", "w") as f:
-        json.dump(result, f, indent=2)
-    md = _markdown(result)
-    with open(args.output + ".md", "w") as f:
-        f.write(md)
-    print(md)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

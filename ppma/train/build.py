@@ -7,7 +7,8 @@ import importlib
 import torch
 import torch.nn as nn
 
-__all__ = ["build_model", "resolve_factory", "build_optimizer", "build_scheduler", "build_mixup_and_loss", "scaled_lr"]
+__all__ = ["build_model", "model_kwargs", "resolve_factory", "build_optimizer", "build_scheduler", "build_mixup_and_loss",
+           "scaled_lr"]
 
 
 def resolve_factory(factory: str | None):
@@ -24,14 +25,17 @@ def resolve_factory(factory: str | None):
     return getattr(importlib.import_module(mod), name)
 
 
+def model_kwargs(overrides) -> dict:
+    """Model-factory keywords from config overrides: YAML gives lists, the model's config takes tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in (overrides or {}).items()}
+
+
 def build_model(model_cfg, num_classes: int, in_chans: int = 3) -> nn.Module:
     """Instantiate ``model_cfg.name`` with its overrides; ``in_chans`` is passed when it differs from 3
     (or when the overrides set it)."""
-    overrides = dict(model_cfg.overrides or {})
+    overrides = model_kwargs(model_cfg.overrides)
     if in_chans != 3:
         overrides.setdefault("in_chans", in_chans)
-    # YAML gives lists; the model's config takes tuples
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     create = resolve_factory(model_cfg.factory)
     return create(
         model_cfg.name,

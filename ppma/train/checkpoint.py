@@ -14,7 +14,8 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "get_rng_state", "set_rng_state", "unwrap"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_from_checkpoint", "get_rng_state", "set_rng_state",
+           "unwrap"]
 
 VERSION = 1
 
@@ -83,3 +84,57 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def _pick_state(ckpt: dict, key: str, path: str):
+    if key == "auto":
+        for k in ("model_ema", "model", "models", "state_dict"):
+            if isinstance(ckpt.get(k), dict):
+                return k, ckpt[k]
+        return "<bare>", ckpt
+    if not isinstance(ckpt.get(key), dict):
+        keys = [k for k, v in ckpt.items() if isinstance(v, dict)]
+        raise KeyError(f"{path}: no weights under key {key!r}; dict-valued keys: {keys}")
+    return key, ckpt[key]
+
+
+def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None, impl=None):
+    """Build the model for checkpoint ``path`` and load its weights: a ``ppma-train`` checkpoint carries its
+    config; an official PPMA checkpoint (spec §5.2) is converted by ``ppma.models.convert_official_state_dict``
+    into ``model_name`` (default ``ppma_tiny``) with ``num_classes`` (default 1000). ``key`` picks the weights
+    (``auto``: ``model_ema`` when present, then ``model``, ``models``, ``state_dict``).
+
+    Returns ``(model, info)``; ``info`` holds ``config`` (our :class:`~ppma.train.config.TrainConfig` or None),
+    ``key`` (which weights were loaded), ``kind`` ("ppma-train" or "official")."""
+    from ppma.train.build import build_model
+    from ppma.train.config import TrainConfig
+
+    ckpt = load_checkpoint(path)
+    if isinstance(ckpt, dict) and "config" in ckpt and "version" in ckpt:  # ours
+        cfg = TrainConfig.from_dict(ckpt["config"], source=f"the config of checkpoint {path}")
+        if impl is not None:
+            cfg.model.overrides["impl"] = impl
+        if model_name is not None and model_name != cfg.model.name:
+            raise ValueError(f"--model {model_name!r} differs from the checkpoint's model {cfg.model.name!r}")
+        cfg.model.checkpoint_path = None
+        model = build_model(cfg.model, ckpt["num_classes"], ckpt["in_chans"])
+        used, state = _pick_state(ckpt, key, path)
+        model.load_state_dict(state)
+        return model, {"config": cfg, "key": used, "kind": "ppma-train"}
+
+    import ppma
+
+    try:
+        from ppma.models import convert_official_state_dict
+    except ImportError as exc:  # the model package provides the converter
+        raise ImportError("official checkpoints need ppma.models.convert_official_state_dict") from exc
+    name = model_name or "ppma_tiny"
+    overrides = {"impl": impl} if impl else {}
+    model = ppma.create_model(name, num_classes=num_classes or 1000, **overrides)
+    used, _ = _pick_state(ckpt, key, path)
+    state = convert_official_state_dict(ckpt, key=None if key == "auto" else key)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise KeyError(f"{path}: converted weights do not fit {name}: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    print(f"loaded official checkpoint {path} (weights: {used}) into {name}")
+    return model, {"config": None, "key": used, "kind": "official"}

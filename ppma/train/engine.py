@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ppma.train import distributed as D
+from ppma.train._common import synchronize
 
-__all__ = ["autocast", "train_one_epoch", "evaluate", "accuracy_counts"]
+__all__ = ["autocast", "optimizer_step", "train_one_epoch", "evaluate", "accuracy_counts"]
 
 
 def autocast(device: torch.device, amp_dtype: torch.dtype | None):
@@ -20,6 +21,25 @@ def autocast(device: torch.device, amp_dtype: torch.dtype | None):
     if amp_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler=None, clip_grad: float | None = None,
+                   parameters=None) -> None:
+    """Backward of ``loss`` and one optimiser step: through the fp16 ``scaler`` when given (gradients unscaled
+    before clipping), clipping the gradient norm of ``parameters`` to ``clip_grad`` when set."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        if clip_grad:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(parameters, clip_grad)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        if clip_grad:
+            nn.utils.clip_grad_norm_(parameters, clip_grad)
+        optimizer.step()
 
 
 def train_one_epoch(
@@ -72,19 +92,7 @@ def train_one_epoch(
             loss = criterion(output.float(), targets)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch}, step {step}; stopping")
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            if clip_grad:
-                scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            if clip_grad:
-                nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-            optimizer.step()
+        optimizer_step(loss, optimizer, scaler, clip_grad, model.parameters())
         global_step += 1
         if ema is not None:
             ema.update(model, step=global_step)
@@ -94,8 +102,7 @@ def train_one_epoch(
         if step % 10 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
     bar.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     elapsed = time.perf_counter() - start
     totals = torch.tensor([loss_sum.item(), float(steps), float(n_images)], dtype=torch.float64, device=device)
     D.all_reduce_sum(totals)

@@ -20,9 +20,7 @@ import json
 import os
 import sys
 
-import torch
-
-__all__ = ["main", "load_model_from_checkpoint"]
+__all__ = ["main", "parse_args"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,90 +43,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _pick_state(ckpt: dict, key: str, path: str):
-    if key == "auto":
-        for k in ("model_ema", "model", "models", "state_dict"):
-            if isinstance(ckpt.get(k), dict):
-                return k, ckpt[k]
-        return "<bare>", ckpt
-    if not isinstance(ckpt.get(key), dict):
-        keys = [k for k, v in ckpt.items() if isinstance(v, dict)]
-        raise KeyError(f"{path}: no weights under key {key!r}; dict-valued keys: {keys}")
-    return key, ckpt[key]
-
-
-def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None, impl=None):
-    """Build the model for checkpoint ``path`` and load its weights.
-
-    Returns ``(model, info)``; ``info`` holds ``config`` (our Config or None), ``key`` (which weights were
-    loaded), ``kind`` ("ppma-train" or "official")."""
-    from ppma.train.build import build_model
-    from ppma.train.checkpoint import load_checkpoint
-    from ppma.train.config import Config, DEFAULTS, merge
-
-    ckpt = load_checkpoint(path)
-    if isinstance(ckpt, dict) and "config" in ckpt and "version" in ckpt:  # ours
-        cfg = Config(merge(DEFAULTS, ckpt["config"]))
-        if impl is not None:
-            cfg.model.overrides["impl"] = impl
-        if model_name is not None and model_name != cfg.model.name:
-            raise ValueError(f"--model {model_name!r} differs from the checkpoint's model {cfg.model.name!r}")
-        cfg.model.checkpoint_path = None
-        model = build_model(cfg.model, ckpt["num_classes"], ckpt["in_chans"])
-        used, state = _pick_state(ckpt, key, path)
-        model.load_state_dict(state)
-        return model, {"config": cfg, "key": used, "kind": "ppma-train"}
-
-    import ppma
-
-    try:
-        from ppma.models import convert_official_state_dict
-    except ImportError as exc:  # the model package provides the converter
-        raise ImportError("official checkpoints need ppma.models.convert_official_state_dict") from exc
-    name = model_name or "ppma_tiny"
-    overrides = {"impl": impl} if impl else {}
-    model = ppma.create_model(name, num_classes=num_classes or 1000, **overrides)
-    used, _ = _pick_state(ckpt, key, path)
-    state = convert_official_state_dict(ckpt, key=None if key == "auto" else key)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise KeyError(f"{path}: converted weights do not fit {name}: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    print(f"loaded official checkpoint {path} (weights: {used}) into {name}")
-    return model, {"config": None, "key": used, "kind": "official"}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ppma._compat import ensure_torchvision
 
     ensure_torchvision()
+    from ppma.train._common import amp_dtype, resolve_device
+    from ppma.train.checkpoint import load_model_from_checkpoint
+    from ppma.train.config import DataConfig
     from ppma.train.data import build_digits, build_eval_transform
     from ppma.train.engine import evaluate
-    from ppma.train.main import _amp_dtype, _device
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     model, info = load_model_from_checkpoint(
         args.checkpoint, model_name=args.model, key=args.key, num_classes=args.num_classes, impl=args.impl
     )
     model.to(device).eval()
-    cfg = info["config"]
-    d = cfg.data if cfg is not None else None
-    img_size = args.img_size or (d.img_size if d else 224)
+    # official checkpoints carry no config: the data defaults of the ImageNet recipe
+    d = info["config"].data if info["config"] is not None else DataConfig()
+    img_size = args.img_size or d.img_size
     if args.data == "digits":
-        _, dataset = build_digits(img_size, d.digits_test_size if d else 0.2, d.digits_split_seed if d else 0)
+        _, dataset = build_digits(img_size, d.digits_test_size, d.digits_split_seed)
     else:
         from torchvision.datasets import ImageFolder
 
         root = os.path.join(args.data, "val") if os.path.isdir(os.path.join(args.data, "val")) else args.data
-        tf = build_eval_transform(
-            img_size,
-            args.crop_pct or (d.crop_pct if d else 0.875),
-            args.interpolation or (d.interpolation if d else "bicubic"),
-            d.mean if d else (0.485, 0.456, 0.406),
-            d.std if d else (0.229, 0.224, 0.225),
-        )
+        tf = build_eval_transform(img_size, args.crop_pct or d.crop_pct, args.interpolation or d.interpolation,
+                                  d.mean, d.std)
         dataset = ImageFolder(root, tf)
-    amp = _amp_dtype(args.amp, device)
+    amp = amp_dtype(args.amp, device)
     res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp, num_workers=args.num_workers,
                    progress=True)
     result = {"checkpoint": args.checkpoint, "weights": info["key"], "kind": info["kind"], "data": args.data,
