@@ -104,7 +104,7 @@ print('smoke ok', out.shape, out2.shape, float(out.float().abs().sum()), float(o
     names=${*:-ppma_tiny ppma_small ppma_base}
     out="benchmarks/results/throughput_$(gpu_tag)_fp16_b64"
     [ $# -gt 0 ] && out="${out}_$(echo "$names" | tr ' ' '-')"
-    log models "$PY" -m ppma.train.benchmark --model $names --amp fp16 --batch-size 64 --img-size 224 \
+    log models "$PY" -m ppma.train.cli.benchmark --model $names --amp fp16 --batch-size 64 --img-size 224 \
       --warmup 10 --iters 30 --output "$out"
     cp "$out".* "$OUT/" 2>/dev/null
     ;;

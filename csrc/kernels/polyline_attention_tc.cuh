@@ -457,6 +457,78 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
 }
 
 // =============================================================================================
+// Backward: pieces shared by the dq kernel (outer tiles of queries) and the dkdv kernel (outer tiles of keys)
+// =============================================================================================
+
+// A backward CTA: its unit of the outer RowTiling (one tile, or a group of segments of one row), its (b, head),
+// the prefix sums of that (b, head), and its cross-term tables (entry r * W + x = token (trow0 + r, x)).
+struct TcBwdCta {
+  int cta, bg, b, g, trow0;
+  const float* crb;
+  const float* ccb;
+  float* tab_cr;
+  float* tab_cc;
+  template <typename T>
+  PPMA_D TcBwdCta(const PolylineAttnParams<T, float>& p, const RowTiling& outer, float* x_cr, float* x_cc) {
+    const int64_t N = int64_t(p.sz.H) * p.sz.W;
+    cta = int(blockIdx.x % unsigned(outer.num_ctas));
+    bg = int(blockIdx.x / unsigned(outer.num_ctas));
+    b = bg / p.sz.G;
+    g = bg % p.sz.G;
+    trow0 = outer.cta_row0(cta);
+    crb = p.cr + bg * N;
+    ccb = p.cc + bg * N;
+    tab_cr = x_cr + (int64_t(bg) * outer.num_ctas + cta) * outer.table;
+    tab_cc = x_cc + (int64_t(bg) * outer.num_ctas + cta) * outer.table;
+  }
+};
+
+// Cross terms of one (outer tile, inner tile) pair from the pair's score-gradient tile ds[o * ld + n] (o: outer
+// token, n: inner token) in shared memory: token (row of o, column of n) gets the sum over the outer tokens of its
+// row and the inner tokens of its column of sgn(col(n) - col(o)) ds (cr) and sgn(row(o) - row(n)) ds (cc). For the
+// dq kernel (outer = queries, ds = dS1) that is token (i, l); for the dkdv kernel (outer = keys, ds = dS2) token
+// (k, j). One thread per entry, fixed order, and the entry belongs to this CTA's table alone.
+template <int NT>
+PPMA_D void tc_cross_terms(const float* ds, int ld, const TileDesc& to, const TileDesc& ti, const TcBwdCta& c,
+                           int W, int tid) {
+  for (int e = tid; e < to.rows * ti.ncols; e += NT) {
+    const int r = e / ti.ncols, x = e % ti.ncols;
+    const int orow = to.row0 + r, icol = ti.col0 + x;
+    float scr = 0.f, scc = 0.f;
+    for (int ir = 0; ir < ti.rows; ++ir) {
+      const float* col = ds + ir * ti.ncols + x;
+      float sum = 0.f, sgn_sum = 0.f;
+      for (int oc = 0; oc < to.ncols; ++oc) {
+        const float v = col[(r * to.ncols + oc) * ld];
+        sum += v;
+        sgn_sum += sgn_diff<float>(icol, to.col0 + oc) * v;
+      }
+      scr += sgn_sum;
+      scc += sgn_diff<float>(orow, ti.row0 + ir) * sum;
+    }
+    const int64_t ti_ = int64_t(orow - c.trow0) * W + icol;
+    c.tab_cr[ti_] += scr;
+    c.tab_cc[ti_] += scc;
+  }
+}
+
+// The bias terms a warp's 16 outer tokens own (summed by each lane over its columns), quad-summed and written to
+// own_cr / own_cc ([BG][N]) for the tokens of the tile.
+PPMA_D void tc_store_own(float* own_cr, float* own_cc, float (&cr)[2], float (&cc)[2], const TcTok (&tok)[2],
+                         const TileDesc& t, int row0, int lane, int64_t base, int W) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float gcr = quad_sum(cr[r]), gcc = quad_sum(cc[r]);
+    const int a = row0 + mma::c_row(lane, 2 * r);
+    if ((lane & 3) == 0 && a < t.count) {
+      const int64_t tok_ = base + int64_t(tok[r].row()) * W + tok[r].col();
+      own_cr[tok_] = gcr;
+      own_cc[tok_] = gcc;
+    }
+  }
+}
+
+// =============================================================================================
 // Backward, query-outer: dq and the query-owned / (query row, key column) bias terms
 // =============================================================================================
 template <int DPAD>
@@ -483,19 +555,15 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
   const int H = p.sz.H, W = p.sz.W, G = p.sz.G;
   const int64_t N = int64_t(H) * W;
   const RowTiling tq_(H, W, BM), tk_(H, W, BN);
-  const int cta = int(blockIdx.x % unsigned(tq_.num_ctas));
-  const int bg = int(blockIdx.x / unsigned(tq_.num_ctas)), b = bg / G, g = bg % G;
+  const TcBwdCta c(p, tq_, p.x1_cr, p.x1_cc);
+  const int b = c.b, g = c.g, bg = c.bg;
+  const float *crb = c.crb, *ccb = c.ccb;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const float* crb = p.cr + bg * N;
-  const float* ccb = p.cc + bg * N;
   const float sl2 = p.scale * kLog2e;
   const int cap_q = tq_.cap(), cap_k = tk_.cap();
-  float* tab_cr = p.x1_cr + (int64_t(bg) * tq_.num_ctas + cta) * tq_.table;
-  float* tab_cc = p.x1_cc + (int64_t(bg) * tq_.num_ctas + cta) * tq_.table;
-  const int trow0 = tq_.cta_row0(cta);
 
-  for (int m = 0; m < tq_.cta_count(cta); ++m) {
-    const TileDesc tq = tq_.tile(tq_.cta_tile(cta, m));
+  for (int m = 0; m < tq_.cta_count(c.cta); ++m) {
+    const TileDesc tq = tq_.tile(tq_.cta_tile(c.cta, m));
     const bool active = 16 * warp < tq.count;
     __syncthreads();  // the previous tile's use of the shared buffers is over
     tc_load_tile<NT, BM, DPAD, LD>(sm.q, p.q, p.sq, b, g, tq, p.sz.d, tid);
@@ -562,42 +630,12 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
         tc_gemm_ab<T, KS, NO, LD>(dqa, sf, sm.k, nk, lane);  // dQ += dS K
       }
       __syncthreads();
-      // Cross token (i, l): i a row of the query tile, l a column of the key tile. Its cr term sums
-      // sgn(l - j) dS1 over the row's queries (i, j) and the column's keys (k, l); its cc term sgn(i - k) dS1.
-      // One thread per entry, fixed order; the entry belongs to this CTA's table alone.
-      for (int e = tid; e < tq.rows * tk.ncols; e += NT) {
-        const int il = e / tk.ncols, ll = e % tk.ncols;
-        const int i = tq.row0 + il, l = tk.col0 + ll;
-        float scr = 0.f, scc = 0.f;
-        for (int kl = 0; kl < tk.rows; ++kl) {
-          const float* col = sm.ds1 + kl * tk.ncols + ll;
-          float sum = 0.f, sgn_sum = 0.f;
-          for (int jl = 0; jl < tq.ncols; ++jl) {
-            const float v = col[(il * tq.ncols + jl) * DSLD];
-            sum += v;
-            sgn_sum += sgn_diff<float>(l, tq.col0 + jl) * v;
-          }
-          scr += sgn_sum;
-          scc += sgn_diff<float>(i, tk.row0 + kl) * sum;
-        }
-        const int64_t ti = int64_t(i - trow0) * W + l;
-        tab_cr[ti] += scr;
-        tab_cc[ti] += scc;
-      }
+      tc_cross_terms<NT>(sm.ds1, DSLD, tq, tk, c, W, tid);  // tokens (query row, key column)
     }
     if (active) {
       const float mul[2] = {p.scale, p.scale};
       tc_store_rows<T, NO>(p.dq, dqa, mul, tq, 16 * warp, lane, b, g, G, N, W, p.sz.d);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float gcr = quad_sum(own_cr[r]), gcc = quad_sum(own_cc[r]);
-        const int a = 16 * warp + mma::c_row(lane, 2 * r);
-        if ((lane & 3) == 0 && a < tq.count) {
-          const int64_t tok = int64_t(rq[r].row()) * W + rq[r].col();
-          p.gq_cr[int64_t(bg) * N + tok] = gcr;
-          p.gq_cc[int64_t(bg) * N + tok] = gcc;
-        }
-      }
+      tc_store_own(p.gq_cr, p.gq_cc, own_cr, own_cc, rq, tq, 16 * warp, lane, int64_t(bg) * N, W);
     }
   }
 }
@@ -628,19 +666,15 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
   const int H = p.sz.H, W = p.sz.W, G = p.sz.G;
   const int64_t N = int64_t(H) * W;
   const RowTiling tk_(H, W, BM), tq_(H, W, BN);
-  const int cta = int(blockIdx.x % unsigned(tk_.num_ctas));
-  const int bg = int(blockIdx.x / unsigned(tk_.num_ctas)), b = bg / G, g = bg % G;
+  const TcBwdCta c(p, tk_, p.x2_cr, p.x2_cc);
+  const int b = c.b, g = c.g, bg = c.bg;
+  const float *crb = c.crb, *ccb = c.ccb;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const float* crb = p.cr + bg * N;
-  const float* ccb = p.cc + bg * N;
   const float sl2 = p.scale * kLog2e;
   const int cap_q = tq_.cap(), cap_k = tk_.cap();
-  float* tab_cr = p.x2_cr + (int64_t(bg) * tk_.num_ctas + cta) * tk_.table;
-  float* tab_cc = p.x2_cc + (int64_t(bg) * tk_.num_ctas + cta) * tk_.table;
-  const int trow0 = tk_.cta_row0(cta);
 
-  for (int m = 0; m < tk_.cta_count(cta); ++m) {
-    const TileDesc tk = tk_.tile(tk_.cta_tile(cta, m));
+  for (int m = 0; m < tk_.cta_count(c.cta); ++m) {
+    const TileDesc tk = tk_.tile(tk_.cta_tile(c.cta, m));
     const bool active = 16 * warp < tk.count;
     __syncthreads();
     tc_load_tile<NT, BM, DPAD, LD>(sm.k, p.k, p.sk, b, g, tk, p.sz.d, tid);
@@ -709,42 +743,13 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
         tc_gemm_ab<T, KS, NO, LD>(dka, sf, sm.q, nq, lane);   // dK += dS^T Q
       }
       __syncthreads();
-      // Cross token (k, j): k a row of the key tile, j a column of the query tile. cr: sum of sgn(j - l) dS2 over
-      // the row's keys (k, l) and the column's queries (i, j); cc: sgn(k - i) dS2.
-      for (int e = tid; e < tk.rows * tq.ncols; e += NT) {
-        const int kl = e / tq.ncols, jl = e % tq.ncols;
-        const int k = tk.row0 + kl, j = tq.col0 + jl;
-        float scr = 0.f, scc = 0.f;
-        for (int il = 0; il < tq.rows; ++il) {
-          const float* col = sm.ds2 + il * tq.ncols + jl;
-          float sum = 0.f, sgn_sum = 0.f;
-          for (int ll = 0; ll < tk.ncols; ++ll) {
-            const float v = col[(kl * tk.ncols + ll) * DSLD];
-            sum += v;
-            sgn_sum += sgn_diff<float>(j, tk.col0 + ll) * v;
-          }
-          scr += sgn_sum;
-          scc += sgn_diff<float>(k, tq.row0 + il) * sum;
-        }
-        const int64_t ti = int64_t(k - trow0) * W + j;
-        tab_cr[ti] += scr;
-        tab_cc[ti] += scc;
-      }
+      tc_cross_terms<NT>(sm.ds2, DSLD, tk, tq, c, W, tid);  // tokens (key row, query column)
     }
     if (active) {
       const float mul_k[2] = {p.scale, p.scale}, one[2] = {1.f, 1.f};
       tc_store_rows<T, NO>(p.dk, dka, mul_k, tk, 16 * warp, lane, b, g, G, N, W, p.sz.d);
       tc_store_rows<T, NO>(p.dv, dva, one, tk, 16 * warp, lane, b, g, G, N, W, p.sz.dv);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float gcr = quad_sum(own_cr[r]), gcc = quad_sum(own_cc[r]);
-        const int a = 16 * warp + mma::c_row(lane, 2 * r);
-        if ((lane & 3) == 0 && a < tk.count) {
-          const int64_t tok = int64_t(rk[r].row()) * W + rk[r].col();
-          p.gk_cr[int64_t(bg) * N + tok] = gcr;
-          p.gk_cc[int64_t(bg) * N + tok] = gcc;
-        }
-      }
+      tc_store_own(p.gk_cr, p.gk_cc, own_cr, own_cc, rk, tk, 16 * warp, lane, int64_t(bg) * N, W);
     }
   }
 }
