@@ -55,6 +55,20 @@ inline at::Tensor aligned_rows(const at::Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
+// Calls tc_fn(D) on the tensor-core path (fp16 / bf16 only) or core_fn(D) on the CUDA-core path, D an
+// std::integral_constant holding the padded head dim. The lambdas are generic, so the tensor-core one is not even
+// instantiated for fp32 / fp64.
+template <typename T, typename TcFn, typename CoreFn>
+void with_path(bool tc, int dpad, TcFn&& tc_fn, CoreFn&& core_fn) {
+  if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
+    if (tc) {
+      PPMA_TC_DPAD_SWITCH(dpad, [&] { tc_fn(std::integral_constant<int, DPAD>()); });
+      return;
+    }
+  }
+  PPMA_DPAD_SWITCH(dpad, [&] { core_fn(std::integral_constant<int, DPAD>()); });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                                        const at::Tensor& v_in,
                                                                        const at::Tensor& log_alpha,
@@ -71,29 +85,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at:
   at::Tensor lse = at::empty({sz.B, sz.H, sz.W, sz.G, 2}, q.options().dtype(acc));
   if (q.numel() == 0 || v.numel() == 0) return {out.zero_(), out_v2h.zero_(), lse.zero_()};
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  if (use_tensor_cores(q, sz)) {
-    const int dpad = tc_head_dim(sz);
-    PPMA_TC_DPAD_SWITCH(dpad, [&] { check_grid(op, polyline_attention_tc_blocks<DPAD>(sz), sz); });
-    const at::Tensor qa = aligned_rows(q), ka = aligned_rows(k), va = aligned_rows(v);
-    at::Tensor cr, cc;
-    std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "polyline_attention_cuda_tc", [&] {
-      using T = typename CudaType<scalar_t>::type;
-      PolylineAttnParams<T, float> p;
-      set_attention_inputs<scalar_t>(p, sz, scale, qa, ka, va, cr, cc);
-      p.out = cptr<scalar_t>(out);
-      p.out_v2h = cptr<scalar_t>(out_v2h);
-      p.lse = lse.data_ptr<float>();
-      PPMA_TC_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_tc_fwd<T, DPAD>(p, stream); });
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    return {out, out_v2h, lse};
-  }
-  const int dpad = padded_head_dim(op, sz.d, sz.dv);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_attention_cuda", [&] {
-    using T = typename CudaType<scalar_t>::type;
-    PPMA_DPAD_SWITCH(dpad, [&] { check_grid(op, polyline_attention_fwd_blocks<T, DPAD>(sz), sz); });
-  });
+  const bool tc = use_tensor_cores(q, sz);
+  const int dpad = tc ? tc_head_dim(sz) : padded_head_dim(op, sz.d, sz.dv);
+  const at::Tensor qk = tc ? aligned_rows(q) : q, kk = tc ? aligned_rows(k) : k, vk = tc ? aligned_rows(v) : v;
   at::Tensor cr, cc;
   std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
 
@@ -101,26 +95,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at:
     using T = typename CudaType<scalar_t>::type;
     using A = typename AccType<T>::type;
     PolylineAttnParams<T, A> p;
-    set_attention_inputs<scalar_t>(p, sz, scale, q, k, v, cr, cc);
+    set_attention_inputs<scalar_t>(p, sz, scale, qk, kk, vk, cr, cc);
     p.out = cptr<scalar_t>(out);
     p.out_v2h = cptr<scalar_t>(out_v2h);
     p.lse = lse.data_ptr<A>();
-    PPMA_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_fwd<T, DPAD>(p, stream); });
+    with_path<T>(
+        tc, dpad,
+        [&](auto D) {
+          check_grid(op, polyline_attention_tc_blocks<decltype(D)::value>(sz), sz);
+          launch_polyline_attention_tc_fwd<T, decltype(D)::value>(p, stream);
+        },
+        [&](auto D) {
+          check_grid(op, polyline_attention_fwd_blocks<T, decltype(D)::value>(sz), sz);
+          launch_polyline_attention_fwd<T, decltype(D)::value>(p, stream);
+        });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, out_v2h, lse};
-}
-
-// The backward kernels of one dtype: tensor cores (fp16 / bf16 only) or CUDA cores.
-template <typename T, typename A>
-void launch_backward(const PolylineAttnParams<T, A>& p, bool tc, int dpad, cudaStream_t stream) {
-  if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
-    if (tc) {
-      PPMA_TC_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_tc_bwd<T, DPAD>(p, stream); });
-      return;
-    }
-  }
-  PPMA_DPAD_SWITCH(dpad, [&] { launch_polyline_attention_bwd<T, DPAD>(p, stream); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_attention_backward_cuda(
@@ -156,17 +147,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
   int64_t blocks = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_attention_backward_cuda", [&] {
     using T = typename CudaType<scalar_t>::type;
-    if (tc) {
-      PPMA_TC_DPAD_SWITCH(dpad, [&] {
-        tile = polyline_attention_tc_bwd_tile<DPAD>();
-        blocks = polyline_attention_tc_blocks<DPAD>(sz);
-      });
-    } else {
-      PPMA_DPAD_SWITCH(dpad, [&] {
-        tile = polyline_attention_bwd_tile<T, DPAD>();
-        blocks = polyline_attention_bwd_blocks<T, DPAD>(sz);
-      });
-    }
+    with_path<T>(
+        tc, dpad,
+        [&](auto D) {
+          tile = polyline_attention_tc_bwd_tile<decltype(D)::value>();
+          blocks = polyline_attention_tc_blocks<decltype(D)::value>(sz);
+        },
+        [&](auto D) {
+          tile = polyline_attention_bwd_tile<T, decltype(D)::value>();
+          blocks = polyline_attention_bwd_blocks<T, decltype(D)::value>(sz);
+        });
   });
   check_grid(op, blocks, sz);
   const RowTiling tl(sz.H, sz.W, tile);
@@ -206,7 +196,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     p.x2_cc = t + 3 * ts;
     p.g_log_alpha = g.gla.data_ptr<A>();
     p.g_log_beta = g.glb.data_ptr<A>();
-    launch_backward(p, tc, dpad, stream);
+    with_path<T>(
+        tc, dpad, [&](auto D) { launch_polyline_attention_tc_bwd<T, decltype(D)::value>(p, stream); },
+        [&](auto D) { launch_polyline_attention_bwd<T, decltype(D)::value>(p, stream); });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return g.result(log_alpha, log_beta);

@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
 // A backward CTA: its unit of the outer RowTiling (one tile, or a group of segments of one row), its (b, head),
 // the prefix sums of that (b, head), and its cross-term tables (entry r * W + x = token (trow0 + r, x)).
 struct TcBwdCta {
-  int cta, bg, b, g, trow0;
+  int unit, bg, b, g, trow0;  // unit: the CTA's unit of the outer RowTiling
   const float* crb;
   const float* ccb;
   float* tab_cr;
@@ -471,15 +471,15 @@ struct TcBwdCta {
   template <typename T>
   PPMA_D TcBwdCta(const PolylineAttnParams<T, float>& p, const RowTiling& outer, float* x_cr, float* x_cc) {
     const int64_t N = int64_t(p.sz.H) * p.sz.W;
-    cta = int(blockIdx.x % unsigned(outer.num_ctas));
+    unit = int(blockIdx.x % unsigned(outer.num_ctas));
     bg = int(blockIdx.x / unsigned(outer.num_ctas));
     b = bg / p.sz.G;
     g = bg % p.sz.G;
-    trow0 = outer.cta_row0(cta);
+    trow0 = outer.cta_row0(unit);
     crb = p.cr + bg * N;
     ccb = p.cc + bg * N;
-    tab_cr = x_cr + (int64_t(bg) * outer.num_ctas + cta) * outer.table;
-    tab_cc = x_cc + (int64_t(bg) * outer.num_ctas + cta) * outer.table;
+    tab_cr = x_cr + (int64_t(bg) * outer.num_ctas + unit) * outer.table;
+    tab_cc = x_cc + (int64_t(bg) * outer.num_ctas + unit) * outer.table;
   }
 };
 
@@ -555,15 +555,15 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
   const int H = p.sz.H, W = p.sz.W, G = p.sz.G;
   const int64_t N = int64_t(H) * W;
   const RowTiling tq_(H, W, BM), tk_(H, W, BN);
-  const TcBwdCta c(p, tq_, p.x1_cr, p.x1_cc);
-  const int b = c.b, g = c.g, bg = c.bg;
-  const float *crb = c.crb, *ccb = c.ccb;
+  const TcBwdCta cta(p, tq_, p.x1_cr, p.x1_cc);
+  const int b = cta.b, g = cta.g, bg = cta.bg;
+  const float *crb = cta.crb, *ccb = cta.ccb;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const float sl2 = p.scale * kLog2e;
   const int cap_q = tq_.cap(), cap_k = tk_.cap();
 
-  for (int m = 0; m < tq_.cta_count(c.cta); ++m) {
-    const TileDesc tq = tq_.tile(tq_.cta_tile(c.cta, m));
+  for (int m = 0; m < tq_.cta_count(cta.unit); ++m) {
+    const TileDesc tq = tq_.tile(tq_.cta_tile(cta.unit, m));
     const bool active = 16 * warp < tq.count;
     __syncthreads();  // the previous tile's use of the shared buffers is over
     tc_load_tile<NT, BM, DPAD, LD>(sm.q, p.q, p.sq, b, g, tq, p.sz.d, tid);
@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
         tc_gemm_ab<T, KS, NO, LD>(dqa, sf, sm.k, nk, lane);  // dQ += dS K
       }
       __syncthreads();
-      tc_cross_terms<NT>(sm.ds1, DSLD, tq, tk, c, W, tid);  // tokens (query row, key column)
+      tc_cross_terms<NT>(sm.ds1, DSLD, tq, tk, cta, W, tid);  // tokens (query row, key column)
     }
     if (active) {
       const float mul[2] = {p.scale, p.scale};
@@ -666,15 +666,15 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
   const int H = p.sz.H, W = p.sz.W, G = p.sz.G;
   const int64_t N = int64_t(H) * W;
   const RowTiling tk_(H, W, BM), tq_(H, W, BN);
-  const TcBwdCta c(p, tk_, p.x2_cr, p.x2_cc);
-  const int b = c.b, g = c.g, bg = c.bg;
-  const float *crb = c.crb, *ccb = c.ccb;
+  const TcBwdCta cta(p, tk_, p.x2_cr, p.x2_cc);
+  const int b = cta.b, g = cta.g, bg = cta.bg;
+  const float *crb = cta.crb, *ccb = cta.ccb;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const float sl2 = p.scale * kLog2e;
   const int cap_q = tq_.cap(), cap_k = tk_.cap();
 
-  for (int m = 0; m < tk_.cta_count(c.cta); ++m) {
-    const TileDesc tk = tk_.tile(tk_.cta_tile(c.cta, m));
+  for (int m = 0; m < tk_.cta_count(cta.unit); ++m) {
+    const TileDesc tk = tk_.tile(tk_.cta_tile(cta.unit, m));
     const bool active = 16 * warp < tk.count;
     __syncthreads();
     tc_load_tile<NT, BM, DPAD, LD>(sm.k, p.k, p.sk, b, g, tk, p.sz.d, tid);
@@ -743,7 +743,7 @@ __global__ void __launch_bounds__(128, PPMA_TC_MIN_BLOCKS) polyline_attention_tc
         tc_gemm_ab<T, KS, NO, LD>(dka, sf, sm.q, nq, lane);   // dK += dS^T Q
       }
       __syncthreads();
-      tc_cross_terms<NT>(sm.ds2, DSLD, tk, tq, c, W, tid);  // tokens (key row, query column)
+      tc_cross_terms<NT>(sm.ds2, DSLD, tk, tq, cta, W, tid);  // tokens (key row, query column)
     }
     if (active) {
       const float mul_k[2] = {p.scale, p.scale}, one[2] = {1.f, 1.f};
