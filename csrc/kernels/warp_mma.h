@@ -139,10 +139,7 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
 #elif defined(PPMA_EMULATE)
-  if (valid)
-    std::memcpy(dst, src, 16);
-  else
-    std::memset(dst, 0, 16);
+  ::emu::cp_async(dst, src, valid);
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
@@ -151,6 +148,8 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#elif defined(PPMA_EMULATE)
+  ::emu::cp_async_wait();
 #endif
 }
 

@@ -10,7 +10,8 @@
 //   * warp-collective emulation of mma.sync.m16n8k16 (bf16 / f16 in, f32 accumulate), ldmatrix (.x1/.x2/.x4,
 //     with and without .trans) and cp.async (16 bytes, zero-fill), written from the PTX ISA's fragment tables
 //     (section "Matrix Fragments for mma.m16n8k16 with floating point type" and the ldmatrix description),
-//     independently of the helpers in csrc/kernels/warp_mma.h that the kernels use;
+//     independently of the helpers in csrc/kernels/warp_mma.h that the kernels use; cp.async copies land only
+//     when the issuing thread waits for them;
 //   * emu::launch(kernel, grid, block, args...), used by PPMA_LAUNCH in csrc/kernels/common.cuh.
 //
 // Every block runs as blockDim fibers (ucontext) on one OS thread, round-robin; a fiber runs until it reaches a
@@ -64,11 +65,18 @@ namespace emu {
 
 constexpr int kStack = 512 * 1024;
 
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+
 struct Fiber {
   ucontext_t ctx;
   enum State { kRunnable, kWaiting, kDone } state = kRunnable;
   uint3 tid{0, 0, 0};
-  int lin = 0;  // linear thread index in the block
+  int lin = 0;                      // linear thread index in the block
+  std::vector<AsyncCopy> pending;   // cp.async issued by this thread and not yet waited for
 };
 
 struct WarpExchange {  // one slot per lane for the warp collectives
@@ -160,6 +168,7 @@ inline WarpExchange& wx() { return m().exch[self().lin / 32]; }
 inline void entry() {
   Machine& mm = m();
   mm.body(mm.body_arg);
+  if (!mm.fibers[mm.cur].pending.empty()) fail("thread exits with cp.async copies it never waited for");
   mm.fibers[mm.cur].state = Fiber::kDone;
   // a block barrier may now be complete without this thread
   if (mm.block_arrived > 0 && mm.block_arrived == live_in_block()) {
@@ -348,6 +357,23 @@ inline void ldmatrix(uint32_t* r, int count, bool trans, const void* row_ptr) {
     r[mi] = uint32_t(h[0]) | (uint32_t(h[1]) << 16);
   }
   warp_barrier();
+}
+
+// cp.async (16 bytes; valid == false writes zeros): the copy is only recorded, and done when the issuing thread
+// waits (cp_async_wait). So a kernel that reads the destination before its wait (and a barrier, for the other
+// threads) reads the poisoned or stale bytes there, as it could on the hardware.
+inline void cp_async(void* dst, const void* src, bool valid) { self().pending.push_back({dst, src, valid}); }
+inline void cp_async_wait() {
+  for (const AsyncCopy& c : self().pending) {
+    if ((reinterpret_cast<uintptr_t>(c.dst) & 15) != 0) fail("cp.async destination not 16-byte aligned");
+    if (c.valid) {
+      if ((reinterpret_cast<uintptr_t>(c.src) & 15) != 0) fail("cp.async source not 16-byte aligned");
+      std::memcpy(c.dst, c.src, 16);
+    } else {
+      std::memset(c.dst, 0, 16);
+    }
+  }
+  self().pending.clear();
 }
 
 }  // namespace emu
