@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA code without a GPU.
 #  1. every csrc/kernels/*.cuh in a translation unit of its own, with its templates explicitly instantiated for
-#     float / half / bfloat16 / double and the head-dim paths, for sm_80 and sm_90;
+#     float / half / bfloat16 / double and the head-dim paths, for sm_80 and sm_90, with ptxas' resource report
+#     (-Xptxas -v): registers, spills and shared memory of every kernel are printed, and a register spill in a
+#     tensor-core or packed kernel (the kernels written to fit the register file) fails the check;
 #  2. the host launchers csrc/cuda/*.cu against the installed torch's headers (sm_90 only).
-# Exits 0 with a note when nvcc is missing; non-zero on any compile error.
+# Exits 0 with a note when nvcc is missing; non-zero on any compile error or unexpected spill.
+# PPMA_CHECK_CUDA_ONLY=<glob> restricts step 1 to matching headers (e.g. 'polyline_attention_tc*') and skips step 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvcc >/dev/null 2>&1; then
@@ -13,12 +16,18 @@ fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 JOBS=${MAX_JOBS:-2}
-NVFLAGS=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -lineinfo -Icsrc/kernels -Icsrc -Werror cross-execution-space-call)
+NVFLAGS=(-std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -lineinfo -Icsrc/kernels -Icsrc -Werror cross-execution-space-call
+         -Xptxas -v)
 fail=0
 
 # double is compiled by the launchers (sm_90); the kernel TUs cover the fp32/fp16/bf16 paths on both archs
 DT="float __half __nv_bfloat16"
-DP="16 32 64 128"
+DP="16 32 64 128 256 512"
+TC_DT="__half __nv_bfloat16"
+TC_DP="16 32 64 128"
+# kernels that must not spill (ptxas -v), and the spills that are known and accepted (kernel-name regex)
+NO_SPILL='polyline_attention_tc_|criss_cross_pack_'
+SPILL_OK='polyline_attention_tc_dkdv_kernel<[_a-z0-9]+, 128>'  # 20 bytes: dK and dV accumulators of 16 x 128
 gen() {  # gen <header> -> instantiation TU on stdout
   local h=$1
   echo "#include \"$h\""
@@ -41,6 +50,13 @@ gen() {  # gen <header> -> instantiation TU on stdout
       for t in $DT; do for d in $DP; do
         echo "template void launch_polyline_attention_bwd<$t, $d>(const PolylineAttnParams<$t, AccType<$t>::type>&, cudaStream_t);"
       done; done ;;
+    polyline_attention_tc.cuh)
+      for t in $TC_DT; do for d in $TC_DP; do
+        echo "template void launch_polyline_attention_tc_fwd<$t, $d>(const PolylineAttnParams<$t, float>&, cudaStream_t);"
+        echo "template void launch_polyline_attention_tc_bwd<$t, $d>(const PolylineAttnParams<$t, float>&, cudaStream_t);"
+      done; done ;;
+    warp_mma.h)
+      echo "static_assert(sizeof(uint32_t) == 4, \"\");" ;;
     criss_cross_attention.cuh)
       for t in $DT; do for d in $DP; do
         echo "template void launch_criss_cross_fwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
@@ -69,6 +85,8 @@ run() {  # run <name> <cmd...>: in the background, at most $JOBS at a time
 start=$(date +%s)
 for path in csrc/kernels/*.cuh csrc/kernels/*.h; do
   h=$(basename "$path")
+  # shellcheck disable=SC2053
+  [ -n "${PPMA_CHECK_CUDA_ONLY:-}" ] && [[ $h != ${PPMA_CHECK_CUDA_ONLY} ]] && continue
   gen "$h" >"$TMP/${h}.cu"
   for arch in sm_80 sm_90; do
     run "${h}.${arch}" nvcc "${NVFLAGS[@]}" -arch="$arch" -c "$TMP/${h}.cu" -o "$TMP/${h}.${arch}.o"
@@ -79,7 +97,9 @@ done
 # generated c10/cuda/impl/cuda_cmake_macros.h; a one-line shim stands in for it (it only sets the
 # shared-library export macro), so the launchers are compiled against the real headers.
 TORCH_INC=$(python -c "import torch.utils.cpp_extension as c; print(' '.join(c.include_paths()))" 2>/dev/null)
-if [ -z "$TORCH_INC" ]; then
+if [ -n "${PPMA_CHECK_CUDA_ONLY:-}" ]; then
+  echo "check_cuda: PPMA_CHECK_CUDA_ONLY set; launcher check skipped"
+elif [ -z "$TORCH_INC" ]; then
   echo "check_cuda: torch not importable; launcher check skipped"
 else
   first=${TORCH_INC%% *}
@@ -103,19 +123,65 @@ else
 fi
 wait
 
+# ptxas resource report: "kernel | arch | registers | spill stores/loads | static smem"
+report() {  # report <log> <arch>
+  python3 - "$1" "$2" "$NO_SPILL" "$SPILL_OK" <<'PY'
+import re, subprocess, sys
+log, arch, no_spill, spill_ok = sys.argv[1:5]
+text = open(log).read().splitlines()
+names, rows, cur, spill = [], [], None, (0, 0)
+for line in text:
+    m = re.search(r"Compiling entry function '(\S+)'", line)
+    if m:
+        cur = m.group(1)
+        continue
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+    if m:
+        spill = (int(m.group(1)), int(m.group(2)))
+        continue
+    m = re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)
+    if m and cur:
+        names.append(cur)
+        rows.append((int(m.group(1)), spill, int(m.group(2) or 0)))
+        cur, spill = None, (0, 0)
+if not names:
+    sys.exit(0)
+dem = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+bad = 0
+for raw, d, (regs, (st, ld), smem) in zip(names, dem, rows):
+    d = re.sub(r"\(.*", "", d or raw).replace("ppma::", "").replace("void ", "")
+    flag = ""
+    if (st or ld) and re.search(no_spill, d):
+        if re.search(spill_ok, d):
+            flag = "  (accepted spill)"
+        else:
+            flag = "  SPILL"
+            bad = 1
+    print(f"      {d:66s} {arch} regs {regs:3d} spill {st}/{ld} smem {smem}{flag}")
+sys.exit(bad)
+PY
+}
+
 for n in "${names[@]}"; do
   rc=$(cat "$TMP/$n.rc" 2>/dev/null || echo 99)
-  warn=$(grep -ciE "warning" "$TMP/$n.log" || true)
+  warn=$(grep -v "ptxas info" "$TMP/$n.log" | grep -ciE "warning" || true)
   if [ "$rc" != 0 ]; then
     echo "FAIL  $n"
     sed 's/^/      /' "$TMP/$n.log" | head -40
     fail=1
   elif [ "$warn" != 0 ]; then
     echo "WARN  $n ($warn warnings)"
-    grep -iE -A3 "warning" "$TMP/$n.log" | head -20 | sed 's/^/      /'
+    grep -v "ptxas info" "$TMP/$n.log" | grep -iE -A3 "warning" | head -20 | sed 's/^/      /'
   else
     echo "ok    $n"
   fi
+  case "$n" in
+    *.cuh.sm_*|*.h.sm_*)
+      if ! report "$TMP/$n.log" "${n##*.}"; then
+        echo "FAIL  $n: register spill in a kernel that must not spill"
+        fail=1
+      fi ;;
+  esac
 done
 echo "check_cuda: $(( $(date +%s) - start )) s"
 exit $fail

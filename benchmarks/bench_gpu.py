@@ -1,87 +1,96 @@
-"""GPU benchmark of the ppma CUDA ops against the reference (eager and torch.compile) and FlexAttention.
+"""Op benchmark of ppma's fused attention ops on a GPU (design §6): the table of issue 9.
 
-Median time over repeats (CUDA events, after warm-up) and peak memory, forward and forward+backward.
-Writes a markdown table (``--out``) with the GPU name, torch and CUDA versions (design §6).
+For each case, on the same inputs and in one process: the eager reference (``ppma.ops.reference``), the reference
+under ``torch.compile``, FlexAttention with the same bias as a ``score_mod`` (``polyline_attention`` only: two
+compiled passes, one per softmax), and ppma's fused op (for ``polyline_attention`` on CUDA also with its tensor-core
+kernels switched off, ``PPMA_CUDA_TENSOR_CORES=0``). Forward and forward + backward (every input gradient);
+median time after warm-up (CUDA events) and peak memory above the inputs; ratios reference / fused.
+
+Cases: ``polyline_attention`` bf16, batch 8, 4 heads, head dim 32, at 32x32, 48x48 and 64x64 tokens (1024-4096);
+``criss_cross_attention`` bf16 at the PPMA-T stage 1 and 2 shapes with batch 64 (56x56, 4 heads of 16; 28x28,
+4 heads of 32). Writes ``<out>.md`` and ``<out>.json``; the default name carries the GPU, torch and CUDA versions::
+
+    python3 benchmarks/bench_gpu.py                 # the whole table (a few minutes on an H100)
+    python3 benchmarks/bench_gpu.py --quick         # one shape per op
+    python3 benchmarks/bench_gpu.py --device cpu --quick --out /tmp/ops-smoke   # smoke run: tiny shapes, CPU clock
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import platform
+import re
 import statistics
+import time
+from contextlib import contextmanager
 
 import torch
 
-import ppma  # noqa: F401
+import ppma
+import ppma.ops as ops
 from ppma.ops import reference as ref
 
+# (name, [B, H, W, heads, d]) per op; quick and CPU smoke sizes below
+PA_SHAPES = [(8, 32, 32, 4, 32), (8, 48, 48, 4, 32), (8, 64, 64, 4, 32)]
+CC_SHAPES = [(64, 56, 56, 4, 16), (64, 28, 28, 4, 32)]
+CPU_PA_SHAPES = [(1, 6, 7, 2, 16)]
+CPU_CC_SHAPES = [(2, 7, 7, 2, 16)]
 
-def bench(fn, warmup=3, reps=10):
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench(fn, device: torch.device, warmup: int, reps: int):
+    """Median milliseconds of fn() and its peak memory (MiB) above what was allocated before (CUDA only)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    _sync(device)
+    mem = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     times = []
     for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize(device)
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    if device.type == "cuda":
+        mem = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return statistics.median(times), mem
 
 
-def inputs(B, H, W, G, d, dtype, grad):
-    t = [torch.randn(B, H, W, G, d, device="cuda", dtype=dtype) for _ in range(3)]
-    la = -torch.rand(B, H, W, G, device="cuda")
-    lb = -torch.rand(B, H, W, G, device="cuda")
-    return [x.requires_grad_(grad) for x in (*t, la, lb)]
+def make_inputs(shape, dtype, device, grad: bool, seed: int = 0):
+    B, H, W, G, d = shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(B, H, W, G, d, generator=g).to(device, dtype) for _ in range(3))
+    la = -torch.rand(B, H, W, G, generator=g).to(device)
+    lb = -torch.rand(B, H, W, G, generator=g).to(device)
+    return [t.requires_grad_(grad) for t in (q, k, v, la, lb)]
 
 
-class PAFn(torch.autograd.Function):
-    """Autograd over the raw ops (independent of the Python wrappers)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, la, lb, scale):
-        out, ov, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, scale)
-        ctx.save_for_backward(q, k, v, la, lb, out, ov, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, go):
-        g = torch.ops.ppma.polyline_attention_backward(go.contiguous(), *ctx.saved_tensors, ctx.scale)
-        return (*g, None)
-
-
-class CCFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, la, lb, scale):
-        out, lse = torch.ops.ppma.criss_cross_attention(q, k, v, la, lb, scale)
-        ctx.save_for_backward(q, k, v, la, lb, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, go):
-        g = torch.ops.ppma.criss_cross_attention_backward(go.contiguous(), *ctx.saved_tensors, ctx.scale)
-        return (*g, None)
-
-
-def flex_polyline(q, k, v, la, lb, scale):
-    """Two FlexAttention passes with score_mods computing M and M^T from captured prefix sums."""
+def _flex_two_pass(qf, kf, vf, cr, cc, W: int, scale: float):
+    """Both softmaxes of polyline_attention as FlexAttention passes: score_mod adds M (first pass) and M^T
+    (second) from the prefix sums cr, cc [B, heads, N], M[p, s] = R_i(j, l) + C_l(i, k) with
+    R_i(j, l) = -|cr(i, j) - cr(i, l)|, C_l(i, k) = -|cc(k, l) - cc(i, l)| (spec §1.5; abs() is exact for
+    log-decays <= 0, the benchmark's inputs)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    B, H, W, G, d = q.shape
-    cr = ref.prefix_sum_excl_first(la.float(), dim=2).permute(0, 3, 1, 2).reshape(B, G, H * W)
-    cc = ref.prefix_sum_excl_first(lb.float(), dim=1).permute(0, 3, 1, 2).reshape(B, G, H * W)
-
-    def bias(b, h, p, s):  # M[p, s] = R_i(j, l) + C_l(i, k)
-        i, j, k, l = p // W, p % W, s // W, s % W
-        r = (cr[b, h, i * W + l] - cr[b, h, p]).abs()
-        c = (cc[b, h, s] - cc[b, h, i * W + l]).abs()
-        return -(r + c)
+    def bias(b, h, p, s):
+        il = (p // W) * W + s % W  # token (query row, key column)
+        return -((cr[b, h, p] - cr[b, h, il]).abs() + (cc[b, h, s] - cc[b, h, il]).abs())
 
     def m1(score, b, h, p, s):
         return score + bias(b, h, p, s)
@@ -89,70 +98,207 @@ def flex_polyline(q, k, v, la, lb, scale):
     def m2(score, b, h, p, s):
         return score + bias(b, h, s, p)
 
-    qf, kf, vf = (t.reshape(B, H * W, G, -1).transpose(1, 2) for t in (q, k, v))
-    o1 = flex_attention(qf, kf, vf, score_mod=m1, scale=scale)
-    o2 = flex_attention(qf, kf, vf, score_mod=m2, scale=scale)
+    # the average is taken outside: Inductor's CPU template of flex_attention takes no fused epilogue
+    return flex_attention(qf, kf, vf, score_mod=m1, scale=scale), flex_attention(qf, kf, vf, score_mod=m2, scale=scale)
+
+
+_flex_compiled = None
+
+
+def flex_polyline(q, k, v, la, lb, scale):
+    """polyline_attention through compiled FlexAttention; layouts and prefix sums outside the compiled region, so
+    that the captured tensors are graph inputs (which Inductor's CPU lowering of flex_attention requires)."""
+    global _flex_compiled
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(_flex_two_pass)
+    B, H, W, G, d = q.shape
+    cr = ref.prefix_sum_excl_first(la.float(), dim=2).permute(0, 3, 1, 2).reshape(B, G, H * W).contiguous()
+    cc = ref.prefix_sum_excl_first(lb.float(), dim=1).permute(0, 3, 1, 2).reshape(B, G, H * W).contiguous()
+    qf, kf, vf = (t.reshape(B, H * W, G, -1).transpose(1, 2).contiguous() for t in (q, k, v))
+    o1, o2 = _flex_compiled(qf, kf, vf, cr, cc, W, scale)
     return (0.5 * (o1 + o2)).transpose(1, 2).reshape(B, H, W, G, -1)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/ops-gpu.md")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args()
-    dtype = getattr(torch, a.dtype)
-    rows = []
-    compiled_ref_pa = torch.compile(ref.polyline_attention_ref)
-    compiled_ref_cc = torch.compile(ref.criss_cross_attention_ref)
-    compiled_flex = torch.compile(flex_polyline)
+@contextmanager
+def cuda_core_kernels():
+    """PPMA_CUDA_TENSOR_CORES=0 for the duration (read by the CUDA launcher at each call)."""
+    old = os.environ.get("PPMA_CUDA_TENSOR_CORES")
+    os.environ["PPMA_CUDA_TENSOR_CORES"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PPMA_CUDA_TENSOR_CORES"]
+        else:
+            os.environ["PPMA_CUDA_TENSOR_CORES"] = old
 
-    def run_case(name, shape, impls):
-        B, H, W, G, d = shape
-        for mode in ("fwd", "fwd+bwd"):
-            res = {}
-            for iname, f in impls.items():
-                ins = inputs(B, H, W, G, d, dtype, mode != "fwd")
-                scale = d**-0.5
 
-                def step():
-                    out = f(*ins, scale)
-                    if mode != "fwd":
-                        out.float().sum().backward()
+def impls(op: str, device: torch.device):
+    """name -> callable(q, k, v, la, lb, scale) for one op."""
+    if op == "polyline_attention":
+        res = {
+            "eager reference": ref.polyline_attention_ref,
+            "compiled reference": torch.compile(ref.polyline_attention_ref),
+            "compiled flex (2 passes)": flex_polyline,
+            "ppma fused": ops.polyline_attention,
+        }
+        if device.type == "cuda":
+            def cuda_cores(*a):
+                with cuda_core_kernels():
+                    return ops.polyline_attention(*a)
 
-                try:
-                    res[iname] = bench(step)
-                except Exception as e:  # OOM or unsupported: record and go on
-                    res[iname] = (float("nan"), float("nan"))
-                    print(f"{name} {shape} {iname} {mode}: {type(e).__name__}: {str(e)[:200]}")
+            res["ppma fused, CUDA cores"] = cuda_cores
+        return res
+    return {
+        "eager reference": ref.criss_cross_attention_ref,
+        "compiled reference": torch.compile(ref.criss_cross_attention_ref),
+        "ppma fused": ops.criss_cross_attention,
+    }
+
+
+def run_case(op, shape, dtype, device, warmup, reps, rows):
+    for mode in ("fwd", "fwd+bwd"):
+        for name, fn in impls(op, device).items():
+            ins = make_inputs(shape, dtype, device, grad=mode != "fwd")
+            scale = shape[4] ** -0.5
+            note = ""
+
+            def step(fn=fn, ins=ins):
+                out = fn(*ins, scale)
+                if mode != "fwd":
+                    out.float().sum().backward()
+                    for t in ins:
+                        t.grad = None
+
+            try:
+                t, m = bench(step, device, warmup, reps)
+            except Exception as e:  # out of memory, or a path that cannot run: recorded, and the table goes on
+                if "flex" in name and mode != "fwd":
+                    # FlexAttention versions without gradients of captured tensors: time it without decay gradients
+                    ins[3].requires_grad_(False)
+                    ins[4].requires_grad_(False)
+                    note = "no log-decay gradients"
+                    try:
+                        t, m = bench(step, device, warmup, reps)
+                    except Exception as e2:
+                        t, m, note = float("nan"), None, f"{type(e2).__name__}: {str(e2)[:120]}"
+                else:
+                    t, m, note = float("nan"), None, f"{type(e).__name__}: {str(e)[:120]}"
+                if device.type == "cuda":
                     torch.cuda.empty_cache()
-            for iname, (t, m) in res.items():
-                rows.append((name, "x".join(map(str, shape)), mode, iname, t, m, res["eager ref"][0] / t))
-                print(rows[-1], flush=True)
+            row = {"op": op, "shape": list(shape), "tokens": shape[1] * shape[2], "pass": mode, "impl": name,
+                   "ms": t, "peak_mib": m, "note": note}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del ins
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
-    tokens = [(32, 32), (48, 48), (64, 64)] if not a.quick else [(32, 32)]
-    for H, W in tokens:
-        run_case("polyline_attention", (8, H, W, 4, 32), {
-            "eager ref": ref.polyline_attention_ref,
-            "compiled ref": compiled_ref_pa,
-            "compiled flex (2 passes)": compiled_flex,
-            "ppma cuda": PAFn.apply,
-        })
-    for shape in [(64, 56, 56, 4, 16), (64, 28, 28, 4, 32)]:
-        run_case("criss_cross_attention", shape, {
-            "eager ref": ref.criss_cross_attention_ref,
-            "compiled ref": compiled_ref_cc,
-            "ppma cuda": CCFn.apply,
-        })
-    head = (f"# ppma CUDA ops\n\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
-            f"{torch.version.cuda}, dtype {a.dtype}. Median ms (CUDA events, 3 warm-up, 10 reps), peak extra "
-            f"memory MiB, speed-up vs eager reference.\n\n| op | B x H x W x heads x d | pass | impl | ms | MiB | "
-            f"x eager |\n|---|---|---|---|---|---|---|\n")
-    body = "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3f} | {r[5]:.0f} | {r[6]:.2f} |\n" for r in rows)
-    with open(a.out, "w") as f:
-        f.write(head + body)
-    print(head + body)
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "ppma": getattr(ppma, "__version__", None), "device": str(device),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, sm=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+def default_out(env: dict) -> str:
+    who = env.get("gpu", "cpu")
+    tag = re.sub(r"[^A-Za-z0-9.+-]+", "-", f"{who}_torch{env['torch']}_cuda{env['cuda']}")
+    return os.path.join("benchmarks", "results", f"ops_{tag}")
+
+
+def summary(rows) -> list[dict]:
+    """Per case and pass: fused time and the ratios of every other implementation to it."""
+    out = []
+    keys = sorted({(r["op"], tuple(r["shape"]), r["pass"]) for r in rows}, key=str)
+    for op, shape, mode in keys:
+        sel = {r["impl"]: r for r in rows if r["op"] == op and tuple(r["shape"]) == shape and r["pass"] == mode}
+        fused = sel.get("ppma fused")
+        if fused is None:
+            continue
+        s = {"op": op, "shape": list(shape), "pass": mode, "fused_ms": fused["ms"], "fused_mib": fused["peak_mib"]}
+        for name, r in sel.items():
+            if name != "ppma fused":
+                s[f"{name} / fused"] = r["ms"] / fused["ms"] if fused["ms"] == fused["ms"] else float("nan")
+                if r["peak_mib"] is not None and fused["peak_mib"]:
+                    s[f"{name} memory / fused"] = r["peak_mib"] / fused["peak_mib"]
+        out.append(s)
+    return out
+
+
+def markdown(env, rows, summ, args) -> str:
+    head = [f"# ppma fused ops: {env.get('gpu', 'CPU (smoke run)')}", "",
+            f"torch {env['torch']}, CUDA {env['cuda']}, triton {env.get('triton', 'n/a')}, dtype {args.dtype}, "
+            f"{args.warmup} warm-up + {args.reps} timed repeats, median ms"
+            + (" (CUDA events)" if "gpu" in env else " (wall clock)") + "; peak MiB above the inputs"
+            + (" (n/a on the CPU)" if "gpu" not in env else "") + f"; {env['date']}", "",
+            "| op | B x H x W x heads x d | tokens | pass | impl | ms | peak MiB | note |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mib = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        head.append(f"| {r['op']} | {'x'.join(map(str, r['shape']))} | {r['tokens']} | {r['pass']} | {r['impl']} | "
+                    f"{r['ms']:.3f} | {mib} | {r['note']} |")
+    head += ["", "Speed-up of ppma fused (time of the other implementation / time of ppma fused; memory likewise):", ""]
+    cols = sorted({k for s in summ for k in s if k.endswith("/ fused")})
+    head.append("| op | shape | pass | fused ms | " + " | ".join(cols) + " |")
+    head.append("|---" * (4 + len(cols)) + "|")
+    for s in summ:
+        vals = " | ".join("" if c not in s or s[c] != s[c] else f"{s[c]:.2f}" for c in cols)
+        head.append(f"| {s['op']} | {'x'.join(map(str, s['shape']))} | {s['pass']} | {s['fused_ms']:.3f} | {vals} |")
+    return "\n".join(head) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="output path without extension (default: benchmarks/results/ops_<gpu>_<versions>)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="one shape per op")
+    ap.add_argument("--ops", nargs="+", default=["polyline_attention", "criss_cross_attention"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu: no GPU visible; use --device cpu --quick for a smoke run")
+    if not ppma.has_ext():
+        raise SystemExit("bench_gpu: ppma._C is not built; the fused ops would fall back to the reference")
+    dtype = getattr(torch, args.dtype)
+    env = environment(device)
+    if device.type == "cpu":
+        pa, cc = CPU_PA_SHAPES, CPU_CC_SHAPES
+    else:
+        pa, cc = (PA_SHAPES[:1], CC_SHAPES[1:]) if args.quick else (PA_SHAPES, CC_SHAPES)
+    rows: list[dict] = []
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for op, shapes in (("polyline_attention", pa), ("criss_cross_attention", cc)):
+        if op in args.ops:
+            for shape in shapes:
+                run_case(op, shape, dtype, device, args.warmup, args.reps, rows)
+    summ = summary(rows)
+    out = args.out or default_out(env)
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"env": env, "settings": vars(args), "rows": rows, "summary": summ}, f, indent=2)
+    md = markdown(env, rows, summ, args)
+    with open(out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    print(f"written: {out}.md, {out}.json")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -116,9 +116,12 @@ _CUDA_SHAPES = (
     (1, 13, 7, 3, 64, 64),
     (1, 8, 13, 2, 24, 40),
     (3, 2, 3, 1, 96, 128),
+    (1, 3, 70, 2, 32, 32),  # W > 64: row segments (tensor-core tiles), lines > 64 (criss-cross generic kernels)
+    (1, 14, 14, 2, 32, 32),
 )
 if FULL:
-    _CUDA_SHAPES += ((2, 56, 56, 2, 16, 16), (1, 13, 70, 2, 32, 32), (1, 70, 9, 1, 64, 64), (2, 14, 14, 4, 32, 32))
+    _CUDA_SHAPES += ((2, 56, 56, 2, 16, 16), (1, 13, 70, 2, 32, 32), (1, 70, 9, 1, 64, 64), (2, 14, 14, 4, 32, 32),
+                     (1, 1, 300, 1, 32, 32), (2, 32, 32, 4, 32, 32), (1, 48, 48, 2, 32, 32), (1, 13, 33, 2, 128, 64))
 
 SWEEPS: dict[str, Sweep] = {
     "cpu": Sweep(_CPU_SHAPES, (torch.float64, torch.float32), (torch.float64, torch.float32, torch.bfloat16),

@@ -1,5 +1,5 @@
 // CUDA launchers of ppma::criss_cross_attention and its backward (docs/ops.md "criss_cross_attention"). Kernels:
-// csrc/kernels/criss_cross_attention.cuh.
+// csrc/kernels/criss_cross_attention.cuh (packed short lines, or the generic line kernels, per direction).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -30,6 +30,7 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& 
   at::Tensor lse = at::empty({sz.B, sz.H, sz.W, sz.G, 2}, q.options().dtype(acc));
   if (q.numel() == 0 || v.numel() == 0) return {out.zero_(), lse.zero_()};
   const int dpad = padded_head_dim(op, sz.d, sz.dv);
+  check_grid(op, criss_cross_blocks(sz), sz);
   const int64_t N = int64_t(sz.H) * sz.W;
   const auto fopt = q.options().dtype(acc);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -73,6 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
   AttentionGrads g(q, v, log_alpha, acc);
   if (q.numel() == 0 || v.numel() == 0) return g.zeros(log_alpha, log_beta);
   const int dpad = padded_head_dim(op, sz.d, sz.dv);
+  check_grid(op, criss_cross_blocks(sz), sz);
   const int64_t N = int64_t(sz.H) * sz.W, BG = int64_t(sz.B) * sz.G;
   const auto fopt = q.options().dtype(acc);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();

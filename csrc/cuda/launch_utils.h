@@ -1,6 +1,6 @@
 // Host-side helpers of the CUDA launchers: the CUDA-specific argument check (the shape, dtype and device checks
 // shared with the CPU backend are in common/checks.h), torch -> CUDA element types, Params strides and sizes,
-// the head-dim dispatch, and the pieces every attention launcher repeats (prefix sums of the log-decays, the
+// the head-dim dispatch, the grid-size check, and the pieces every attention launcher repeats (prefix sums of the log-decays, the
 // q/k/v fields of the Params, the gradient outputs of the backward ops).
 #pragma once
 
@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -80,11 +81,20 @@ inline GridSizes grid_sizes(const at::Tensor& q, int64_t dv) {
   return s;
 }
 
-// Padded head dim of the attention kernels: 16, 32, 64 (fast paths) or 128 (zero-padded generic path).
+// Padded head dim of the CUDA-core attention kernels: 16, 32, 64 (fast paths) or 128, 256, 512 (zero-padded
+// generic paths). Head dims above 512 are refused with this message rather than computed another way.
+constexpr int64_t kMaxCudaHeadDim = 512;
 inline int padded_head_dim(const char* op, int64_t d, int64_t dv) {
   const int64_t m = d > dv ? d : dv;
-  TORCH_CHECK(m <= 128, op, ": the CUDA kernels support head dims up to 128, got d = ", d, " and dv = ", dv);
-  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128;
+  TORCH_CHECK(m <= kMaxCudaHeadDim, op, ": the CUDA kernels support head dims up to ", kMaxCudaHeadDim,
+              ", got d = ", d, " and dv = ", dv, " (the CPU kernels take any head dim)");
+  return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : m <= 128 ? 128 : m <= 256 ? 256 : 512;
+}
+
+// Every kernel grid is 1-D (blocks = tiles or lines times B * heads); its size must fit the grid limit.
+inline void check_grid(const char* op, int64_t blocks, const GridSizes& sz) {
+  TORCH_CHECK(grid_fits(blocks), op, ": the inputs need a grid of ", blocks, " blocks (B = ", sz.B, ", heads = ",
+              sz.G, ", H = ", sz.H, ", W = ", sz.W, "), more than the CUDA limit of ", kMaxGridX);
 }
 
 // Prefix sums cr, cc ([B * heads, H * W], dtype acc) of log_alpha, log_beta ([B, H, W, heads], converted to acc
@@ -161,8 +171,8 @@ struct AttentionGrads {
 }  // namespace cuda
 }  // namespace ppma
 
-// Runs the lambda body with `constexpr int DPAD` set to the padded head dim.
-#define PPMA_DPAD_SWITCH(DP, ...)          \
+// Runs the lambda body with `constexpr int DPAD` set to the padded head dim (tensor-core kernels: up to 128).
+#define PPMA_TC_DPAD_SWITCH(DP, ...)       \
   [&] {                                    \
     if ((DP) == 16) {                      \
       constexpr int DPAD = 16;             \
@@ -177,4 +187,17 @@ struct AttentionGrads {
       constexpr int DPAD = 128;            \
       return __VA_ARGS__();                \
     }                                      \
+  }()
+
+#define PPMA_DPAD_SWITCH(DP, ...)                 \
+  [&] {                                           \
+    if ((DP) <= 128) {                            \
+      return PPMA_TC_DPAD_SWITCH(DP, __VA_ARGS__); \
+    } else if ((DP) == 256) {                     \
+      constexpr int DPAD = 256;                   \
+      return __VA_ARGS__();                       \
+    } else {                                      \
+      constexpr int DPAD = 512;                   \
+      return __VA_ARGS__();                       \
+    }                                             \
   }()

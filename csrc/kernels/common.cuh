@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "common/math.h"
 #include "params.h"
@@ -87,43 +88,110 @@ PPMA_D void load_slice(A (&r)[SW], const T* ptr, int e0, int len, A mul = A(1)) 
 // Row-aligned tiling of the N = H * W tokens into tiles of at most BM consecutive tokens.
 // W <= BM: a tile is R = floor(BM / W) whole rows (S = 1 segment per row);
 // W >  BM: a tile is one segment of one row (R = 1, S = ceil(W / BM) segments per row).
-// Each tile owns a "table" of R * W entries (W <= BM) or W entries (W > BM): entry r * W + x stands for
-// token (row0 + r, x). Cross-term bias gradients are accumulated there by the tile's block alone
-// (deterministic, no atomics), then summed over the S segments of a row in a fixed order.
+// Local index a of a tile is token (row0 + a / ncols, col0 + a % ncols), ncols = W (whole rows) or the
+// segment length.
+//
+// The backward kernels run one CTA per "outer" unit that owns a table of cross-term bias gradients: entry
+// r * W + x stands for token (cta_row0 + r, x). Whole rows: a CTA is one tile (table R * W). Segments: the S
+// segments of a row are dealt to SG = min(S, kMaxSegmentGroups) CTAs (segments g, g + SG, ...), each with a
+// table of W entries that it alone accumulates, in a fixed order (deterministic, no atomics); the SG tables of
+// a row are then summed in a fixed order. The tables hold at most kMaxSegmentGroups * N entries per (b, head),
+// however wide the map.
 // ---------------------------------------------------------------------------------------------
-struct RowTiling {
-  int H, W, R, S, num_tiles, table;
+constexpr int kMaxSegmentGroups = 4;
 
-  PPMA_HD RowTiling(int H_, int W_, int BM) : H(H_), W(W_) {
-    if (W_ <= BM) {
-      R = BM / W_;
+struct TileDesc {
+  int tok0, count, row0, rows, col0, ncols;
+};
+
+struct RowTiling {
+  int H, W, BM, R, S, SG, num_tiles, num_ctas, table;
+
+  PPMA_HD RowTiling(int H_, int W_, int BM_) : H(H_), W(W_), BM(BM_) {
+    if (W_ <= BM_) {
+      R = BM_ / W_;
       S = 1;
+      SG = 1;
       num_tiles = (H_ + R - 1) / R;
+      num_ctas = num_tiles;
       table = R * W_;
     } else {
       R = 1;
-      S = (W_ + BM - 1) / BM;
+      S = (W_ + BM_ - 1) / BM_;
+      SG = S < kMaxSegmentGroups ? S : kMaxSegmentGroups;
       num_tiles = H_ * S;
+      num_ctas = H_ * SG;
       table = W_;
     }
   }
-  // Tile t: first token, token count, first row, rows, first column (of its first row).
-  PPMA_HD void tile(int t, int BM, int& tok0, int& count, int& row0, int& rows, int& col0) const {
+  // Column capacity of a tile: the fixed row stride of per-tile tables indexed by (local row, local column).
+  PPMA_HD int cap() const { return S == 1 ? W : BM; }
+  PPMA_HD TileDesc tile(int t) const {
+    TileDesc d;
     if (S == 1) {
-      row0 = t * R;
-      rows = min(R, H - row0);
-      col0 = 0;
-      tok0 = row0 * W;
-      count = rows * W;
+      d.row0 = t * R;
+      d.rows = min(R, H - d.row0);
+      d.col0 = 0;
+      d.tok0 = d.row0 * W;
+      d.count = d.rows * W;
+      d.ncols = W;
     } else {
-      row0 = t / S;
-      rows = 1;
-      col0 = (t % S) * BM;
-      tok0 = row0 * W + col0;
-      count = min(BM, W - col0);
+      d.row0 = t / S;
+      d.rows = 1;
+      d.col0 = (t % S) * BM;
+      d.tok0 = d.row0 * W + d.col0;
+      d.count = min(BM, W - d.col0);
+      d.ncols = d.count;
     }
+    return d;
+  }
+  // Outer CTA c: its m-th tile (m < cta_count(c)), and the first row of its table.
+  PPMA_HD int cta_count(int c) const { return S == 1 ? 1 : (S - c % SG + SG - 1) / SG; }
+  PPMA_HD int cta_tile(int c, int m) const { return S == 1 ? c : (c / SG) * S + c % SG + m * SG; }
+  PPMA_HD int cta_row0(int c) const { return S == 1 ? c * R : c / SG; }
+  // Index of the table entry of token (a, x) in the table of group grp of its row (grp < SG; S == 1: grp = 0).
+  PPMA_HD int64_t table_index(int a, int x, int grp) const {
+    if (S == 1) return int64_t(a / R) * table + (a % R) * W + x;
+    return (int64_t(a) * SG + grp) * table + x;
   }
 };
+
+// A 1-D grid of `blocks` blocks (gridDim.y and .z are limited to 65535; x to 2^31 - 1). The kernels decode
+// blockIdx.x into (tile, b * heads + g) with the tile fastest, so that neighbouring blocks share K/V in L2.
+constexpr int64_t kMaxGridX = 2147483647;
+inline bool grid_fits(int64_t blocks) { return blocks >= 1 && blocks <= kMaxGridX; }
+
+// Dynamic shared memory of a kernel, seen as a `Type&` (the host emulator of the tests provides its own).
+#ifdef PPMA_EMULATE
+#define PPMA_DYNAMIC_SMEM(Type, name) Type& name = *reinterpret_cast<Type*>(::emu::dynamic_smem())
+#else
+#define PPMA_DYNAMIC_SMEM(Type, name)                                 \
+  extern __shared__ __align__(16) unsigned char ppma_dynamic_smem[]; \
+  Type& name = *reinterpret_cast<Type*>(ppma_dynamic_smem)
+#endif
+
+// Allows a kernel more than the default 48 KiB of dynamic shared memory (no-op below that).
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+#ifndef PPMA_EMULATE
+  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+#else
+  (void)kernel;
+  (void)bytes;
+#endif
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...); under the host emulator used by the tests
+// (tests/cuda_emu/emu.h) the same launch runs on the CPU.
+template <typename... KArgs, typename... Args>
+inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          Args&&... args) {
+#ifdef PPMA_EMULATE
+  ::emu::launch(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // Prefix sums of the log-decays (docs/ops.md "Prefix sums and biases"; line_prefix_sums), into acc_t [BG][N].
@@ -162,7 +230,7 @@ struct DecayGradParams {
   GridSizes sz;
   const acc_t* own_r[2] = {nullptr, nullptr};  // [BG][N] row (cr) terms
   const acc_t* own_c[2] = {nullptr, nullptr};  // [BG][N] column (cc) terms
-  const acc_t* tab_r[2] = {nullptr, nullptr};  // [BG][num_tiles][table] row cross terms
+  const acc_t* tab_r[2] = {nullptr, nullptr};  // [BG][num_ctas][table] row cross terms (RowTiling)
   const acc_t* tab_c[2] = {nullptr, nullptr};
   int tile_bm = 1;  // tile size of the RowTiling of the tables
   acc_t* g_log_alpha = nullptr;  // contiguous [B, H, W, heads]
@@ -181,12 +249,8 @@ PPMA_D acc_t token_grad(const acc_t* const (&own)[2], const acc_t* const (&tab)[
 #pragma unroll
   for (int o = 0; o < 2; ++o) {
     if (!tab[o]) continue;
-    const acc_t* base = tab[o] + bg * int64_t(tl.num_tiles) * tl.table;
-    if (tl.S == 1) {
-      s += base[int64_t(a / tl.R) * tl.table + (a % tl.R) * tl.W + x];
-    } else {
-      for (int c = 0; c < tl.S; ++c) s += base[(int64_t(a) * tl.S + c) * tl.table + x];
-    }
+    const acc_t* base = tab[o] + bg * int64_t(tl.num_ctas) * tl.table;
+    for (int grp = 0; grp < tl.SG; ++grp) s += base[tl.table_index(a, x, grp)];
   }
   return s;
 }

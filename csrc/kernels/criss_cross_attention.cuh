@@ -19,7 +19,8 @@
 //   BC  = cols, FULL (Z = z1, G = gz2): Pv -> z2,  PTh -> gz1, PTG -> gv_c, dq_c, dk_c, own -> g_cc
 //   BR2 = rows, FULL (Z = z2, G = gz1): PTG -> gv_r, dq_r, dk_r, own -> g_cr
 //   then an elementwise kernel sums the parts and decay_grad_kernel takes the reverse cumsums.
-// Grid: (lines, B * G), lines = H (rows) or W (columns); a block loops over the line's tokens in groups of BM.
+// Grid: lines * B * G blocks (1-D, line fastest), lines = H (rows) or W (columns); a block loops over the line's
+// tokens in groups of BM. Lines of at most kShortLine tokens go to the packed kernels below instead.
 #pragma once
 
 #include "polyline_attention_common.cuh"
@@ -85,8 +86,9 @@ __global__ void __launch_bounds__(128)
   const int64_t N = int64_t(H) * W;
   const int L = kRows ? W : H;
   const int tid = threadIdx.x, grp = tid / TPQ, sub = tid % TPQ, e0 = sub * SW;
-  const int bg = blockIdx.y, b = bg / G, g = bg % G;
-  const Line ln{kRows, int(blockIdx.x), W};
+  const int nlines = kRows ? H : W;
+  const int bg = int(blockIdx.x / unsigned(nlines)), b = bg / G, g = bg % G;
+  const Line ln{kRows, int(blockIdx.x % unsigned(nlines)), W};
   const acc_t* cb = (kRows ? p.cr : p.cc) + int64_t(bg) * N;
   const Strides4 sacc = contiguous_strides(H, W, G, dv);
   const int wl = kRows ? 0 : 1;  // lse slot
@@ -220,8 +222,9 @@ __global__ void __launch_bounds__(128)
   const int64_t N = int64_t(H) * W;
   const int L = ROWS ? W : H;
   const int tid = threadIdx.x, grp = tid / TPQ, sub = tid % TPQ, e0 = sub * SW;
-  const int bg = blockIdx.y, b = bg / G, g = bg % G;
-  const Line ln{ROWS, int(blockIdx.x), W};
+  const int nlines = ROWS ? H : W;
+  const int bg = int(blockIdx.x / unsigned(nlines)), b = bg / G, g = bg % G;
+  const Line ln{ROWS, int(blockIdx.x % unsigned(nlines)), W};
   const acc_t* cb = (ROWS ? p.cr : p.cc) + int64_t(bg) * N;
   const Strides4 sacc = contiguous_strides(H, W, G, dv);
   const int wl = ROWS ? 0 : 1;
@@ -355,6 +358,291 @@ __global__ void __launch_bounds__(128)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Packed short lines (L <= kShortLine, DPAD <= 32, fp32 accumulation): a block takes lpb = kPackTokens / L whole
+// lines, so that the 28- and 56-long lines of the early PPMA stages keep every thread busy, and each line's
+// L x L probability tile stays in shared memory for all products of the kernel (the generic kernels above
+// recompute the scores in each of their two phases). Work is spread over the block by output element: scores over
+// (line, t, u), products over (line, t, channel), in 2 x 2 register tiles.
+// Shared memory (dynamic): NTILE token tiles [kPackTokens][DPAD + 1] (q scaled, k, v, ...), NMAT line matrices
+// [lpb][L][L] (P, dS), and per-token vectors (prefix sums, lse).
+// ---------------------------------------------------------------------------------------------
+constexpr int kShortLine = 64;
+constexpr int kPackTokens = 64;
+
+template <int DPAD, int NTILE, int NMAT>
+struct PackLayout {
+  static constexpr int LDT = DPAD + 1;  // odd row stride: column walks hit distinct banks
+  static constexpr int kVecs = 2;
+  int L, lpb;
+  PPMA_HD PackLayout(int L_, int lpb_) : L(L_), lpb(lpb_) {}
+  PPMA_HD int64_t tile(int i) const { return int64_t(i) * kPackTokens * LDT; }
+  PPMA_HD int64_t mat(int i) const { return tile(NTILE) + int64_t(i) * lpb * L * L; }
+  PPMA_HD int64_t vec(int i) const { return mat(NMAT) + int64_t(i) * kPackTokens; }
+  PPMA_HD size_t bytes() const { return size_t(vec(kVecs)) * sizeof(float); }
+};
+
+// Lines per block for lines of length L.
+PPMA_HD int pack_lines(int L) { return L >= kPackTokens ? 1 : kPackTokens / L; }
+
+template <typename acc_t>
+PPMA_HD bool criss_cross_packed(int L, int dpad) {
+  return sizeof(acc_t) == 4 && L <= kShortLine && dpad <= 32;
+}
+
+// For m < batch, t < M, u < N: epi(m, t, u, sum_{e < K} a(m, t, e) b(m, e, u)); 2 x 2 outputs per job, jobs dealt
+// to the NT threads with u fastest.
+template <int NT, typename FA, typename FB, typename Epi>
+__device__ __forceinline__ void block_mm(int batch, int M, int N, int K, const FA& a, const FB& b, const Epi& epi,
+                                         int tid) {
+  const int mt = (M + 1) >> 1, nt = (N + 1) >> 1, per = mt * nt;
+  for (int job = tid; job < batch * per; job += NT) {
+    const int m = job / per, r = job % per;
+    const int t0 = (r / nt) << 1, u0 = (r % nt) << 1;
+    const int t1 = t0 + 1 < M ? t0 + 1 : t0, u1 = u0 + 1 < N ? u0 + 1 : u0;
+    float c00 = 0.f, c01 = 0.f, c10 = 0.f, c11 = 0.f;
+    for (int e = 0; e < K; ++e) {
+      const float a0 = a(m, t0, e), a1 = a(m, t1, e), b0 = b(m, e, u0), b1 = b(m, e, u1);
+      c00 += a0 * b0;
+      c01 += a0 * b1;
+      c10 += a1 * b0;
+      c11 += a1 * b1;
+    }
+    epi(m, t0, u0, c00);
+    if (u0 + 1 < N) epi(m, t0, u0 + 1, c01);
+    if (t0 + 1 < M) {
+      epi(m, t0 + 1, u0, c10);
+      if (u0 + 1 < N) epi(m, t0 + 1, u0 + 1, c11);
+    }
+  }
+}
+
+// The lines of a block: lines li0 .. li0 + nl - 1 of one direction, token slot s = m * L + t.
+struct LinePack {
+  bool rows;
+  int li0, nl, L, W;
+  PPMA_HD int64_t pos(int s) const {
+    const int li = li0 + s / L, t = s % L;
+    return rows ? int64_t(li) * W + t : int64_t(t) * W + li;
+  }
+};
+
+PPMA_HD LinePack line_pack(bool rows, int H, int W, int lpb, unsigned block, int& bg) {
+  const int L = rows ? W : H, nlines = rows ? H : W;
+  const int packs = (nlines + lpb - 1) / lpb;
+  bg = int(block / unsigned(packs));
+  LinePack lp;
+  lp.rows = rows;
+  lp.li0 = int(block % unsigned(packs)) * lpb;
+  lp.nl = nlines - lp.li0 < lpb ? nlines - lp.li0 : lpb;
+  lp.L = L;
+  lp.W = W;
+  return lp;
+}
+
+// dst[s][e] = src(token of slot s)[e] * mul for s < nl * L, e < DPAD (0 beyond dim).
+template <int NT, int DPAD, typename T>
+__device__ __forceinline__ void pack_load(float* dst, const T* base, const Strides4& s, int b, int g,
+                                          const LinePack& lp, int dim, float mul, int tid) {
+  constexpr int LDT = DPAD + 1;
+  const int tok = lp.nl * lp.L;
+  for (int e = tid; e < tok * DPAD; e += NT) {
+    const int sl = e / DPAD, c = e % DPAD;
+    float v = 0.f;
+    if (c < dim) v = to_acc(token_ptr(base, s, b, g, lp.pos(sl), lp.W)[c]) * mul;
+    dst[sl * LDT + c] = v;
+  }
+}
+
+// Softmax statistics of a row of logits x[0, L) in place: P = exp(x - max) / sum, returns max + log(sum).
+PPMA_D float pack_softmax_row(float* x, int L) {
+  float mx = -INFINITY;
+  for (int u = 0; u < L; ++u) mx = max(mx, x[u]);
+  float sum = 0.f;
+  for (int u = 0; u < L; ++u) {
+    const float e = fast_exp(x[u] - mx);
+    x[u] = e;
+    sum += e;
+  }
+  const float inv = 1.f / sum;
+  for (int u = 0; u < L; ++u) x[u] *= inv;
+  return mx + fast_log(sum);
+}
+
+// Forward, MODE as criss_cross_fwd_kernel: 0 rows z1 = A v; 1 columns z2 = B v, out1 = B z1; 2 rows
+// out = (out1 + A z2) / 2 with A from the saved lse.
+template <typename scalar_t, int DPAD, int MODE>
+__global__ void __launch_bounds__(128) criss_cross_pack_fwd_kernel(CrissCrossParams<scalar_t, float> p, int lpb) {
+  constexpr int NT = 128, LDT = DPAD + 1;
+  constexpr bool kRows = MODE != 1;
+  using Lay = PackLayout<DPAD, MODE == 1 ? 4 : 3, 1>;
+  PPMA_DYNAMIC_SMEM(float, sbase);
+  float* sm = &sbase;
+  const int H = p.sz.H, W = p.sz.W, G = p.sz.G, d = p.sz.d, dv = p.sz.dv;
+  const int64_t N = int64_t(H) * W;
+  int bg;
+  const LinePack lp = line_pack(kRows, H, W, lpb, blockIdx.x, bg);
+  const int b = bg / G, g = bg % G, L = lp.L, tok = lp.nl * L, tid = threadIdx.x;
+  const Lay lay(L, lpb);
+  float *q = sm + lay.tile(0), *k = sm + lay.tile(1), *v0 = sm + lay.tile(2), *v1 = sm + lay.tile(MODE == 1 ? 3 : 2);
+  float *P = sm + lay.mat(0), *c = sm + lay.vec(0), *lse = sm + lay.vec(1);
+  const float* cb = (kRows ? p.cr : p.cc) + int64_t(bg) * N;
+  const Strides4 sacc = contiguous_strides(H, W, G, dv);
+  const int wl = kRows ? 0 : 1;
+
+  pack_load<NT, DPAD>(q, p.q, p.sq, b, g, lp, d, p.scale, tid);
+  pack_load<NT, DPAD>(k, p.k, p.sk, b, g, lp, d, 1.f, tid);
+  if (MODE == 2)
+    pack_load<NT, DPAD>(v0, static_cast<const float*>(p.z2), sacc, b, g, lp, dv, 1.f, tid);
+  else
+    pack_load<NT, DPAD>(v0, p.v, p.sv, b, g, lp, dv, 1.f, tid);
+  if (MODE == 1) pack_load<NT, DPAD>(v1, static_cast<const float*>(p.z1), sacc, b, g, lp, dv, 1.f, tid);
+  for (int s = tid; s < tok; s += NT) {
+    const int64_t pt = lp.pos(s);
+    c[s] = cb[pt];
+    if (MODE == 2) lse[s] = p.lse[((int64_t(b) * N + pt) * G + g) * 2 + wl];
+  }
+  __syncthreads();
+
+  // logits, then the row softmax in place (MODE 2: exp(x - lse) with the saved statistics)
+  block_mm<NT>(
+      lp.nl, L, L, DPAD, [&](int m, int t, int e) { return q[(m * L + t) * LDT + e]; },
+      [&](int m, int e, int u) { return k[(m * L + u) * LDT + e]; },
+      [&](int m, int t, int u, float x) {
+        P[(m * L + t) * L + u] = x + line_bias(t, u, c[m * L + t], c[m * L + u]);
+      },
+      tid);
+  __syncthreads();
+  for (int s = tid; s < tok; s += NT) {
+    float* row = P + s * L;
+    if (MODE == 2) {
+      for (int u = 0; u < L; ++u) row[u] = fast_exp(row[u] - lse[s]);
+    } else {
+      const float l = pack_softmax_row(row, L);
+      p.lse[((int64_t(b) * N + lp.pos(s)) * G + g) * 2 + wl] = l;
+    }
+  }
+  __syncthreads();
+
+  auto pa = [&](int m, int t, int u) { return P[(m * L + t) * L + u]; };
+  auto row_of = [&](int m, int t) { return (int64_t(b) * N + lp.pos(m * L + t)) * G + g; };
+  block_mm<NT>(
+      lp.nl, L, dv, L, pa, [&](int m, int u, int e) { return v0[(m * L + u) * LDT + e]; },
+      [&](int m, int t, int e, float x) {
+        const int64_t o = row_of(m, t) * dv + e;
+        if (MODE == 0) p.z1[o] = x;
+        if (MODE == 1) p.z2[o] = x;
+        if (MODE == 2) p.out[o] = from_acc<scalar_t>(0.5f * (p.out1[o] + x));
+      },
+      tid);
+  if (MODE == 1)
+    block_mm<NT>(
+        lp.nl, L, dv, L, pa, [&](int m, int u, int e) { return v1[(m * L + u) * LDT + e]; },
+        [&](int m, int t, int e, float x) { p.out1[row_of(m, t) * dv + e] = x; }, tid);
+}
+
+// Backward of one direction (see criss_cross_bwd_kernel for BR1 / BC / BR2 and LineBwdIO): P from the saved lse,
+// [FULL] gg = h Z^T + G v^T, dS = P (gg - rowsum(P gg)), all in shared memory, then every product from them.
+template <typename scalar_t, int DPAD, bool ROWS, bool FULL>
+__global__ void __launch_bounds__(128) criss_cross_pack_bwd_kernel(CrissCrossParams<scalar_t, float> p,
+                                                                  LineBwdIO<float> io, int lpb) {
+  constexpr int NT = 128, LDT = DPAD + 1;
+  using Lay = PackLayout<DPAD, FULL ? 6 : 4, FULL ? 2 : 1>;
+  PPMA_DYNAMIC_SMEM(float, sbase);
+  float* sm = &sbase;
+  const int H = p.sz.H, W = p.sz.W, G = p.sz.G, d = p.sz.d, dv = p.sz.dv;
+  const int64_t N = int64_t(H) * W;
+  int bg;
+  const LinePack lp = line_pack(ROWS, H, W, lpb, blockIdx.x, bg);
+  const int b = bg / G, g = bg % G, L = lp.L, tok = lp.nl * L, tid = threadIdx.x;
+  const Lay lay(L, lpb);
+  float *q = sm + lay.tile(0), *k = sm + lay.tile(1), *v = sm + lay.tile(2), *h = sm + lay.tile(3);
+  float *Z = sm + lay.tile(FULL ? 4 : 0), *Gm = sm + lay.tile(FULL ? 5 : 0);
+  float *P = sm + lay.mat(0), *dS = sm + lay.mat(FULL ? 1 : 0), *c = sm + lay.vec(0), *lse = sm + lay.vec(1);
+  const float* cb = (ROWS ? p.cr : p.cc) + int64_t(bg) * N;
+  const Strides4 sacc = contiguous_strides(H, W, G, dv);
+  const int wl = ROWS ? 0 : 1;
+
+  pack_load<NT, DPAD>(q, p.q, p.sq, b, g, lp, d, p.scale, tid);
+  pack_load<NT, DPAD>(k, p.k, p.sk, b, g, lp, d, 1.f, tid);
+  pack_load<NT, DPAD>(v, p.v, p.sv, b, g, lp, dv, 1.f, tid);
+  pack_load<NT, DPAD>(h, p.dout, p.sdo, b, g, lp, dv, 0.5f, tid);
+  if (FULL) {
+    pack_load<NT, DPAD>(Z, io.Z, sacc, b, g, lp, dv, 1.f, tid);
+    pack_load<NT, DPAD>(Gm, io.Gm, sacc, b, g, lp, dv, 1.f, tid);
+  }
+  for (int s = tid; s < tok; s += NT) {
+    const int64_t pt = lp.pos(s);
+    c[s] = cb[pt];
+    lse[s] = p.lse[((int64_t(b) * N + pt) * G + g) * 2 + wl];
+  }
+  __syncthreads();
+
+  block_mm<NT>(
+      lp.nl, L, L, DPAD, [&](int m, int t, int e) { return q[(m * L + t) * LDT + e]; },
+      [&](int m, int e, int u) { return k[(m * L + u) * LDT + e]; },
+      [&](int m, int t, int u, float x) {
+        const int s = m * L + t;
+        P[s * L + u] = fast_exp(x + line_bias(t, u, c[s], c[m * L + u]) - lse[s]);
+      },
+      tid);
+  if (FULL)  // gg[t, u] = h_t . Z_u + G_t . v_u (one product over the two halves)
+    block_mm<NT>(
+        lp.nl, L, L, 2 * DPAD,
+        [&](int m, int t, int e) {
+          return e < DPAD ? h[(m * L + t) * LDT + e] : Gm[(m * L + t) * LDT + e - DPAD];
+        },
+        [&](int m, int e, int u) {
+          return e < DPAD ? Z[(m * L + u) * LDT + e] : v[(m * L + u) * LDT + e - DPAD];
+        },
+        [&](int m, int t, int u, float x) { dS[(m * L + t) * L + u] = x; }, tid);
+  __syncthreads();
+  if (FULL) {
+    for (int s = tid; s < tok; s += NT) {  // dS = P (gg - D), D = sum_u P gg
+      const float* pr = P + s * L;
+      float* gr = dS + s * L;
+      float D = 0.f;
+      for (int u = 0; u < L; ++u) D += pr[u] * gr[u];
+      for (int u = 0; u < L; ++u) gr[u] = pr[u] * (gr[u] - D);
+    }
+    __syncthreads();
+  }
+
+  auto row_of = [&](int m, int t) { return (int64_t(b) * N + lp.pos(m * L + t)) * G + g; };
+  auto pt_ = [&](int m, int u, int t) { return P[(m * L + t) * L + u]; };  // P^T
+  if (io.Pv)
+    block_mm<NT>(
+        lp.nl, L, dv, L, [&](int m, int t, int u) { return P[(m * L + t) * L + u]; },
+        [&](int m, int u, int e) { return v[(m * L + u) * LDT + e]; },
+        [&](int m, int t, int e, float x) { io.Pv[row_of(m, t) * dv + e] = x; }, tid);
+  if (io.PTh)
+    block_mm<NT>(
+        lp.nl, L, dv, L, pt_, [&](int m, int t, int e) { return h[(m * L + t) * LDT + e]; },
+        [&](int m, int u, int e, float x) { io.PTh[row_of(m, u) * dv + e] = x; }, tid);
+  if (FULL) {
+    block_mm<NT>(
+        lp.nl, L, dv, L, pt_, [&](int m, int t, int e) { return Gm[(m * L + t) * LDT + e]; },
+        [&](int m, int u, int e, float x) { io.PTG[row_of(m, u) * dv + e] = x; }, tid);
+    block_mm<NT>(
+        lp.nl, L, d, L, [&](int m, int t, int u) { return dS[(m * L + t) * L + u]; },
+        [&](int m, int u, int e) { return k[(m * L + u) * LDT + e]; },
+        [&](int m, int t, int e, float x) { io.dq[row_of(m, t) * d + e] = p.scale * x; }, tid);
+    block_mm<NT>(  // q is stored times scale: dk = scale sum_t dS q_t
+        lp.nl, L, d, L, [&](int m, int u, int t) { return dS[(m * L + t) * L + u]; },
+        [&](int m, int t, int e) { return q[(m * L + t) * LDT + e]; },
+        [&](int m, int u, int e, float x) { io.dk[row_of(m, u) * d + e] = x; }, tid);
+    // bias gradient of token x on its line: sum_y sgn(x - y) (dS[x, y] + dS[y, x]), one thread per token
+    for (int s = tid; s < tok; s += NT) {
+      const int m = s / L, x = s % L;
+      const float* rowx = dS + s * L;
+      const float* colx = dS + m * L * L + x;
+      float own = 0.f;
+      for (int y = 0; y < L; ++y) own += sgn_diff<float>(x, y) * (rowx[y] + colx[y * L]);
+      io.own[int64_t(bg) * N + lp.pos(s)] = own;
+    }
+  }
+}
+
 // grad_q = dq_c + dq_r, grad_k = dk_c + dk_r, grad_v = gv_c + gv_r (contiguous), one thread per element.
 template <typename scalar_t>
 __global__ void criss_cross_combine_kernel(CrissCrossParams<scalar_t, typename AccType<scalar_t>::type> p) {
@@ -369,25 +657,75 @@ __global__ void criss_cross_combine_kernel(CrissCrossParams<scalar_t, typename A
 }
 
 // Host-side launch helpers (no torch). Forward needs z1, z2, out1 scratch; backward needs all scratch of
-// CrissCrossParams (delta, g_cr, g_cc as [BG][N]).
+// CrissCrossParams (delta, g_cr, g_cc as [BG][N]). Each direction runs the packed kernels when its lines are
+// short (criss_cross_packed), else the generic line kernels.
+
+// Blocks of the largest grid of the criss-cross kernels (the launcher checks them against the grid limit).
+inline int64_t criss_cross_blocks(const GridSizes& sz) {
+  const int64_t lines = sz.H > sz.W ? sz.H : sz.W;
+  const int64_t elems = (int64_t(sz.B) * sz.H * sz.W * sz.G * (sz.d > sz.dv ? sz.d : sz.dv) + 255) / 256;
+  const int64_t blocks = lines * sz.B * sz.G;
+  return blocks > elems ? blocks : elems;
+}
+
+template <typename scalar_t, int DPAD, int MODE>
+inline void launch_criss_cross_fwd_pass(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
+                                        cudaStream_t stream) {
+  using acc_t = typename AccType<scalar_t>::type;
+  const bool rows = MODE != 1;
+  const int L = rows ? p.sz.W : p.sz.H, nlines = rows ? p.sz.H : p.sz.W;
+  const int64_t bgs = int64_t(p.sz.B) * p.sz.G;
+  if constexpr (sizeof(acc_t) == 4 && DPAD <= 32) {
+    if (criss_cross_packed<acc_t>(L, DPAD)) {
+      const int lpb = pack_lines(L);
+      auto kernel = criss_cross_pack_fwd_kernel<scalar_t, DPAD, MODE>;
+      const size_t smem = PackLayout<DPAD, MODE == 1 ? 4 : 3, 1>(L, lpb).bytes();
+      allow_dynamic_smem(kernel, PackLayout<DPAD, MODE == 1 ? 4 : 3, 1>(kShortLine, 1).bytes());
+      launch_kernel(kernel, dim3(unsigned((nlines + lpb - 1) / lpb * bgs)), dim3(128), smem, stream, p, lpb);
+      return;
+    }
+  }
+  launch_kernel(criss_cross_fwd_kernel<scalar_t, DPAD, MODE>, dim3(unsigned(nlines * bgs)), dim3(128), 0, stream,
+                p);
+}
+
+template <typename scalar_t, int DPAD, bool ROWS, bool FULL>
+inline void launch_criss_cross_bwd_pass(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
+                                        const LineBwdIO<typename AccType<scalar_t>::type>& io, cudaStream_t stream) {
+  using acc_t = typename AccType<scalar_t>::type;
+  const int L = ROWS ? p.sz.W : p.sz.H, nlines = ROWS ? p.sz.H : p.sz.W;
+  const int64_t bgs = int64_t(p.sz.B) * p.sz.G;
+  if constexpr (sizeof(acc_t) == 4 && DPAD <= 32) {
+    if (criss_cross_packed<acc_t>(L, DPAD)) {
+      const int lpb = pack_lines(L);
+      using Lay = PackLayout<DPAD, FULL ? 6 : 4, FULL ? 2 : 1>;
+      auto kernel = criss_cross_pack_bwd_kernel<scalar_t, DPAD, ROWS, FULL>;
+      allow_dynamic_smem(kernel, Lay(kShortLine, 1).bytes());
+      launch_kernel(kernel, dim3(unsigned((nlines + lpb - 1) / lpb * bgs)), dim3(128), Lay(L, lpb).bytes(), stream,
+                    p, io, lpb);
+      return;
+    }
+  }
+  launch_kernel(criss_cross_bwd_kernel<scalar_t, DPAD, ROWS, FULL>, dim3(unsigned(nlines * bgs)), dim3(128), 0,
+                stream, p, io);
+}
+
 template <typename scalar_t, int DPAD>
 inline void launch_criss_cross_fwd(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
                                    cudaStream_t stream) {
-  const unsigned bgs = unsigned(p.sz.B * p.sz.G);
-  criss_cross_fwd_kernel<scalar_t, DPAD, 0><<<dim3(p.sz.H, bgs), 128, 0, stream>>>(p);
-  criss_cross_fwd_kernel<scalar_t, DPAD, 1><<<dim3(p.sz.W, bgs), 128, 0, stream>>>(p);
-  criss_cross_fwd_kernel<scalar_t, DPAD, 2><<<dim3(p.sz.H, bgs), 128, 0, stream>>>(p);
+  launch_criss_cross_fwd_pass<scalar_t, DPAD, 0>(p, stream);
+  launch_criss_cross_fwd_pass<scalar_t, DPAD, 1>(p, stream);
+  launch_criss_cross_fwd_pass<scalar_t, DPAD, 2>(p, stream);
 }
 
 template <typename scalar_t, int DPAD>
 inline void launch_criss_cross_bwd(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
                                    cudaStream_t stream) {
   using acc_t = typename AccType<scalar_t>::type;
-  const unsigned bgs = unsigned(p.sz.B * p.sz.G);
   LineBwdIO<acc_t> r1;
   r1.Pv = p.z1;
   r1.PTh = p.gz2;
-  criss_cross_bwd_kernel<scalar_t, DPAD, true, false><<<dim3(p.sz.H, bgs), 128, 0, stream>>>(p, r1);
+  launch_criss_cross_bwd_pass<scalar_t, DPAD, true, false>(p, r1, stream);
   LineBwdIO<acc_t> c;
   c.Z = p.z1;
   c.Gm = p.gz2;
@@ -397,7 +735,7 @@ inline void launch_criss_cross_bwd(const CrissCrossParams<scalar_t, typename Acc
   c.dq = p.dq_c;
   c.dk = p.dk_c;
   c.own = p.g_cc;
-  criss_cross_bwd_kernel<scalar_t, DPAD, false, true><<<dim3(p.sz.W, bgs), 128, 0, stream>>>(p, c);
+  launch_criss_cross_bwd_pass<scalar_t, DPAD, false, true>(p, c, stream);
   LineBwdIO<acc_t> r2;
   r2.Z = p.z2;
   r2.Gm = p.gz1;
@@ -405,9 +743,9 @@ inline void launch_criss_cross_bwd(const CrissCrossParams<scalar_t, typename Acc
   r2.dq = p.dq_r;
   r2.dk = p.dk_r;
   r2.own = p.g_cr;
-  criss_cross_bwd_kernel<scalar_t, DPAD, true, true><<<dim3(p.sz.H, bgs), 128, 0, stream>>>(p, r2);
+  launch_criss_cross_bwd_pass<scalar_t, DPAD, true, true>(p, r2, stream);
   const int64_t n = int64_t(p.sz.B) * p.sz.H * p.sz.W * p.sz.G * (p.sz.d > p.sz.dv ? p.sz.d : p.sz.dv);
-  criss_cross_combine_kernel<scalar_t><<<unsigned((n + 255) / 256), 256, 0, stream>>>(p);
+  launch_kernel(criss_cross_combine_kernel<scalar_t>, dim3(unsigned((n + 255) / 256)), dim3(256), 0, stream, p);
   DecayGradParams<acc_t> dg;
   dg.sz = p.sz;
   dg.own_r[0] = p.g_cr;
@@ -416,7 +754,7 @@ inline void launch_criss_cross_bwd(const CrissCrossParams<scalar_t, typename Acc
   dg.g_log_alpha = p.g_log_alpha;
   dg.g_log_beta = p.g_log_beta;
   const int64_t lines = int64_t(p.sz.B) * p.sz.G * (p.sz.H + p.sz.W);
-  decay_grad_kernel<acc_t><<<unsigned((lines + 127) / 128), 128, 0, stream>>>(dg);
+  launch_kernel(decay_grad_kernel<acc_t>, dim3(unsigned((lines + 127) / 128)), dim3(128), 0, stream, dg);
 }
 
 }  // namespace ppma

@@ -68,14 +68,13 @@ struct PolylineAttnParams {
   acc_t* gq_cc = nullptr;
   acc_t* gk_cr = nullptr;
   acc_t* gk_cc = nullptr;
-  // cross terms, per outer tile: [BG][num_tiles][tile_table] (see RowTiling), zero-initialised.
+  // cross terms, per outer CTA of the backward: [BG][num_ctas][table] (see RowTiling), zero-initialised.
   // x1: token (query row, key col) from the V2H scores (dq kernel); x2: token (key row, query col) from
   // the H2V scores (dkdv kernel).
   acc_t* x1_cr = nullptr;
   acc_t* x1_cc = nullptr;
   acc_t* x2_cr = nullptr;
   acc_t* x2_cc = nullptr;
-  int tile_rows = 0;    // RowTiling of the outer tiles (computed on the host with the same tile size)
   // grad_log_alpha / grad_log_beta in acc_t, contiguous [B, H, W, heads]
   acc_t* g_log_alpha = nullptr;
   acc_t* g_log_beta = nullptr;

@@ -12,8 +12,9 @@
 
 namespace ppma {
 
-// Compile-time tile sizes. DPAD: padded head dim (16, 32, 64 fast paths; 128 the generic path for any
-// d, dv <= 128, zero-padded). Each token is handled by TPQ = DPAD / 16 lanes holding 16 elements each.
+// Compile-time tile sizes. DPAD: padded head dim (16, 32, 64 fast paths; 128, 256, 512 the generic paths for any
+// d, dv up to that size, zero-padded). Each token is handled by TPQ = DPAD / 16 lanes (up to a whole warp)
+// holding 16 elements each.
 template <typename scalar_t, int DPAD>
 struct AttnTraits {
   using acc_t = typename AccType<scalar_t>::type;
@@ -22,9 +23,12 @@ struct AttnTraits {
   static constexpr int TPQ = DPAD / SW;      // lanes per token
   static constexpr int BM = NT / TPQ;        // tokens of the outer tile (one per thread group)
   static constexpr bool kWide = sizeof(acc_t) == 8;
-  static constexpr int BN = DPAD >= 128 ? (kWide ? 16 : 32) : (kWide ? 32 : 64);  // inner tile
+  // inner tile: K and V tiles of BN x DPAD acc_t take 2 * 16 KiB of static shared memory at most
+  static constexpr int BN0 = (kWide ? 2048 : 4096) / DPAD;
+  static constexpr int BN = BN0 < (kWide ? 32 : 64) ? BN0 : (kWide ? 32 : 64);
   static constexpr int KC = 8;               // keys per online-softmax chunk
-  static_assert(DPAD % SW == 0 && TPQ >= 1 && TPQ <= 8, "DPAD must be 16, 32, 64 or 128");
+  static_assert(DPAD % SW == 0 && TPQ >= 1 && TPQ <= 32 && (TPQ & (TPQ - 1)) == 0,
+                "DPAD must be 16, 32, 64, 128, 256 or 512");
 };
 
 // Feature element pointer of token p (flat) in batch b, head g.

@@ -1,6 +1,6 @@
 // polyline_attention forward: FlashAttention-style, CUDA cores, fp32 (fp64) accumulation.
 //
-// Grid: (ceil(N / BM), B * G). Block: 128 threads = BM thread groups of TPQ lanes, one query per group.
+// Grid: ceil(N / BM) * B * G blocks (1-D, tile fastest). Block: 128 threads = BM thread groups of TPQ lanes, one query per group.
 // One pass over K/V tiles of BN keys (shared memory); per chunk of KC keys each group computes the
 // score S = scale <q, k> once and feeds TWO online softmaxes: logits S + M (V2H, state 1) and S + M'
 // (H2V, state 2), M' = M^T (see polyline_attention_common.cuh for the biases).
@@ -26,8 +26,9 @@ __global__ void __launch_bounds__(128)
   const int H = p.sz.H, W = p.sz.W, G = p.sz.G, d = p.sz.d, dv = p.sz.dv;
   const int64_t N = int64_t(H) * W;
   const int tid = threadIdx.x, grp = tid / TPQ, sub = tid % TPQ, e0 = sub * SW;
-  const int bg = blockIdx.y, b = bg / G, g = bg % G;
-  const int64_t p_raw = int64_t(blockIdx.x) * BM + grp;
+  const int64_t ntiles = (N + BM - 1) / BM;
+  const int bg = int(blockIdx.x / ntiles), b = bg / G, g = bg % G;
+  const int64_t p_raw = int64_t(blockIdx.x % ntiles) * BM + grp;
   const bool valid = p_raw < N;
   const int64_t pq = valid ? p_raw : N - 1;  // idle groups compute on the last token, write nothing
   const int qi = int(pq / W), qj = int(pq % W);
@@ -125,14 +126,21 @@ __global__ void __launch_bounds__(128)
   }
 }
 
+// Blocks of the forward grid (the launcher checks them against the grid limit).
+template <typename scalar_t, int DPAD>
+inline int64_t polyline_attention_fwd_blocks(const GridSizes& sz) {
+  const int64_t N = int64_t(sz.H) * sz.W, BM = AttnTraits<scalar_t, DPAD>::BM;
+  return (N + BM - 1) / BM * sz.B * sz.G;
+}
+
 // Host-side launch helper (no torch): grid and block of the forward kernel for a given DPAD.
 template <typename scalar_t, int DPAD>
 inline void launch_polyline_attention_fwd(const PolylineAttnParams<scalar_t, typename AccType<scalar_t>::type>& p,
                                           cudaStream_t stream) {
   using Tr = AttnTraits<scalar_t, DPAD>;
   const int64_t N = int64_t(p.sz.H) * p.sz.W;
-  dim3 grid(unsigned((N + Tr::BM - 1) / Tr::BM), unsigned(p.sz.B * p.sz.G));
-  polyline_attention_fwd_kernel<scalar_t, DPAD><<<grid, Tr::NT, 0, stream>>>(p);
+  const dim3 grid(unsigned((N + Tr::BM - 1) / Tr::BM * p.sz.B * p.sz.G));
+  launch_kernel(polyline_attention_fwd_kernel<scalar_t, DPAD>, grid, dim3(Tr::NT), 0, stream, p);
 }
 
 }  // namespace ppma

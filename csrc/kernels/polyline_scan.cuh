@@ -148,7 +148,8 @@ inline void launch_scan_pass(const GridSizes& sz, bool rows, const in_t* in, con
   p.fbuf = fbuf;
   p.out = out;
   const int64_t n = int64_t(sz.B) * (rows ? sz.H : sz.W) * sz.G * sz.dv;
-  polyline_scan_line_kernel<in_t, out_t, acc_t><<<unsigned((n + 127) / 128), 128, 0, stream>>>(p);
+  launch_kernel(polyline_scan_line_kernel<in_t, out_t, acc_t>, dim3(unsigned((n + 127) / 128)), dim3(128), 0, stream,
+                p);
 }
 
 template <typename u_t, typename g_t, typename acc_t>
@@ -168,7 +169,7 @@ inline void launch_scan_grad(const GridSizes& sz, bool rows, const u_t* u, const
   p.contrib = ws.contrib;
   p.grad_decay = grad_decay;
   const int64_t n = int64_t(sz.B) * (rows ? sz.H : sz.W) * sz.G * sz.dv;
-  polyline_scan_grad_kernel<u_t, g_t, acc_t><<<unsigned((n + 127) / 128), 128, 0, stream>>>(p);
+  launch_kernel(polyline_scan_grad_kernel<u_t, g_t, acc_t>, dim3(unsigned((n + 127) / 128)), dim3(128), 0, stream, p);
   ScanGradParams<acc_t, acc_t, acc_t> r;
   r.sz = sz;
   r.along_rows = rows;
@@ -176,7 +177,7 @@ inline void launch_scan_grad(const GridSizes& sz, bool rows, const u_t* u, const
   r.contrib = ws.contrib;
   r.grad_decay = grad_decay;
   const int64_t m = int64_t(sz.B) * sz.H * sz.W * sz.G;
-  polyline_scan_grad_reduce_kernel<acc_t><<<unsigned((m + 255) / 256), 256, 0, stream>>>(r);
+  launch_kernel(polyline_scan_grad_reduce_kernel<acc_t>, dim3(unsigned((m + 255) / 256)), dim3(256), 0, stream, r);
 }
 
 // y = L x (transpose=false: columns then rows) or L^T x (rows then columns). decays contiguous acc_t.

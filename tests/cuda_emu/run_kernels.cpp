@@ -1,0 +1,306 @@
+// Runs ppma's CUDA kernels (csrc/kernels) on the CPU through the emulator in emu.h, for the tests in
+// tests/test_cuda_emulation.py: polyline_attention (CUDA-core or tensor-core kernels) and criss_cross_attention,
+// forward and backward, with the same host-side sequence of launches and scratch buffers as the launchers in
+// csrc/cuda/*.cu (which need torch and a GPU).
+//
+//   run_kernels IN OUT
+// IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention), path (0 CUDA cores, 1 tensor cores),
+//     dtype (0 float32, 1 float64, 2 float16, 3 bfloat16), B, H, W, heads, d, dv, backward (0/1),
+//     layout of q and k (0 contiguous [B, H, W, heads, d], 1 stored as [B, W, H, heads, d] and passed with the
+//     strides of that permutation), 0}, float64 scale, then float64 arrays q, k [B*H*W*heads*d], v [...*dv],
+//     log_alpha, log_beta [B*H*W*heads], grad_out [...*dv] (values already rounded to dtype).
+// OUT: float64 arrays out, out_v2h (polyline_attention only), lse [B*H*W*heads*2], then with backward grad_q,
+//     grad_k, grad_v, grad_log_alpha, grad_log_beta.
+#include "emu.h"
+// clang-format off
+#include "criss_cross_attention.cuh"
+#include "polyline_attention_fwd.cuh"
+#include "polyline_attention_tc.cuh"
+// clang-format on
+
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using namespace ppma;
+
+namespace {
+
+template <typename T>
+T from_double(double x) {
+  return Cast<T>::from(float(x));
+}
+template <>
+double from_double<double>(double x) {
+  return x;
+}
+double to_double(float x) { return x; }
+double to_double(double x) { return x; }
+double to_double(__half x) { return __half2float(x); }
+double to_double(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+std::vector<T> convert(const std::vector<double>& a) {
+  std::vector<T> r(a.size());
+  for (size_t i = 0; i < a.size(); ++i) r[i] = from_double<T>(a[i]);
+  return r;
+}
+
+template <typename T>
+void put(std::FILE* f, const std::vector<T>& a) {
+  std::vector<double> r(a.size());
+  for (size_t i = 0; i < a.size(); ++i) r[i] = to_double(a[i]);
+  std::fwrite(r.data(), sizeof(double), r.size(), f);
+}
+
+struct Case {
+  int op, path, dtype, B, H, W, G, d, dv, bwd, layout;
+  double scale;
+  std::vector<double> q, k, v, la, lb, go;
+};
+
+Strides4 contiguous4(const Case& c, int dim) { return contiguous_strides(c.H, c.W, c.G, dim); }
+
+// q or k in the storage the case asks for, and its strides.
+template <typename T>
+std::vector<T> stored(const Case& c, const std::vector<double>& a, int dim, Strides4& s) {
+  std::vector<T> r = convert<T>(a);
+  if (c.layout == 0) {
+    s = contiguous4(c, dim);
+    return r;
+  }
+  std::vector<T> p(r.size());  // storage [B, W, H, G, dim]
+  for (int b = 0; b < c.B; ++b)
+    for (int i = 0; i < c.H; ++i)
+      for (int j = 0; j < c.W; ++j)
+        for (int g = 0; g < c.G; ++g)
+          for (int e = 0; e < dim; ++e)
+            p[((((int64_t(b) * c.W + j) * c.H + i) * c.G + g) * dim) + e] =
+                r[((((int64_t(b) * c.H + i) * c.W + j) * c.G + g) * dim) + e];
+  s.g = dim;
+  s.h = int64_t(c.G) * dim;
+  s.w = int64_t(c.H) * c.G * dim;
+  s.b = int64_t(c.W) * c.H * c.G * dim;
+  return p;
+}
+
+int padded(int m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : m <= 128 ? 128 : m <= 256 ? 256 : 512; }
+
+template <typename F>
+void dpad_switch(int dp, F&& f) {
+  switch (dp) {
+    case 16: f(std::integral_constant<int, 16>()); break;
+    case 32: f(std::integral_constant<int, 32>()); break;
+    case 64: f(std::integral_constant<int, 64>()); break;
+    case 128: f(std::integral_constant<int, 128>()); break;
+    case 256: f(std::integral_constant<int, 256>()); break;
+    default: f(std::integral_constant<int, 512>()); break;
+  }
+}
+
+template <typename F>
+void tc_switch(int dp, F&& f) {
+  switch (dp) {
+    case 16: f(std::integral_constant<int, 16>()); break;
+    case 32: f(std::integral_constant<int, 32>()); break;
+    case 64: f(std::integral_constant<int, 64>()); break;
+    default: f(std::integral_constant<int, 128>()); break;
+  }
+}
+
+template <typename T>
+void run(const Case& c, std::FILE* out) {
+  using A = typename AccType<T>::type;
+  GridSizes sz;
+  sz.B = c.B;
+  sz.H = c.H;
+  sz.W = c.W;
+  sz.G = c.G;
+  sz.d = c.d;
+  sz.dv = c.dv;
+  const int64_t N = int64_t(c.H) * c.W, BG = int64_t(c.B) * c.G, rows = BG * N;
+  Strides4 sq, sk;
+  const std::vector<T> q = stored<T>(c, c.q, c.d, sq), k = stored<T>(c, c.k, c.d, sk);
+  const std::vector<T> v = convert<T>(c.v), go = convert<T>(c.go);
+  std::vector<A> la(c.la.begin(), c.la.end()), lb(c.lb.begin(), c.lb.end());  // as the launchers: .to(acc)
+  std::vector<A> cr(rows), cc(rows);
+  {
+    PrefixParams<A> pp;
+    pp.sz = sz;
+    pp.log_alpha = la.data();
+    pp.log_beta = lb.data();
+    pp.sa = pp.sb = contiguous_strides(c.H, c.W, c.G, 1);
+    pp.cr = cr.data();
+    pp.cc = cc.data();
+    const int64_t n = BG * (c.H + c.W);
+    launch_kernel(prefix_sums_kernel<A>, dim3(unsigned((n + 127) / 128)), dim3(128), 0, nullptr, pp);
+  }
+  const int dp = padded(c.d > c.dv ? c.d : c.dv);
+  std::vector<T> o(rows * c.dv), ov(rows * c.dv), dq(rows * c.d), dk(rows * c.d), dv(rows * c.dv);
+  std::vector<A> lse(rows * 2), gla(rows), glb(rows);
+
+  auto set_inputs = [&](auto& p) {
+    p.sz = sz;
+    p.scale = A(c.scale);
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.sq = sq;
+    p.sk = sk;
+    p.sv = contiguous4(c, c.dv);
+    p.cr = cr.data();
+    p.cc = cc.data();
+  };
+
+  if (c.op == 0) {
+    PolylineAttnParams<T, A> p;
+    set_inputs(p);
+    p.out = o.data();
+    p.out_v2h = ov.data();
+    p.lse = lse.data();
+    int tile = 0;
+    if (c.path == 1) {
+      if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
+        tc_switch(dp, [&](auto D) {
+          launch_polyline_attention_tc_fwd<T, D()>(p, nullptr);
+          tile = polyline_attention_tc_bwd_tile<D()>();
+        });
+      } else {
+        throw std::runtime_error("the tensor-core path takes float16 / bfloat16");
+      }
+    } else {
+      dpad_switch(dp, [&](auto D) {
+        launch_polyline_attention_fwd<T, D()>(p, nullptr);
+        tile = polyline_attention_bwd_tile<T, D()>();
+      });
+    }
+    put(out, o);
+    put(out, ov);
+    put(out, lse);
+    if (!c.bwd) return;
+    const RowTiling tl(c.H, c.W, tile);
+    std::vector<A> delta(rows * 2), own(4 * rows), tabs(4 * BG * int64_t(tl.num_ctas) * tl.table, A(0));
+    p.dout = go.data();
+    p.sdo = contiguous4(c, c.dv);
+    p.out_c = o.data();
+    p.out_v2h_c = ov.data();
+    p.delta = delta.data();
+    p.dq = dq.data();
+    p.dk = dk.data();
+    p.dv = dv.data();
+    p.gq_cr = own.data();
+    p.gq_cc = own.data() + rows;
+    p.gk_cr = own.data() + 2 * rows;
+    p.gk_cc = own.data() + 3 * rows;
+    const int64_t ts = BG * int64_t(tl.num_ctas) * tl.table;
+    p.x1_cr = tabs.data();
+    p.x1_cc = tabs.data() + ts;
+    p.x2_cr = tabs.data() + 2 * ts;
+    p.x2_cc = tabs.data() + 3 * ts;
+    p.g_log_alpha = gla.data();
+    p.g_log_beta = glb.data();
+    if (c.path == 1) {
+      if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value)
+        tc_switch(dp, [&](auto D) { launch_polyline_attention_tc_bwd<T, D()>(p, nullptr); });
+    } else {
+      dpad_switch(dp, [&](auto D) { launch_polyline_attention_bwd<T, D()>(p, nullptr); });
+    }
+  } else {
+    CrissCrossParams<T, A> p;
+    set_inputs(p);
+    std::vector<A> scratch(3 * rows * c.dv);
+    p.out = o.data();
+    p.lse = lse.data();
+    p.z1 = scratch.data();
+    p.z2 = scratch.data() + rows * c.dv;
+    p.out1 = scratch.data() + 2 * rows * c.dv;
+    dpad_switch(dp, [&](auto D) { launch_criss_cross_fwd<T, D()>(p, nullptr); });
+    put(out, o);
+    put(out, lse);
+    if (!c.bwd) return;
+    std::vector<A> tok(3 * rows), sv(6 * rows * c.dv), sd(4 * rows * c.d);
+    p.dout = go.data();
+    p.sdo = contiguous4(c, c.dv);
+    const int64_t mv = rows * c.dv, md = rows * c.d;
+    p.z1 = sv.data();
+    p.z2 = sv.data() + mv;
+    p.gz1 = sv.data() + 2 * mv;
+    p.gz2 = sv.data() + 3 * mv;
+    p.gv_c = sv.data() + 4 * mv;
+    p.gv_r = sv.data() + 5 * mv;
+    p.dq_c = sd.data();
+    p.dk_c = sd.data() + md;
+    p.dq_r = sd.data() + 2 * md;
+    p.dk_r = sd.data() + 3 * md;
+    p.delta = tok.data();
+    p.g_cr = tok.data() + rows;
+    p.g_cc = tok.data() + 2 * rows;
+    p.dq = dq.data();
+    p.dk = dk.data();
+    p.dv = dv.data();
+    p.g_log_alpha = gla.data();
+    p.g_log_beta = glb.data();
+    dpad_switch(dp, [&](auto D) { launch_criss_cross_bwd<T, D()>(p, nullptr); });
+  }
+  put(out, dq);
+  put(out, dk);
+  put(out, dv);
+  put(out, gla);
+  put(out, glb);
+}
+
+std::vector<double> read_doubles(std::FILE* f, int64_t n) {
+  std::vector<double> a(n);
+  if (int64_t(std::fread(a.data(), sizeof(double), n, f)) != n) throw std::runtime_error("short input file");
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: run_kernels IN OUT\n");
+    return 2;
+  }
+  std::FILE* in = std::fopen(argv[1], "rb");
+  if (!in) return 2;
+  int32_t h[12];
+  Case c;
+  if (std::fread(h, sizeof(int32_t), 12, in) != 12 || std::fread(&c.scale, sizeof(double), 1, in) != 1) return 2;
+  c.op = h[0];
+  c.path = h[1];
+  c.dtype = h[2];
+  c.B = h[3];
+  c.H = h[4];
+  c.W = h[5];
+  c.G = h[6];
+  c.d = h[7];
+  c.dv = h[8];
+  c.bwd = h[9];
+  c.layout = h[10];
+  const int64_t n = int64_t(c.B) * c.H * c.W * c.G;
+  c.q = read_doubles(in, n * c.d);
+  c.k = read_doubles(in, n * c.d);
+  c.v = read_doubles(in, n * c.dv);
+  c.la = read_doubles(in, n);
+  c.lb = read_doubles(in, n);
+  c.go = read_doubles(in, n * c.dv);
+  std::fclose(in);
+  std::FILE* out = std::fopen(argv[2], "wb");
+  if (!out) return 2;
+  try {
+    switch (c.dtype) {
+      case 0: run<float>(c, out); break;
+      case 1: run<double>(c, out); break;
+      case 2: run<__half>(c, out); break;
+      default: run<__nv_bfloat16>(c, out); break;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "run_kernels: %s\n", e.what());
+    return 1;
+  }
+  std::fclose(out);
+  std::fprintf(stderr, "emulated context switches: %lld\n", emu::m().switches);
+  return 0;
+}

@@ -1,0 +1,272 @@
+"""The CUDA kernels of ``csrc/kernels`` run on the CPU through a host emulator, against the reference (design §5).
+
+No GPU is needed: ``tests/cuda_emu/emu.h`` turns the CUDA built-ins the kernels use (threads and blocks, barriers,
+warp shuffles, ``mma.sync.m16n8k16``, ``ldmatrix``, ``cp.async``) into host code, with the fragment layouts taken
+from the PTX ISA, and ``tests/cuda_emu/run_kernels.cpp`` runs the kernels' own launch helpers with the launchers'
+scratch buffers. This checks the index math, the tiling (row-aligned tiles, wide-map segments and their groups,
+bias tables), the fragment layouts of the tensor-core path and every reduction, forward and backward, for
+fp32 / fp64 / fp16 / bf16 and the head-dim paths. It cannot check what only a GPU shows: races the hardware could
+reorder, the inline PTX itself (compile-checked by ``.ci/check_cuda.sh``), speed. Those are checked by
+``tests/test_ops_cuda.py`` on a GPU.
+
+Skipped without a host C++ compiler or the CUDA toolkit's headers (cuda_fp16.h). ``PPMA_TEST_FULL=1`` widens the
+sweep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ppma.ops import reference as ref
+from tolerances import TOLERANCES, rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
+EMU = ROOT / "tests" / "cuda_emu"
+FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
+DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+def _cuda_include() -> Path | None:
+    candidates = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for c in candidates:
+        if (c / "cuda_fp16.h").exists() and (c / "cuda_runtime.h").exists():
+            return c
+    return None
+
+
+def _build(name: str) -> Path:
+    """Builds tests/cuda_emu/<name>.cpp once per version of the sources (about a minute); returns the program."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    inc = _cuda_include()
+    if cxx is None or inc is None:
+        pytest.skip("needs a host C++ compiler and the CUDA toolkit's headers")
+    sources = sorted(EMU.glob("*")) + sorted((ROOT / "csrc" / "kernels").glob("*")) + [ROOT / "csrc/common/math.h"]
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(s.name.encode())
+        h.update(s.read_bytes())
+    out = Path(tempfile.gettempdir()) / f"ppma-cuda-emu-{h.hexdigest()[:16]}" / name
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}")
+        cmd = [cxx, "-std=c++17", "-O1", f"-I{inc}", f"-I{EMU}", f"-I{ROOT / 'csrc' / 'kernels'}",
+               str(EMU / f"{name}.cpp"), "-o", str(tmp)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, f"building {name} failed:\n{r.stderr[-4000:]}"
+        os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def runner() -> Path:
+    return _build("run_kernels")
+
+
+def test_fragment_layouts_and_bias_tables():
+    """warp_mma.h's fragment coordinates and ldmatrix addresses against the PTX ISA's tables, one mma with plain
+    loops, the C -> A register reuse, and the per-tile bias tables against the direct bias definitions."""
+    r = subprocess.run([str(_build("test_fragments"))], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def _inputs(shape, dtype, seed, decay_scale=1.0):
+    B, H, W, G, d, dv = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, W, G, d, generator=g).to(dtype)
+    k = torch.randn(B, H, W, G, d, generator=g).to(dtype)
+    v = torch.randn(B, H, W, G, dv, generator=g).to(dtype)
+    la = -decay_scale * torch.rand(B, H, W, G, generator=g)
+    lb = -decay_scale * torch.rand(B, H, W, G, generator=g)
+    go = torch.randn(B, H, W, G, dv, generator=g).to(dtype)
+    return q, k, v, la, lb, go
+
+
+def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True):
+    """Runs one op (forward, backward) in the emulator; returns the outputs as float64 tensors."""
+    B, H, W, G, d, dv = shape
+    q, k, v, la, lb, go = ins
+    head = struct.pack("12i", op, path, DTYPE_CODE[dtype], B, H, W, G, d, dv, int(backward), layout, 0)
+    head += struct.pack("d", scale)
+    with tempfile.TemporaryDirectory() as tmp:
+        fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
+        fin.write_bytes(head + b"".join(t.double().contiguous().numpy().tobytes() for t in (q, k, v, la, lb, go)))
+        r = subprocess.run([str(runner), str(fin), str(fout)], capture_output=True, text=True)
+        assert r.returncode == 0, f"emulated kernels failed: {r.stderr[-2000:]}"
+        flat = torch.from_numpy(np.fromfile(fout, dtype=np.float64))
+    n = B * H * W * G
+    sizes = [("out", n * dv)] + ([("out_v2h", n * dv)] if op == 0 else []) + [("lse", n * 2)]
+    if backward:
+        sizes += [("q", n * d), ("k", n * d), ("v", n * dv), ("log_alpha", n), ("log_beta", n)]
+    shapes = {"out": (B, H, W, G, dv), "out_v2h": (B, H, W, G, dv), "lse": (B, H, W, G, 2), "q": (B, H, W, G, d),
+              "k": (B, H, W, G, d), "v": (B, H, W, G, dv), "log_alpha": (B, H, W, G), "log_beta": (B, H, W, G)}
+    res, o = {}, 0
+    for name, size in sizes:
+        res[name] = flat[o:o + size].view(shapes[name])
+        o += size
+    assert o == flat.numel(), "unexpected output size"
+    return res
+
+
+def check_against_reference(res, fn, ins, scale, dtype, grad_mult=2.0):
+    q, k, v, la, lb, go = ins
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v, la, lb)]
+    want = fn(*leaves, scale)
+    wgrads = torch.autograd.grad(want, leaves, go.double())
+    fwd_tol, grad_tol = TOLERANCES[dtype]
+    for name, got, exp, tol in [("out", res["out"], want, fwd_tol)] + [
+        (f"grad_{n}", res[n], g, grad_tol * grad_mult) for n, g in zip(("q", "k", "v", "log_alpha", "log_beta"), wgrads)
+    ]:
+        assert torch.isfinite(got).all(), f"{name}: non-finite values"
+        err = rel_err(got, exp)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+    # the first log-decay of every line never enters a bias: its gradient is exactly zero
+    assert res["log_alpha"][:, :, 0].abs().max() == 0 and res["log_beta"][:, 0].abs().max() == 0
+
+
+def check_lse(res, ins, scale):
+    """lse against the reference's logits (polyline_attention: both softmaxes)."""
+    q, k, v, la, lb, _ = ins
+    B, H, W, G, d = q.shape
+    qd, kd = q.double(), k.double()
+    cr = ref.prefix_sum_excl_first(la.double(), dim=2)
+    cc = ref.prefix_sum_excl_first(lb.double(), dim=1)
+    s = scale * torch.einsum("bpgd,bsgd->bgps", qd.reshape(B, H * W, G, d), kd.reshape(B, H * W, G, d))
+    i = torch.arange(H).repeat_interleave(W)
+    j = torch.arange(W).repeat(H)
+    crf, ccf = cr.permute(0, 3, 1, 2), cc.permute(0, 3, 1, 2)  # [B, G, H, W]
+    # M[p, s] = R_i(j, l) + C_l(i, k) with R = |cr(i, j) - cr(i, l)|, C = |cc(i, l) - cc(k, l)| (negated)
+    R = -(crf[:, :, i, j][..., :, None] - crf[:, :, i[:, None], j[None, :]]).abs()
+    C = -(ccf[:, :, i[:, None], j[None, :]] - ccf[:, :, i[None, :], j[None, :]]).abs()
+    m1 = R + C
+    want = torch.stack([torch.logsumexp(s + m1, -1), torch.logsumexp(s + m1.transpose(-1, -2), -1)], -1)
+    want = want.permute(0, 2, 1, 3).reshape(B, H, W, G, 2)
+    # the inputs are already rounded to their dtype and S is accumulated in fp32: tight for every dtype
+    err = rel_err(res["lse"], want)
+    assert err < 1e-4, f"lse: relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# polyline_attention
+# ---------------------------------------------------------------------------------------------
+
+# (B, H, W, heads, d, dv): whole-row tiles (W <= 64), exact and partial tiles, wide maps (W > 64: row segments;
+# W > 4 * 64: several segments per backward CTA), 1-wide maps, d != dv, head dims needing zero padding.
+TC_CASES = [
+    ((1, 8, 8, 2, 32, 32), torch.bfloat16, 0),
+    ((2, 5, 7, 1, 16, 16), torch.float16, 1),
+    ((1, 3, 20, 1, 64, 64), torch.bfloat16, 0),
+    ((1, 4, 9, 1, 128, 128), torch.float16, 0),
+    ((1, 2, 70, 1, 32, 32), torch.bfloat16, 0),
+    ((1, 9, 1, 2, 24, 40), torch.bfloat16, 1),
+]
+if FULL:
+    TC_CASES += [
+        ((1, 1, 300, 1, 16, 16), torch.bfloat16, 0),
+        ((1, 14, 14, 2, 32, 32), torch.float16, 1),
+        ((1, 7, 33, 1, 128, 64), torch.bfloat16, 0),
+        ((2, 16, 16, 1, 32, 32), torch.bfloat16, 0),
+        ((1, 3, 130, 1, 64, 64), torch.float16, 0),
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,layout", TC_CASES)
+def test_polyline_attention_tensor_cores(runner, shape, dtype, layout):
+    ins = _inputs(shape, dtype, seed=sum(shape))
+    scale = shape[4] ** -0.5
+    res = emulate(runner, 0, 1, dtype, shape, scale, ins, layout=layout)
+    check_against_reference(res, ref.polyline_attention_ref, ins, scale, dtype)
+    check_lse(res, ins, scale)
+
+
+CORE_CASES = [
+    ((1, 4, 8, 2, 32, 32), torch.float32, 0),
+    ((2, 3, 5, 1, 16, 24), torch.float64, 1),
+    ((1, 2, 140, 1, 32, 32), torch.float32, 0),  # W > BM = 64: 3 segments per row
+    ((1, 3, 6, 1, 200, 136), torch.float32, 0),  # head dims above 128: the DPAD = 256 path
+    ((1, 2, 5, 1, 16, 16), torch.bfloat16, 0),
+]
+if FULL:
+    CORE_CASES += [
+        ((1, 1, 300, 1, 32, 32), torch.float32, 0),  # 5 segments of 64: backward CTAs own 2 and 1 segments
+        ((1, 2, 3, 1, 300, 300), torch.float32, 0),  # DPAD = 512
+        ((1, 5, 9, 2, 64, 64), torch.float16, 1),
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,layout", CORE_CASES)
+def test_polyline_attention_cuda_cores(runner, shape, dtype, layout):
+    ins = _inputs(shape, dtype, seed=sum(shape))
+    scale = shape[4] ** -0.5
+    res = emulate(runner, 0, 0, dtype, shape, scale, ins, layout=layout)
+    check_against_reference(res, ref.polyline_attention_ref, ins, scale, dtype)
+
+
+def test_polyline_attention_tensor_cores_match_cuda_cores(runner):
+    """The two CUDA paths on the same bf16 inputs: equal up to the 16-bit rounding of P and dS."""
+    shape = (1, 6, 11, 1, 32, 32)
+    ins = _inputs(shape, torch.bfloat16, seed=5)
+    a = emulate(runner, 0, 1, torch.bfloat16, shape, 0.2, ins)
+    b = emulate(runner, 0, 0, torch.bfloat16, shape, 0.2, ins)
+    for name in ("out", "out_v2h", "q", "k", "v", "log_alpha", "log_beta"):
+        assert rel_err(a[name], b[name]) < 2e-2, name
+    assert rel_err(a["lse"], b["lse"]) < 1e-4
+
+
+def test_polyline_attention_extreme_decays_tensor_cores(runner):
+    """Log-decays of -1e4 (masks of exp(-1e4) = 0 beyond the diagonal) and 0 (no decay): finite, right numbers."""
+    shape = (1, 5, 6, 1, 32, 32)
+    for decay in (0.0, 1e4):
+        ins = _inputs(shape, torch.bfloat16, seed=3, decay_scale=decay)
+        res = emulate(runner, 0, 1, torch.bfloat16, shape, 0.2, ins)
+        q, k, v, la, lb, go = ins
+        leaves = [t.double().requires_grad_(True) for t in (q, k, v, la, lb)]
+        want = ref.polyline_attention_ref(*leaves, 0.2)
+        assert rel_err(res["out"], want) < 2e-2
+        wq, wk, wv = torch.autograd.grad(want, leaves[:3], go.double())
+        for name, w in (("q", wq), ("k", wk), ("v", wv)):
+            assert torch.isfinite(res[name]).all()
+            # near-zero gradients (strong decay): an absolute floor scaled by |dO| |k|, as in the CPU tests
+            floor = 1e-2 * go.double().norm() * k.double().norm() / q.numel() ** 0.5
+            assert (res[name] - w).norm() <= 4e-2 * w.norm() + floor, name
+
+
+# ---------------------------------------------------------------------------------------------
+# criss_cross_attention: packed short lines (L <= 64, head dims <= 32, fp32 accumulation) and generic lines
+# ---------------------------------------------------------------------------------------------
+
+CC_CASES = [
+    ((2, 7, 28, 2, 16, 16), torch.float32),   # rows of 28 (2 per block), columns of 7 (9 per block)
+    ((1, 5, 9, 1, 32, 32), torch.bfloat16),
+    ((1, 70, 3, 1, 16, 16), torch.float32),   # columns of 70: generic kernels; rows of 3: packed
+    ((1, 4, 6, 1, 48, 40), torch.float32),    # DPAD = 64: generic kernels
+    ((1, 3, 4, 2, 16, 16), torch.float64),    # fp64: generic kernels
+    ((1, 6, 5, 1, 24, 8), torch.float16),
+]
+if FULL:
+    CC_CASES += [((1, 56, 56, 1, 16, 16), torch.float32), ((2, 28, 28, 2, 32, 32), torch.bfloat16),
+                 ((1, 64, 1, 1, 32, 32), torch.float32), ((1, 1, 65, 1, 32, 32), torch.float32)]
+
+
+@pytest.mark.parametrize("shape,dtype", CC_CASES)
+def test_criss_cross(runner, shape, dtype):
+    ins = _inputs(shape, dtype, seed=sum(shape) + 1)
+    scale = shape[4] ** -0.5
+    res = emulate(runner, 1, 0, dtype, shape, scale, ins)
+    check_against_reference(res, ref.criss_cross_attention_ref, ins, scale, dtype)
