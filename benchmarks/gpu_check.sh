@@ -78,16 +78,16 @@ print('smoke ok', out.shape, out2.shape, float(out.float().abs().sum()), float(o
   test | test-full)
     ensure_lib
     [ "$step" = test-full ] && export PPMA_TEST_FULL=1
-    # the CUDA tests: tests/test_ops_cuda.py, and the device-parametrised op tests where they exist
-    files=$(ls tests/test_ops_cuda.py tests/test_polyline_attention.py tests/test_criss_cross_attention.py \
-      tests/test_polyline_scan.py 2>/dev/null | tr '\n' ' ')
-    kexpr=$([ -f tests/test_polyline_attention.py ] && echo "-k cuda" || echo "")
-    log "$step" "$PY" -m pytest -q -rs --durations=15 $files $kexpr
+    # the CUDA cases of the device-parametrised op tests (ids with "cuda"), every test of tests/test_cuda_paths.py
+    # (tensor-core path, launch limits, packed lines), and the models on CUDA where tests/test_models.py has them
+    files=$(ls tests/test_cuda_paths.py tests/test_polyline_attention.py tests/test_criss_cross_attention.py \
+      tests/test_polyline_scan.py tests/test_polyline_linear_attention.py 2>/dev/null | tr '\n' ' ')
+    log "$step" "$PY" -m pytest -q -rs --durations=15 $files -k cuda
     ;;
   test-cpu)
     ensure_lib
-    files=$(ls tests/test_ops_cpu.py tests/test_polyline_attention.py tests/test_criss_cross_attention.py \
-      tests/test_polyline_scan.py tests/test_reference.py 2>/dev/null | tr '\n' ' ')
+    files=$(ls tests/test_polyline_attention.py tests/test_criss_cross_attention.py tests/test_polyline_scan.py \
+      tests/test_polyline_linear_attention.py tests/test_reference.py 2>/dev/null | tr '\n' ' ')
     log test-cpu "$PY" -m pytest -q -rs $files -k "not cuda"
     ;;
   bench-quick)

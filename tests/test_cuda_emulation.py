@@ -7,7 +7,7 @@ scratch buffers. This checks the index math, the tiling (row-aligned tiles, wide
 bias tables), the fragment layouts of the tensor-core path and every reduction, forward and backward, for
 fp32 / fp64 / fp16 / bf16 and the head-dim paths. It cannot check what only a GPU shows: races the hardware could
 reorder, the inline PTX itself (compile-checked by ``.ci/check_cuda.sh``), speed. Those are checked by
-``tests/test_ops_cuda.py`` on a GPU.
+``tests/test_cuda_paths.py`` and the CUDA cases of ``tests/test_<op>.py`` on a GPU.
 
 Skipped without a host C++ compiler or the CUDA toolkit's headers (cuda_fp16.h). ``PPMA_TEST_FULL=1`` widens the
 sweep.
