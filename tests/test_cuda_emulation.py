@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from ppma.ops import reference as ref
-from tolerances import TOLERANCES, rel_err
+from op_utils import TOLERANCES, rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU = ROOT / "tests" / "cuda_emu"
@@ -66,7 +66,7 @@ def _build(name: str) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}")
-        cmd = [cxx, "-std=c++17", "-O1", f"-I{inc}", f"-I{EMU}", f"-I{ROOT / 'csrc' / 'kernels'}",
+        cmd = [cxx, "-std=c++17", "-O1", f"-I{inc}", f"-I{EMU}", f"-I{ROOT / 'csrc' / 'kernels'}", f"-I{ROOT / 'csrc'}",
                str(EMU / f"{name}.cpp"), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, f"building {name} failed:\n{r.stderr[-4000:]}"

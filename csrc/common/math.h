@@ -98,11 +98,14 @@ PPMA_HD void decay_grads_from_prefix(Index n, const A* grad_c, int64_t gs, Out* 
 // sums ct = c[t], cu = c[u] have the bias log(prod_{min < n <= max} a_n) = c[max(t,u)] - c[min(t,u)] (<= 0
 // for log-decays <= 0). It is written in position order, never with abs(), so that its gradient is defined
 // even where a decay is exactly 1 (log-decay 0): d bias / d ct = sgn_diff(t, u), d bias / d cu = sgn_diff(u, t).
-// The CPU kernels hoist the branch out of their loops (one loop over u < t, one over u >= t).
+// The CPU kernels hoist the branch out of their loops (one loop over u < t, one over u >= t). Written as a sign
+// times one difference (the same value bit for bit, since a - b = -(b - a) in IEEE arithmetic): the tensor-core
+// forward evaluates four of these per score element, and this form fits it in the register file where the
+// select-between-two-differences form spills (ptxas, sm_80 and sm_90, head dims 32 and 64).
 // ---------------------------------------------------------------------------------------------
 template <typename A, typename Index>
 PPMA_HD A line_bias(Index t, Index u, A ct, A cu) {
-  return u >= t ? cu - ct : ct - cu;
+  return (u > t ? A(-1) : A(1)) * (ct - cu);
 }
 
 // sign(a - b) as +1 / 0 / -1: the sign rule of the bias gradient (0 for a pair with itself).

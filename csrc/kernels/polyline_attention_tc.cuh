@@ -10,9 +10,9 @@
 //   XK[k_loc * cap_q + j_loc] = (cr, cc)(key row k, query column j)   rows of the key tile x columns of the query tile
 // (cap = the tiling's column capacity, at most max(BM, BN) entries each; see TcTok for the offsets). Per score
 // element the kernel reads one float2 of each:
-//   M [p,s] = R_i(j,l) + C_l(i,k) = seg(cr(i,j), XQ.cr, j, l) + seg(cc(k,l), XQ.cc, k, i)
-//   M'[p,s] = R_k(j,l) + C_j(i,k) = seg(XK.cr, cr(k,l), j, l) + seg(cc(i,j), XK.cc, i, k)
-// with seg = segment_bias (common/math.h). Prefix sums are staged times log2(e) and the score scale is
+//   M [p,s] = R_i(j,l) + C_l(i,k) = seg(j, l, cr(i,j), XQ.cr) + seg(k, i, cc(k,l), XQ.cc)
+//   M'[p,s] = R_k(j,l) + C_j(i,k) = seg(j, l, XK.cr, cr(k,l)) + seg(i, k, cc(i,j), XK.cc)
+// with seg = line_bias (common/math.h). Prefix sums are staged times log2(e) and the score scale is
 // scale * log2(e), so both softmaxes run on exp2; lse is stored in natural log like the CUDA-core kernels.
 //
 // Forward: per key tile, S = Q K^T on tensor cores once, then both logit tiles S + M and S + M' from the one S in
@@ -80,17 +80,17 @@ struct TcTok {
   float cr, cc;
   int rc;  // row | col << 16
   int oo;  // o1 | o2 << 16
-  PPMA_HOST_DEVICE int row() const { return rc & 0xffff; }
-  PPMA_HOST_DEVICE int col() const { return rc >> 16; }
-  PPMA_HOST_DEVICE int o1() const { return oo & 0xffff; }
-  PPMA_HOST_DEVICE int o2() const { return oo >> 16; }
+  PPMA_HD int row() const { return rc & 0xffff; }
+  PPMA_HD int col() const { return rc >> 16; }
+  PPMA_HD int o1() const { return oo & 0xffff; }
+  PPMA_HD int o2() const { return oo >> 16; }
 };
 constexpr int kTcMaxSide = 32767;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-PPMA_HOST_DEVICE TcTok tc_token(const TileDesc& t, int a, bool is_query, int cap_other, const float* crb,
+PPMA_HD TcTok tc_token(const TileDesc& t, int a, bool is_query, int cap_other, const float* crb,
                                 const float* ccb, int W) {
   const int aa = a < t.count ? a : t.count - 1;  // rows / columns beyond the tile: its last token (masked later)
   const int il = aa / t.ncols, jl = aa % t.ncols;
@@ -105,21 +105,21 @@ PPMA_HOST_DEVICE TcTok tc_token(const TileDesc& t, int a, bool is_query, int cap
 }
 
 // The two biases of query q and key k (log2 units), from the cross-table entries xq, xk.
-PPMA_HOST_DEVICE void tc_bias(const TcTok& q, const TcTok& k, float2 xq, float2 xk, float& m1, float& m2) {
+PPMA_HD void tc_bias(const TcTok& q, const TcTok& k, float2 xq, float2 xk, float& m1, float& m2) {
   const int qi = q.row(), qj = q.col(), kk = k.row(), kl = k.col();
-  m1 = segment_bias(q.cr, xq.x, qj, kl) + segment_bias(k.cc, xq.y, kk, qi);  // R_i(j,l) + C_l(i,k)
-  m2 = segment_bias(xk.x, k.cr, qj, kl) + segment_bias(q.cc, xk.y, qi, kk);  // R_k(j,l) + C_j(i,k)
+  m1 = line_bias(qj, kl, q.cr, xq.x) + line_bias(kk, qi, k.cc, xq.y);  // R_i(j,l) + C_l(i,k)
+  m2 = line_bias(qj, kl, xk.x, k.cr) + line_bias(qi, kk, q.cc, xk.y);  // R_k(j,l) + C_j(i,k)
 }
 
 // Cross tables of a (query tile, key tile) pair (log2 units); see the header comment.
-PPMA_HOST_DEVICE void tc_cross_entry_q(const TileDesc& tq, const TileDesc& tk, int cap_k, int e, const float* crb,
+PPMA_HD void tc_cross_entry_q(const TileDesc& tq, const TileDesc& tk, int cap_k, int e, const float* crb,
                                        const float* ccb, int W, int& idx, float2& v) {
   const int il = e / tk.ncols, ll = e % tk.ncols;
   const int64_t p = int64_t(tq.row0 + il) * W + tk.col0 + ll;
   idx = il * cap_k + ll;
   v = make_float2(crb[p] * kLog2e, ccb[p] * kLog2e);
 }
-PPMA_HOST_DEVICE void tc_cross_entry_k(const TileDesc& tq, const TileDesc& tk, int cap_q, int e, const float* crb,
+PPMA_HD void tc_cross_entry_k(const TileDesc& tq, const TileDesc& tk, int cap_q, int e, const float* crb,
                                        const float* ccb, int W, int& idx, float2& v) {
   const int kl = e / tq.ncols, jl = e % tq.ncols;
   const int64_t p = int64_t(tk.row0 + kl) * W + tq.col0 + jl;

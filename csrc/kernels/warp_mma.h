@@ -31,26 +31,26 @@
 namespace ppma {
 namespace mma {
 
-PPMA_HOST_DEVICE int c_row(int lane, int i) { return (lane >> 2) + ((i >> 1) << 3); }
-PPMA_HOST_DEVICE int c_col(int lane, int i) { return ((lane & 3) << 1) + (i & 1); }
-PPMA_HOST_DEVICE int a_row(int lane, int r) { return (lane >> 2) + ((r & 1) << 3); }
-PPMA_HOST_DEVICE int a_col(int lane, int r, int h) { return ((lane & 3) << 1) + h + ((r >> 1) << 3); }
-PPMA_HOST_DEVICE int b_row(int lane, int r, int h) { return ((lane & 3) << 1) + h + (r << 3); }
-PPMA_HOST_DEVICE int b_col(int lane) { return lane >> 2; }
+PPMA_HD int c_row(int lane, int i) { return (lane >> 2) + ((i >> 1) << 3); }
+PPMA_HD int c_col(int lane, int i) { return ((lane & 3) << 1) + (i & 1); }
+PPMA_HD int a_row(int lane, int r) { return (lane >> 2) + ((r & 1) << 3); }
+PPMA_HD int a_col(int lane, int r, int h) { return ((lane & 3) << 1) + h + ((r >> 1) << 3); }
+PPMA_HD int b_row(int lane, int r, int h) { return ((lane & 3) << 1) + h + (r << 3); }
+PPMA_HD int b_col(int lane) { return lane >> 2; }
 
-PPMA_HOST_DEVICE int ldsm_a_row(int lane) { return lane & 15; }
-PPMA_HOST_DEVICE int ldsm_a_col(int lane) { return (lane >> 4) << 3; }
-PPMA_HOST_DEVICE int ldsm_b_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
-PPMA_HOST_DEVICE int ldsm_b_col(int lane) { return ((lane >> 3) & 1) << 3; }
-PPMA_HOST_DEVICE int ldsm_bt_row(int lane) { return lane & 15; }
-PPMA_HOST_DEVICE int ldsm_bt_col(int lane) { return (lane >> 4) << 3; }
+PPMA_HD int ldsm_a_row(int lane) { return lane & 15; }
+PPMA_HD int ldsm_a_col(int lane) { return (lane >> 4) << 3; }
+PPMA_HD int ldsm_b_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+PPMA_HD int ldsm_b_col(int lane) { return ((lane >> 3) & 1) << 3; }
+PPMA_HD int ldsm_bt_row(int lane) { return lane & 15; }
+PPMA_HD int ldsm_bt_col(int lane) { return (lane >> 4) << 3; }
 
 // Two floats rounded to 16-bit T (__half or __nv_bfloat16), packed low | high << 16.
 template <typename T>
-PPMA_HOST_DEVICE uint32_t pack2(float lo, float hi);
+PPMA_HD uint32_t pack2(float lo, float hi);
 
 template <>
-PPMA_HOST_DEVICE uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+PPMA_HD uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
 #if defined(__CUDA_ARCH__)
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -64,7 +64,7 @@ PPMA_HOST_DEVICE uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
 }
 
 template <>
-PPMA_HOST_DEVICE uint32_t pack2<__half>(float lo, float hi) {
+PPMA_HD uint32_t pack2<__half>(float lo, float hi) {
 #if defined(__CUDA_ARCH__)
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
