@@ -265,7 +265,9 @@ def run_model(name, rel_config, data, args, pretrained_dir):
     t0 = time.time()
     with allow_checkpoint_globals():
         torch.manual_seed(0)
-        runner = build_runner(load_config(config, opts))
+        # mmengine keeps one visualizer per name for the process (ManagerMixin), bound to the first runner's
+        # work_dir; each runner gets its own, or a later model would write into a removed directory
+        runner = build_runner(load_config(config, {**opts, "visualizer.name": f"smoke_{name}"}))
         runner.train()
         losses = [float(v) for v in runner.message_hub.get_scalar("train/loss").data[0]]
         result["train_s"] = round(time.time() - t0, 1)
@@ -275,13 +277,14 @@ def run_model(name, rel_config, data, args, pretrained_dir):
         reloaded = from_official = None
         if args.checkpoint_checks == "all" or arch in args.checkpoint_checks.split(","):
             ckpt = find_latest_checkpoint(work_dir)
-            test_opts = {**opts, "work_dir": work_dir + "_test"}
+            test_opts = {**opts, "work_dir": work_dir + "_test", "visualizer.name": f"smoke_{name}_reload"}
             reloaded = build_runner(load_config(config, test_opts, checkpoint=ckpt)).test()
             official = os.path.join(work_dir, "official_layout.pth")
             _official_mm_checkpoint(ckpt, _classes(kind), official)
             converted = os.path.join(work_dir, "converted.pth")
             ppma_convert([official, converted])
-            from_official = build_runner(load_config(config, test_opts, checkpoint=converted)).test()
+            conv_opts = {**test_opts, "work_dir": work_dir + "_conv", "visualizer.name": f"smoke_{name}_converted"}
+            from_official = build_runner(load_config(config, conv_opts, checkpoint=converted)).test()
     gc.collect()
     n = max(1, len(losses) // 3)
     first, last = float(np.mean(losses[:n])), float(np.mean(losses[-n:]))
