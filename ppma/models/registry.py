@@ -37,7 +37,8 @@ def create_model(
             ``pretrained``.
         checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present, spec §5.2).
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
-            ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``layer_init_values``,
+            ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``attention`` (per stage, or one
+            string), ``mask``, ``mixer`` (per stage, or one string), ``layer_init_values``,
             ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is
             ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """
