@@ -96,6 +96,20 @@ def test_create_model_overrides_and_errors():
         create_model("ppma_tiny", impl="reference")
 
 
+def test_mixer_options_broadcast_and_errors():
+    """``attention`` / ``mixer`` take one string for every stage or one entry per stage; unknown names raise."""
+    cfg = create_model("ppma_tiny", attention="softmax", mixer=("attention",) * 4, **TINY_KW).cfg
+    assert cfg.attention == ("softmax",) * 4 and cfg.mixer == ("attention",) * 4 and cfg.mask == "polyline"
+    with pytest.raises(ValueError, match="attention: 'quadratic'"):
+        create_model("ppma_tiny", attention="quadratic")
+    with pytest.raises(ValueError, match="mixer: 'mlp'"):
+        create_model("ppma_tiny", mixer=("attention", "attention", "mlp", "attention"))
+    with pytest.raises(ValueError, match="mask: 'diagonal'"):
+        create_model("ppma_tiny", mask="diagonal")
+    with pytest.raises(ValueError, match="4 entries"):
+        create_model("ppma_tiny", attention=("softmax",) * 3)
+
+
 @pytest.mark.parametrize("impl", ["fused", "reference"])
 def test_empty_batch_and_empty_image(impl):
     """An empty batch gives empty logits and features with either implementation (fuzzing: the reference

@@ -25,7 +25,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ppma.nn import ClassifierHead, ConvStem, PatchMerging, PPMABlock, RotaryEmbedding2D
+from ppma.nn import (
+    ATTENTION_KINDS,
+    MASKS,
+    MIXERS,
+    ClassifierHead,
+    ConvStem,
+    PatchMerging,
+    PPMABlock,
+    RotaryEmbedding2D,
+)
 
 __all__ = ["PPMAConfig", "PPMA", "PPMAStage", "MODEL_CONFIGS", "ppma_tiny", "ppma_small", "ppma_base"]
 
@@ -41,6 +50,11 @@ class PPMAConfig:
         mlp_ratios: FFN expansion per stage.
         criss_cross: per stage, criss-cross ("chunk") attention if True, full ("whole") attention if False.
         layerscale: per stage, whether blocks use layer scale.
+        attention: per stage, what the attention computes (``ppma.nn.ATTENTION_KINDS``; ``"softmax"`` is the
+            official model). One string means every stage.
+        mask: the mask every attention applies (``ppma.nn.MASKS``; ``"polyline"`` is the official model).
+        mixer: per stage, the token mixer (``ppma.nn.MIXERS``; ``"attention"`` is the official model). One
+            string means every stage.
         layer_init_values: initial layer-scale value.
         drop_path_rate: stochastic depth, linearly increasing from 0 over all blocks.
         head_hidden_dim: width of the head's ``proj`` layer (1024).
@@ -57,6 +71,9 @@ class PPMAConfig:
     mlp_ratios: tuple[float, ...] = (3.0, 3.0, 3.0, 3.0)
     criss_cross: tuple[bool, ...] = (True, True, False, False)
     layerscale: tuple[bool, ...] = (False, False, False, False)
+    attention: tuple[str, ...] = ("softmax",) * 4
+    mask: str = "polyline"
+    mixer: tuple[str, ...] = ("attention",) * 4
     layer_init_values: float = 1e-6
     drop_path_rate: float = 0.1
     head_hidden_dim: int = 1024
@@ -65,7 +82,11 @@ class PPMAConfig:
     drop_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale"):
+        for name in ("attention", "mixer"):  # one string: every stage
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),) * 4)
+        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale", "attention",
+                     "mixer"):
             value = tuple(getattr(self, name))
             object.__setattr__(self, name, value)
             if len(value) != 4:
@@ -75,6 +96,12 @@ class PPMAConfig:
                 raise ValueError(
                     f"PPMAConfig: stage {s} embed_dim {c} must be divisible by num_heads {h} into an even head_dim"
                 )
+        for name, allowed in (("attention", ATTENTION_KINDS), ("mixer", MIXERS)):
+            bad = [v for v in getattr(self, name) if v not in allowed]
+            if bad:
+                raise ValueError(f"PPMAConfig.{name}: {bad[0]!r} is not one of {allowed}")
+        if self.mask not in MASKS:
+            raise ValueError(f"PPMAConfig.mask: {self.mask!r} is not one of {MASKS}")
 
 
 MODEL_CONFIGS: dict[str, PPMAConfig] = {
@@ -179,6 +206,9 @@ class PPMA(nn.Module):
                     downsample=s > 0,
                     mlp_ratio=cfg.mlp_ratios[s],
                     mode="criss_cross" if cfg.criss_cross[s] else "full",
+                    attention=cfg.attention[s],
+                    mask=cfg.mask,
+                    mixer=cfg.mixer[s],
                     layerscale=cfg.layerscale[s],
                     layer_init_values=cfg.layer_init_values,
                 )

@@ -43,7 +43,8 @@ def create_model(
             saved when the EMA accuracy peaks and the paper reports EMA accuracy, spec §5.2).
         revision: branch, tag or commit of the hub repository (default ``main``).
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
-            ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``layer_init_values``,
+            ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``attention`` (per stage, or one
+            string), ``mask``, ``mixer`` (per stage, or one string), ``layer_init_values``,
             ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is
             ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """

@@ -10,11 +10,15 @@ from ppma.nn.decay import PathDecay
 from ppma.nn.layers import DWConv2d
 from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
 
-__all__ = ["PPMAAttention", "MaskedAttentionOp", "ATTENTION_MODES"]
+__all__ = ["PPMAAttention", "MaskedAttentionOp", "ATTENTION_MODES", "ATTENTION_KINDS", "MASKS"]
 
 # mode -> the op it runs: "full" is the official "whole" mode, "criss_cross" the official "chunk" mode.
 _MODE_OPS = {"full": ops.polyline_attention, "criss_cross": ops.criss_cross_attention}
 ATTENTION_MODES = tuple(_MODE_OPS)
+# What the attention computes (docs/ops.md): "softmax" is PPMA's masked softmax attention (spec §3).
+ATTENTION_KINDS = ("softmax",)
+# Which mask the attention applies (docs/ops.md): "polyline" is the 2-D polyline path mask (spec §1).
+MASKS = ("polyline",)
 
 
 class MaskedAttentionOp(nn.Module):
@@ -58,15 +62,24 @@ class PPMAAttention(nn.Module):
         dim: channels ``C``.
         num_heads: heads; ``head_dim = C / num_heads``.
         mode: ``"full"`` or ``"criss_cross"``.
+        attention: what is computed, one of :data:`ATTENTION_KINDS` (``"softmax"``: the official PPMA).
+        mask: which mask is applied, one of :data:`MASKS` (``"polyline"``: the official PPMA).
     """
 
-    def __init__(self, dim: int, num_heads: int, mode: str = "full") -> None:
+    def __init__(
+        self, dim: int, num_heads: int, mode: str = "full", *, attention: str = "softmax", mask: str = "polyline"
+    ) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"PPMAAttention: dim ({dim}) must be divisible by num_heads ({num_heads})")
         if mode not in ATTENTION_MODES:
             raise ValueError(f"PPMAAttention: mode must be one of {ATTENTION_MODES}, got {mode!r}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"PPMAAttention: attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if mask not in MASKS:
+            raise ValueError(f"PPMAAttention: mask must be one of {MASKS}, got {mask!r}")
         self.dim, self.num_heads, self.head_dim, self.mode = dim, num_heads, dim // num_heads, mode
+        self.attention, self.mask = attention, mask
         self.scale = self.head_dim**-0.5
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
@@ -103,4 +116,6 @@ class PPMAAttention(nn.Module):
         return self.proj(out.reshape(B, H, W, C).to(v.dtype) + lepe)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, mode={self.mode!r}"
+        extra = "" if self.attention == "softmax" else f", attention={self.attention!r}"
+        extra += "" if self.mask == "polyline" else f", mask={self.mask!r}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, mode={self.mode!r}{extra}"

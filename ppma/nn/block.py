@@ -8,7 +8,10 @@ from torch import nn
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.layers import ConvFFN, DropPath, DWConv2d, LayerScale
 
-__all__ = ["PPMABlock"]
+__all__ = ["PPMABlock", "MIXERS"]
+
+# The token mixer of a block: "attention" is PPMAAttention (spec §3).
+MIXERS = ("attention",)
 
 
 class PPMABlock(nn.Module):
@@ -21,6 +24,9 @@ class PPMABlock(nn.Module):
         dim, num_heads: channels and heads.
         mlp_ratio: FFN hidden width is ``int(mlp_ratio * dim)``.
         mode: attention mode, ``"full"`` or ``"criss_cross"``.
+        attention, mask: what the attention computes and which mask it applies (see :class:`PPMAAttention`).
+        mixer: the token mixer, one of :data:`MIXERS` (``"attention"``: :class:`PPMAAttention`); it is the
+            ``attn`` child whichever it is.
         drop_path: stochastic depth rate of this block.
         layerscale: whether to use layer scale; ``layer_init_values`` is its initial value.
 
@@ -34,6 +40,9 @@ class PPMABlock(nn.Module):
         *,
         mlp_ratio: float = 3.0,
         mode: str = "full",
+        attention: str = "softmax",
+        mask: str = "polyline",
+        mixer: str = "attention",
         drop_path: float = 0.0,
         layerscale: bool = False,
         layer_init_values: float = 1e-6,
@@ -41,7 +50,9 @@ class PPMABlock(nn.Module):
         super().__init__()
         self.cpe = DWConv2d(dim, 3)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = PPMAAttention(dim, num_heads, mode=mode)
+        if mixer not in MIXERS:
+            raise ValueError(f"PPMABlock: mixer must be one of {MIXERS}, got {mixer!r}")
+        self.attn = PPMAAttention(dim, num_heads, mode=mode, attention=attention, mask=mask)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)

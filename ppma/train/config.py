@@ -46,8 +46,9 @@ class ModelConfig:
     # None: the variant's own rate (0.1 / 0.15 / 0.4 for T / S / B, spec §4.1).
     drop_path_rate: Optional[float] = None
     # Any keyword of ppma.create_model: embed_dims, depths, num_heads, mlp_ratios, criss_cross, layerscale,
-    # layer_init_values, in_chans (fused or reference ops: the --impl flag). Free-form (checked by the factory). `--set model.overrides={...}`
-    # replaces the whole mapping, `--set model.overrides.KEY=VALUE` one entry.
+    # attention, mask, mixer, layer_init_values, in_chans (fused or reference ops: the --impl flag). Free-form
+    # (checked by the factory). `--set model.overrides={...}` replaces the whole mapping,
+    # `--set model.overrides.KEY=VALUE` one entry.
     overrides: Dict[str, Any] = field(default_factory=dict)
     checkpoint_path: Optional[str] = None  # initial weights (e.g. converted official ones)
 
