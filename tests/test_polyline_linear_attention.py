@@ -142,3 +142,81 @@ class TestPolylineLinearAttention(OpTests):
         with pytest.raises(RuntimeError, match="stats must have shape"):
             torch.ops.ppma.polyline_linear_attention_backward(out, q, k, v, la, lb, stats, False, 1e-6)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The backbone option: attention="linear" (PPMAAttention, PPMAConfig, timm, mmengine)
+# ------------------------------------------------------------------------------------------------
+
+TINY_KW = dict(embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4))
+
+
+@pytest.mark.parametrize("mode", ["full", "criss_cross"])
+def test_linear_attention_module(mode, monkeypatch):
+    """Same parameters as the softmax attention; the output is the op on elu+1 features of the module's
+    rotated q and scaled, rotated k, in either mode (a linear layer always attends over the whole map)."""
+    from ppma.nn import PPMAAttention
+    from ppma.nn.attention import LinearAttentionOp
+
+    torch.manual_seed(0)
+    soft = PPMAAttention(32, 2, mode)
+    lin = PPMAAttention(32, 2, mode, attention="linear")
+    assert isinstance(lin.attn_op, LinearAttentionOp) and "attention='linear'" in repr(lin)
+    assert [(n, p.shape) for n, p in soft.named_parameters()] == [(n, p.shape) for n, p in lin.named_parameters()]
+    lin.load_state_dict(soft.state_dict())
+    seen = {}
+    lin.attn_op.register_forward_hook(lambda m, args, out: seen.update(args=args, out=out))
+    x = torch.randn(2, 5, 7, 32)
+    y = lin(x)
+    q, k, v, la, lb = seen["args"]
+    phi = lambda t: torch.nn.functional.elu(t) + 1  # noqa: E731
+    torch.testing.assert_close(seen["out"], polyline_linear_attention_ref(phi(q), phi(k), v, la, lb))
+    y.square().sum().backward()
+    assert all(p.grad is not None for p in lin.parameters())
+    import ppma.nn.attention
+
+    monkeypatch.setattr(ppma.nn.attention, "MASKS", ("polyline", "other"))  # an ablation mask (issue 11)
+    PPMAAttention(32, 2, mode, mask="other")
+    with pytest.raises(ValueError, match="attention='linear' supports mask='polyline' only"):
+        PPMAAttention(32, 2, mode, attention="linear", mask="other")
+
+
+def test_model_with_linear_stages():
+    """``create_model(..., attention=...)`` per stage: PPMA-T's parameter count is unchanged, fused == reference
+    forward and gradients, and one string sets every stage."""
+    import ppma
+
+    full = ppma.create_model("ppma_tiny", attention=("softmax", "softmax", "linear", "linear"), num_classes=1000)
+    assert sum(p.numel() for p in full.parameters()) == 14_335_272
+    torch.manual_seed(0)
+    model = ppma.create_model("ppma_tiny", num_classes=10, attention="linear", **TINY_KW)
+    assert model.cfg.attention == ("linear",) * 4
+    x = torch.randn(2, 3, 64, 80)
+    out = model(x)
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with ppma.ops.use_impl("reference"):
+        ref = model(x)
+        ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_timm_and_mmengine_accept_linear_attention():
+    timm = pytest.importorskip("timm")
+    import ppma.models  # noqa: F401  (registers the models)
+
+    m = timm.create_model("ppma_tiny", num_classes=3, attention=["softmax", "softmax", "linear", "linear"], **TINY_KW)
+    assert m.cfg.attention == ("softmax", "softmax", "linear", "linear")
+    assert m(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+    pytest.importorskip("mmengine")
+    from mmengine.registry import MODELS
+
+    import ppma.models.mm  # noqa: F401
+
+    bb = MODELS.build(dict(type="PPMA", arch="tiny", attention="linear", drop_path_rate=0.0, **TINY_KW)).eval()
+    with torch.no_grad():
+        outs = bb(torch.randn(1, 3, 64, 96))
+    assert bb.cfg.attention == ("linear",) * 4 and [o.shape[1] for o in outs] == [32, 64, 96, 128]
