@@ -382,7 +382,8 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cpu(const at::Tenso
           Contract<T> c{d, C};
           c.a = qd + bg * N * d;
           c.out_a = nd + (dir * BG + bg) * N * C;
-          masked_scan(g, X, dir == 1, c, s);
+          // The loops above vectorise to the lane width with_lanes() picks (AVX + FMA where the CPU has them).
+          with_lanes([&](auto) { masked_scan(g, X, dir == 1, c, s); });
         });
   });
   at::Tensor stats, out;
@@ -433,9 +434,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     const T *ead = ea.data_ptr<T>(), *ebd = eb.data_ptr<T>();
     T *dqd = dq.data_ptr<T>(), *dkd = dk.data_ptr<T>(), *dvd = dvp.data_ptr<T>();
     T *gcrd = gcr.data_ptr<T>(), *gccd = gcc.data_ptr<T>();
-    parallel_tasks(
-        BG, [&] { return make_scratch<T>(W, d * C); },
-        [&](int64_t bg, Scratch<T>& s) {
+    auto backward_task = [&](int64_t bg, Scratch<T>& s) {
           const Grid<T> g{H, W, ead + bg * N, ebd + bg * N};
           const T* qb = qd + bg * N * d;
           const T* kb = kd + bg * N * d;
@@ -461,7 +460,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
           }
           mask_grads(g, Outer<T>{qb, d, do1, C}, KV, gcrd + bg * N, gccd + bg * N, s);
           mask_grads(g, KV, Outer<T>{qb, d, do2, C}, gcrd + bg * N, gccd + bg * N, s);
-        });
+    };
+    parallel_tasks(
+        BG, [&] { return make_scratch<T>(W, d * C); },
+        [&](int64_t bg, Scratch<T>& s) { with_lanes([&](auto) { backward_task(bg, s); }); });
   });
   // Log-decay gradients: reverse cumsums of the prefix-sum gradients along rows / columns; index 0 gets 0.
   at::Tensor gla = gcr.view({B, G, H, W}).flip(3).cumsum(3).flip(3);
