@@ -131,7 +131,7 @@ def run_linear(a, repeat: int, warmup: int, cases) -> list:
     for case in cases:
         impls = list(LINEAR_IMPLS) if case["level"] == "linear_op" else list(MODEL_IMPLS)
         for backward in (False, True):
-            row = dict(case=f"{case['level']} {case['where']}", pass_="fwd+bwd" if backward else "fwd", **case)
+            row = dict(case=label(case), pass_="fwd+bwd" if backward else "fwd", **case)
             for impl in impls:
                 if linear_skip(case, impl, limit):
                     row[impl] = None
@@ -176,6 +176,8 @@ def ref_bytes(case) -> int:
 
 
 def label(case) -> str:
+    if case["level"] in ("linear_op", "model"):
+        return f"{case['level']} {case['where']}"
     if case["level"] == "op":
         return f"{case['op']} {case['where']} B{case['B']} {case['H']}x{case['W']} h{case['G']} d{case['d']}"
     return f"layer {case['mode']} {case['where']} B{case['B']} {case['H']}x{case['W']} C{case['C']} h{case['G']}"
@@ -200,7 +202,7 @@ def build(case, impl: str, backward: bool):
         run = lambda: fn(*args)  # noqa: E731
     elif case["level"] == "model":
         torch.manual_seed(0)
-        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, attention=MODEL_IMPLS[impl])
+        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, attention=MODEL_IMPLS[impl]).eval()
         x = torch.randn(B, 3, H, W, generator=g)
         args = list(model.parameters())
         if not backward:
@@ -283,7 +285,7 @@ def _child(spec):
     case, impl, backward = spec["case"], spec["impl"], spec["bwd"]
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    tiny = dict(case, B=1, H=2, W=2)
+    tiny = dict(case, B=1, H=32, W=32) if case["level"] == "model" else dict(case, B=1, H=2, W=2)
     build(tiny, impl, backward)()  # load kernels, thread pools
     f = build(case, impl, backward)
     try:
