@@ -38,7 +38,8 @@ namespace cpu {
 namespace {
 
 // The decays of one (batch, head) grid, as multipliers: ea[p] = exp(log_alpha) on the edge (i, j-1)-(i, j),
-// eb[p] = exp(log_beta) on the edge (i-1, j)-(i, j) (floored log-decays). ea at column 0 and eb at row 0 are never read.
+// eb[p] = exp(log_beta) on the edge (i-1, j)-(i, j) (floored log-decays). ea at column 0 and eb at row 0 are
+// never read.
 template <typename T>
 struct Grid {
   int64_t H, W;
@@ -435,31 +436,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     T *dqd = dq.data_ptr<T>(), *dkd = dk.data_ptr<T>(), *dvd = dvp.data_ptr<T>();
     T *gcrd = gcr.data_ptr<T>(), *gccd = gcc.data_ptr<T>();
     auto backward_task = [&](int64_t bg, Scratch<T>& s) {
-          const Grid<T> g{H, W, ead + bg * N, ebd + bg * N};
-          const T* qb = qd + bg * N * d;
-          const T* kb = kd + bg * N * d;
-          const T* vb = vd + bg * N * C;
-          const T* do1 = dod + bg * N * C;         // V2H
-          const T* do2 = dod + (BG + bg) * N * C;  // H2V
-          const Outer<T> KV{kb, d, vb, C};
-          // dq_p = T_L(k, v')_p dO'1_p + T_{L^T}(k, v')_p dO'2_p
-          for (int dir = 0; dir < 2; ++dir) {
-            Contract<T> c{d, C};
-            c.b = dir == 0 ? do1 : do2;
-            c.out_b = dqd + bg * N * d;
-            masked_scan(g, KV, dir == 1, c, s);
-          }
-          // dk_s = T_s v'_s and dv'_s = T_s^T k_s, T = T_{L^T}(q, dO'1) + T_L(q, dO'2)
-          for (int dir = 0; dir < 2; ++dir) {
-            Contract<T> c{d, C};
-            c.a = kb;
-            c.out_a = dvd + bg * N * C;
-            c.b = vb;
-            c.out_b = dkd + bg * N * d;
-            masked_scan(g, Outer<T>{qb, d, dir == 0 ? do1 : do2, C}, dir == 0, c, s);
-          }
-          mask_grads(g, Outer<T>{qb, d, do1, C}, KV, gcrd + bg * N, gccd + bg * N, s);
-          mask_grads(g, KV, Outer<T>{qb, d, do2, C}, gcrd + bg * N, gccd + bg * N, s);
+      const Grid<T> g{H, W, ead + bg * N, ebd + bg * N};
+      const T* qb = qd + bg * N * d;
+      const T* kb = kd + bg * N * d;
+      const T* vb = vd + bg * N * C;
+      const T* do1 = dod + bg * N * C;         // V2H
+      const T* do2 = dod + (BG + bg) * N * C;  // H2V
+      const Outer<T> KV{kb, d, vb, C};
+      // dq_p = T_L(k, v')_p dO'1_p + T_{L^T}(k, v')_p dO'2_p
+      for (int dir = 0; dir < 2; ++dir) {
+        Contract<T> c{d, C};
+        c.b = dir == 0 ? do1 : do2;
+        c.out_b = dqd + bg * N * d;
+        masked_scan(g, KV, dir == 1, c, s);
+      }
+      // dk_s = T_s v'_s and dv'_s = T_s^T k_s, T = T_{L^T}(q, dO'1) + T_L(q, dO'2)
+      for (int dir = 0; dir < 2; ++dir) {
+        Contract<T> c{d, C};
+        c.a = kb;
+        c.out_a = dvd + bg * N * C;
+        c.b = vb;
+        c.out_b = dkd + bg * N * d;
+        masked_scan(g, Outer<T>{qb, d, dir == 0 ? do1 : do2, C}, dir == 0, c, s);
+      }
+      mask_grads(g, Outer<T>{qb, d, do1, C}, KV, gcrd + bg * N, gccd + bg * N, s);
+      mask_grads(g, KV, Outer<T>{qb, d, do2, C}, gcrd + bg * N, gccd + bg * N, s);
     };
     parallel_tasks(
         BG, [&] { return make_scratch<T>(W, d * C); },
