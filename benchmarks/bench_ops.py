@@ -15,7 +15,12 @@ tensors, temporaries), including allocator overheads; it is honest for CPU where
 statistics. Cases whose dense reference would need more than ``--ref-limit-gib`` (16 GiB by default) are
 not run for the reference (marked "skipped" in the table).
 
-Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all] [--cases substr ...] [--threads N]``.
+* ``linear`` (not part of ``all``): ``polyline_linear_attention`` (PPMLA, O(N)) against the full
+  ``polyline_attention`` and against its dense reference at 32x32 .. 128x128 tokens (d = dv = 32), with the
+  time / memory growth from 64x64 to 128x128 tokens; and PPMA-T with linear attention in stages 3-4 against the
+  standard PPMA-T (forward+backward, batch 1) at 512x512, 1024x1024 and 1333x800 (padded to 1344x800) inputs.
+
+Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all|linear] [--cases substr ...] [--threads N]``.
 Results go to ``benchmarks/results/`` as markdown and JSON, with the machine and torch version.
 """
 
@@ -94,6 +99,73 @@ def layer_cases(quick: bool):
     return cases
 
 
+# --level linear: the implementations compared (the first is "ours") and their cases.
+LINEAR_IMPLS = {
+    "linear": lambda *a: ppma.ops.polyline_linear_attention(*a),
+    "full": lambda *a: ppma.ops.polyline_attention(*a),
+    "dense": lambda *a: reference.polyline_linear_attention_ref(*a),
+}
+MODEL_IMPLS = {"linear34": ("softmax", "softmax", "linear", "linear"), "standard": ("softmax",) * 4}
+
+
+def linear_cases(quick: bool):
+    sides = (64, 128) if quick else (32, 64, 96, 128)
+    cases = [dict(level="linear_op", B=1, H=n, W=n, G=2, d=32, where=f"{n}x{n} tokens") for n in sides]
+    sizes = {"512": (512, 512), "1024": (1024, 1024), "1333x800": (800, 1344)}
+    for res in ("1024",) if quick else ("512", "1024", "1333x800"):
+        h, w = sizes[res]
+        cases.append(dict(level="model", B=1, H=h, W=w, G=0, where=f"PPMA-T@{res}"))
+    return cases
+
+
+def linear_skip(case, impl: str, limit: float) -> bool:
+    """The dense reference builds several N x N tensors per head: skip it beyond the memory limit."""
+    return impl == "dense" and 12 * 4 * case["B"] * case["G"] * (case["H"] * case["W"]) ** 2 > limit
+
+
+def run_linear(a, repeat: int, warmup: int, cases) -> list:
+    """``--level linear``: every implementation of each case, forward and forward+backward; ratios other / ours,
+    and for the op the growth of our time and memory from each size to the next."""
+    rows = []
+    limit = a.ref_limit_gib * 2**30
+    for case in cases:
+        impls = list(LINEAR_IMPLS) if case["level"] == "linear_op" else list(MODEL_IMPLS)
+        for backward in (False, True):
+            row = dict(case=label(case), pass_="fwd+bwd" if backward else "fwd", **case)
+            for impl in impls:
+                if linear_skip(case, impl, limit):
+                    row[impl] = None
+                    continue
+                t, tmin = time_case(case, impl, backward, warmup, repeat)
+                m = None if a.no_memory else child_peak(case, impl, backward)
+                row[impl] = dict(time_s=t, min_time_s=tmin, peak_mib=m)
+            ours = row[impls[0]]
+            parts = [f"{row['case']:<32} {row['pass_']:<8}"]
+            for impl in impls:
+                r = row[impl]
+                if r is None:
+                    parts.append(f"{impl} skipped (dense > limit)")
+                    continue
+                txt = f"{impl} {r['time_s'] * 1e3:9.1f} ms {_fmt(r['peak_mib'], '8.1f')} MiB"
+                if impl != impls[0]:
+                    mem = r["peak_mib"] / max(ours["peak_mib"], 1e-3) if r["peak_mib"] and ours["peak_mib"] else None
+                    txt += f" (x{r['time_s'] / ours['time_s']:.2f} time, x{_fmt(mem, '.2f')} mem)"
+                parts.append(txt)
+            print(" | ".join(parts), flush=True)
+            rows.append(row)
+    # growth of the op with the number of tokens
+    ops = [r for r in rows if r["level"] == "linear_op"]
+    for backward in ("fwd", "fwd+bwd"):
+        seq = [r for r in ops if r["pass_"] == backward]
+        for r0, r1 in zip(seq, seq[1:]):
+            f0, f1 = r0["linear"], r1["linear"]
+            tok = (r1["H"] * r1["W"]) / (r0["H"] * r0["W"])
+            mem = f1["peak_mib"] / f0["peak_mib"] if f0["peak_mib"] and f1["peak_mib"] else None
+            print(f"growth {r0['where']} -> {r1['where']} ({backward}): x{tok:.2f} tokens, "
+                  f"x{f1['time_s'] / f0['time_s']:.2f} time, x{_fmt(mem, '.2f')} peak memory", flush=True)
+    return rows
+
+
 def ref_bytes(case) -> int:
     """Rough peak of the dense reference for fwd+bwd: ~8 live fp32 score-sized tensors."""
     B, H, W = case["B"], case["H"], case["W"]
@@ -104,6 +176,8 @@ def ref_bytes(case) -> int:
 
 
 def label(case) -> str:
+    if case["level"] in ("linear_op", "model"):
+        return f"{case['level']} {case['where']}"
     if case["level"] == "op":
         return f"{case['op']} {case['where']} B{case['B']} {case['H']}x{case['W']} h{case['G']} d{case['d']}"
     return f"layer {case['mode']} {case['where']} B{case['B']} {case['H']}x{case['W']} C{case['C']} h{case['G']}"
@@ -118,7 +192,23 @@ def build(case, impl: str, backward: bool):
     """Returns a zero-argument callable running the pass once."""
     g = torch.Generator().manual_seed(0)
     B, H, W, G = case["B"], case["H"], case["W"], case["G"]
-    if case["level"] == "op":
+    if case["level"] == "linear_op":
+        d = case["d"]
+        q, k, v = (torch.randn(B, H, W, G, d, generator=g) for _ in range(3))
+        q, k = q.abs(), k.abs()  # PPMLA takes non-negative features
+        la, lb = (-0.1 * torch.rand(B, H, W, G, generator=g) for _ in range(2))
+        args = [t.requires_grad_(backward) for t in (q, k, v, la, lb)]
+        fn = LINEAR_IMPLS[impl]
+        run = lambda: fn(*args)  # noqa: E731
+    elif case["level"] == "model":
+        torch.manual_seed(0)
+        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, attention=MODEL_IMPLS[impl]).eval()
+        x = torch.randn(B, 3, H, W, generator=g)
+        args = list(model.parameters())
+        if not backward:
+            model.requires_grad_(False)
+        run = lambda: model(x)  # noqa: E731
+    elif case["level"] == "op":
         d = case["d"]
         q, k, v = (torch.randn(B, H, W, G, d, generator=g) for _ in range(3))
         la, lb = (-0.1 * torch.rand(B, H, W, G, generator=g) for _ in range(2))
@@ -195,7 +285,7 @@ def _child(spec):
     case, impl, backward = spec["case"], spec["impl"], spec["bwd"]
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    tiny = dict(case, B=1, H=2, W=2)
+    tiny = dict(case, B=1, H=32, W=32) if case["level"] == "model" else dict(case, B=1, H=2, W=2)
     build(tiny, impl, backward)()  # load kernels, thread pools
     f = build(case, impl, backward)
     try:
@@ -236,7 +326,7 @@ def machine_info():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="few cases and repeats (2-core machines)")
-    p.add_argument("--level", choices=["op", "layer", "all"], default="all")
+    p.add_argument("--level", choices=["op", "layer", "all", "linear"], default="all")
     p.add_argument("--cases", nargs="*", default=None, help="only cases whose label contains one of these")
     p.add_argument("--batch", type=int, default=1, help="batch of the op-level cases")
     p.add_argument("--repeat", type=int, default=None)
@@ -270,6 +360,17 @@ def main(argv=None):
         if a.quick:  # one case per (op, resolution family) shape class is enough
             ocs = [c for c in ocs if c["where"].endswith("@224") or c["where"].endswith("@512")]
         cases += ocs
+    if a.level == "linear":
+        cases = linear_cases(a.quick)
+        if a.cases:
+            cases = [c for c in cases if any(s in c["where"] for s in a.cases)]
+        rows = run_linear(a, repeat, warmup, cases)
+        os.makedirs(a.out, exist_ok=True)
+        base = os.path.join(a.out, f"linear_{a.tag}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        with open(base + ".json", "w") as fh:
+            json.dump(dict(machine=machine_info(), repeat=repeat, quick=a.quick, rows=rows), fh, indent=1)
+        print(f"wrote {base}.json")
+        return
     if a.cases:
         cases = [c for c in cases if any(s in label(c) for s in a.cases)]
 

@@ -8,6 +8,9 @@
 //   polyline_attention:    [..., 0] for softmax(S + M) (V2H), [..., 1] for softmax(S + M^T) (H2V)
 //   criss_cross_attention: [..., 0] for the row softmax,  [..., 1] for the column softmax
 // out_v2h: softmax(S + M) v (the V2H term alone), kept for the backward pass.
+// polyline_linear_attention stats: [B, H, W, heads, 2, C] in the accumulation dtype, [..., 0, :] for the V2H
+//   and [..., 1, :] for the H2V term: normalize=True: (term / (den + eps), den + eps) with C = dv + 1;
+//   normalize=False: the unnormalised term, C = dv.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -33,6 +36,13 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "criss_cross_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
       " Tensor log_beta, Tensor lse, float scale)"
+      " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
+  m.def(
+      "polyline_linear_attention(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, bool normalize,"
+      " float eps) -> (Tensor out, Tensor stats)");
+  m.def(
+      "polyline_linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
+      " Tensor log_beta, Tensor stats, bool normalize, float eps)"
       " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
   m.def("polyline_scan(Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose) -> Tensor");
   m.def(

@@ -10,13 +10,14 @@ from ppma.nn.decay import PathDecay
 from ppma.nn.layers import DWConv2d
 from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
 
-__all__ = ["PPMAAttention", "MaskedAttentionOp", "ATTENTION_MODES", "ATTENTION_KINDS", "MASKS"]
+__all__ = ["PPMAAttention", "MaskedAttentionOp", "LinearAttentionOp", "ATTENTION_MODES", "ATTENTION_KINDS", "MASKS"]
 
 # mode -> the op it runs: "full" is the official "whole" mode, "criss_cross" the official "chunk" mode.
 _MODE_OPS = {"full": ops.polyline_attention, "criss_cross": ops.criss_cross_attention}
 ATTENTION_MODES = tuple(_MODE_OPS)
-# What the attention computes (docs/ops.md): "softmax" is PPMA's masked softmax attention (spec §3).
-ATTENTION_KINDS = ("softmax",)
+# What the attention computes (docs/ops.md): "softmax" is PPMA's masked softmax attention (spec §3); "linear"
+# the polyline masked linear attention PPMLA (spec §2 A.7), O(N) over the whole map whatever the mode.
+ATTENTION_KINDS = ("softmax", "linear")
 # Which mask the attention applies (docs/ops.md): "polyline" is the 2-D polyline path mask (spec §1).
 MASKS = ("polyline",)
 
@@ -45,6 +46,22 @@ class MaskedAttentionOp(nn.Module):
         return f"mode={self.mode!r}, scale={self.scale}"
 
 
+class LinearAttentionOp(nn.Module):
+    """The polyline masked linear attention (PPMLA, spec §2 A.7) of a ``attention="linear"`` layer as a module
+    without parameters: ``forward(q, k, v, log_alpha, log_beta)`` maps ``q`` and ``k`` to non-negative features
+    with ``elu(x) + 1`` and runs ``ppma.ops.polyline_linear_attention`` (normalised) over all tokens.
+
+    Shapes as in :class:`MaskedAttentionOp`. The feature map is applied to what the module gives it, i.e. after
+    ``k`` is scaled by ``d**-0.5`` and after RoPE: RoPE rotates signed features, so it must come before the map
+    that makes them non-negative (``A = q k^T`` must stay >= 0 for the normaliser), and with the scaled ``k``,
+    ``phi(q) . phi(k) ~ |phi(q)|_1 + phi(q) . k`` is a first-order stand-in for the softmax weight.
+    """
+
+    def forward(self, q, k, v, log_alpha, log_beta) -> torch.Tensor:
+        q, k = nn.functional.elu(q) + 1, nn.functional.elu(k) + 1
+        return ops.polyline_linear_attention(q, k, v, log_alpha, log_beta)
+
+
 class PPMAAttention(nn.Module):
     """Polyline path masked attention (spec §3.2-§3.4).
 
@@ -54,6 +71,9 @@ class PPMAAttention(nn.Module):
     * ``mode="full"`` (official "whole"): ``0.5 softmax(S + M) v + 0.5 softmax(S + M^T) v`` over all tokens;
     * ``mode="criss_cross"`` (official "chunk"): ``0.5 B(A v) + 0.5 A(B v)`` with masked row attention
       ``A`` and column attention ``B``;
+    * ``attention="linear"`` (either mode: it is O(N) over the whole map, so ``mode`` is ignored):
+      ``ppma.ops.polyline_linear_attention`` of ``elu(q) + 1`` and ``elu(k) + 1`` (:class:`LinearAttentionOp`),
+      with the same parameters as the softmax attention;
 
     and ``out = proj(attn + lepe)``. The operator runs in the child ``attn_op`` (a :class:`MaskedAttentionOp`
     with scale 1, since ``k`` is already scaled); ``ppma.ops.set_impl`` picks fused kernels or the reference.
@@ -62,7 +82,8 @@ class PPMAAttention(nn.Module):
         dim: channels ``C``.
         num_heads: heads; ``head_dim = C / num_heads``.
         mode: ``"full"`` or ``"criss_cross"``.
-        attention: what is computed, one of :data:`ATTENTION_KINDS` (``"softmax"``: the official PPMA).
+        attention: what is computed, one of :data:`ATTENTION_KINDS` (``"softmax"``: the official PPMA;
+            ``"linear"``: PPMLA, which supports ``mask="polyline"`` only).
         mask: which mask is applied, one of :data:`MASKS` (``"polyline"``: the official PPMA).
     """
 
@@ -87,7 +108,12 @@ class PPMAAttention(nn.Module):
         self.lepe = DWConv2d(dim, 5)
         self.decay = PathDecay(dim, num_heads)
         self.proj = nn.Linear(dim, dim)
-        self.attn_op = MaskedAttentionOp(mode, scale=1.0)
+        if attention == "linear":
+            if mask != "polyline":
+                raise ValueError(f"PPMAAttention: attention='linear' supports mask='polyline' only, got {mask!r}")
+            self.attn_op = LinearAttentionOp()
+        else:
+            self.attn_op = MaskedAttentionOp(mode, scale=1.0)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]`` (already normalised) -> ``[B, H, W, C]``.

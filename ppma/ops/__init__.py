@@ -12,12 +12,14 @@ The one fused/reference switch of the package lives here: ``set_impl("fused" | "
 from ppma.ops._dispatch import IMPLS, get_impl, set_check_decays, set_impl, use_impl
 from ppma.ops.criss_cross_attention import criss_cross_attention
 from ppma.ops.polyline_attention import polyline_attention
+from ppma.ops.polyline_linear_attention import polyline_linear_attention
 from ppma.ops.polyline_scan import polyline_scan
 from ppma.ops import reference
 
 __all__ = [
     "polyline_attention",
     "criss_cross_attention",
+    "polyline_linear_attention",
     "polyline_scan",
     "reference",
     "IMPLS",

@@ -117,6 +117,16 @@ def check_transpose(op: str, transpose) -> None:
         raise TypeError(f"{op}: transpose must be a bool, got {type(transpose).__name__} {transpose!r}")
 
 
+def check_linear_options(op: str, normalize, eps) -> None:
+    """``normalize`` a bool and ``eps`` a finite number >= 0 (the options of polyline_linear_attention)."""
+    if not isinstance(normalize, bool):
+        raise TypeError(f"{op}: normalize must be a bool, got {type(normalize).__name__} {normalize!r}")
+    if isinstance(eps, (bool, str, bytes)) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__} {eps!r}")
+    if not (eps >= 0.0 and eps < float("inf")):
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps!r}")
+
+
 def resolve_scale(op: str, scale, head_dim: int) -> float:
     """The logit scale as a Python float: ``head_dim ** -0.5`` when ``scale`` is None. A 0-dim tensor is
     read with ``float()`` (no gradient flows to it)."""

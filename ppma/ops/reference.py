@@ -34,6 +34,7 @@ from ppma.ops._validate import (
     LOG_DECAY_FLOOR,
     check_attention_shapes,
     check_decay_values,
+    check_linear_options,
     check_scan_shapes,
     check_transpose,
     resolve_scale,
@@ -49,6 +50,7 @@ __all__ = [
     "polyline_mask",
     "polyline_attention_ref",
     "criss_cross_attention_ref",
+    "polyline_linear_attention_ref",
     "polyline_scan_ref",
     "scan_1d_ref",
 ]
@@ -222,6 +224,47 @@ def criss_cross_attention_ref(
     out2 = A @ z2.transpose(2, 3)  # ... then rows: V2H, [B, G, H, W, dv]
     out = 0.5 * out1.transpose(2, 3) + 0.5 * out2
     return out.permute(0, 2, 3, 1, 4).to(out_dtype)
+
+
+def polyline_linear_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Polyline path masked linear attention, PPMLA (spec §2, Theorem 3 and A.7; docs/ops.md), dense.
+
+    Per batch and head, with ``q, k`` already non-negative features (the caller maps them), ``A = q k^T``
+    (no scale) and ``L = exp(M)`` the V2H polyline mask (``L^T`` the H2V mask)::
+
+        normalize=True:  out = 0.5 (A*L) v / ((A*L) 1 + eps) + 0.5 (A*L^T) v / ((A*L^T) 1 + eps)
+        normalize=False: out = 0.5 (A*L) v + 0.5 (A*L^T) v
+
+    (``*`` elementwise, the division per query row). Shapes: ``q, k [B, H, W, heads, d]``,
+    ``v [B, H, W, heads, dv]``, ``log_alpha, log_beta [B, H, W, heads]`` -> ``[B, H, W, heads, dv]``.
+    Builds the ``N x N`` matrices: the oracle of the linear-time kernels.
+    """
+    op = "polyline_linear_attention_ref"
+    check_attention_shapes(op, q, k, v, log_alpha, log_beta)
+    check_linear_options(op, normalize, eps)
+    check_decay_values(op, log_alpha, log_beta)
+    B, H, W, G, D = q.shape
+    ct, dv = _compute_dtype(q), v.shape[-1]
+    qf = q.to(ct).reshape(B, H * W, G, D).transpose(1, 2)  # [B, G, N, d]
+    kf = k.to(ct).reshape(B, H * W, G, D).transpose(1, 2)
+    vf = v.to(ct).reshape(B, H * W, G, dv).transpose(1, 2)
+    A = qf @ kf.transpose(-1, -2)
+    L = polyline_mask(log_alpha.to(ct), log_beta.to(ct))
+    out = 0
+    for P in (A * L, A * L.transpose(-1, -2)):  # V2H, then H2V
+        term = P @ vf
+        if normalize:
+            term = term / (P.sum(-1, keepdim=True) + eps)
+        out = out + 0.5 * term
+    return out.transpose(1, 2).reshape(B, H, W, G, dv).to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
