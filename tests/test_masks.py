@@ -232,3 +232,15 @@ def test_bad_mask_named():
         PPMAAttention(32, 2, mask="diagonal")
     with pytest.raises(ValueError, match="mask must be one of"):
         masked_attention("diagonal", "full", *make_attention_inputs((1, 2, 2, 1, 4, 4)), 1.0)
+
+
+def test_mask_and_mixer_through_create_model_and_timm():
+    """``mask`` and ``mixer`` reach every block from ``ppma.create_model`` and from timm's registry."""
+    kw = dict(depths=(1, 1, 1, 1), mask="cross_scan", mixer=("attention", "padre", "attention", "attention"))
+    models = [ppma.create_model("ppma_tiny", **kw)]
+    timm = pytest.importorskip("timm")
+    models.append(timm.create_model("ppma_tiny", **kw))
+    for model in models:
+        blocks = [s.blocks[0].attn for s in model.stages]
+        assert [type(b).__name__ for b in blocks] == ["PPMAAttention", "PADReMixer", "PPMAAttention", "PPMAAttention"]
+        assert all(b.mask == "cross_scan" for b in blocks if isinstance(b, PPMAAttention))
