@@ -71,22 +71,28 @@ def rmt_log_gammas(num_heads: int, initial_value: float, heads_range: float) -> 
 class ConstantDecay(nn.Module):
     """Log-decays that do not depend on the input: ``log_gamma[h]`` for every token of head ``h``.
 
-    ``mask="none"`` uses zeros, ``mask="manhattan"`` RMT's ``log g_h`` (:func:`rmt_log_gammas`). The values
-    are a non-persistent buffer: no parameters and no state-dict entries. ``forward(x: [B, H, W, C])`` returns
-    ``(log_gamma, log_gamma)``, each ``[B, H, W, heads]`` in fp32 (fp64 for fp64 ``x``).
+    ``mask="none"`` uses zeros, ``mask="manhattan"`` RMT's ``log g_h`` (:func:`rmt_log_gammas`). The values are
+    kept as Python floats, not as a parameter or buffer: no state-dict entries, and ``model.half()`` cannot round
+    them. ``forward(x: [B, H, W, C])`` returns ``(log_gamma, log_gamma)``, each ``[B, H, W, heads]`` in fp32 (fp64
+    for fp64 ``x``), like :class:`PathDecay`.
     """
 
     def __init__(self, log_gamma: torch.Tensor) -> None:
         super().__init__()
-        self.register_buffer("log_gamma", log_gamma.to(torch.float64), persistent=False)
+        self.values = tuple(float(g) for g in log_gamma)
+
+    @property
+    def log_gamma(self) -> torch.Tensor:
+        """``[heads]`` float64."""
+        return torch.tensor(self.values, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        d = self.log_gamma.to(ct).expand(*x.shape[:3], -1).contiguous()
+        d = torch.tensor(self.values, dtype=ct, device=x.device).expand(*x.shape[:3], -1).contiguous()
         return d, d
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.log_gamma.numel()}"
+        return f"num_heads={len(self.values)}"
 
 
 class SharedDecay(PathDecay):
