@@ -112,6 +112,24 @@ def update_readme(text: str, path: str) -> bool:
     return True
 
 
+def write_outputs(rows: list[dict], meta: dict, args, done: bool) -> str:
+    """Write the table (``.md``, ``.json``, the README) of the rows so far; a partial run says so."""
+    text = table(rows, meta)
+    if not done:
+        missing = [v for v in args.variants if v not in {r["variant"] for r in rows}]
+        text += f"\nPartial run: not yet measured: {', '.join(missing)}.\n"
+    if getattr(args, "note", ""):
+        text += f"\n{args.note}\n"
+    os.makedirs(os.path.dirname(args.results), exist_ok=True)
+    with open(args.results + ".md", "w") as f:
+        f.write(text)
+    with open(args.results + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "complete": done}, f, indent=1)
+    if args.readme and not update_readme(text, args.readme):
+        print(f"[ablation] {args.readme} has no {START} ... {END} markers: not updated", file=sys.stderr)
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "classification", "demo_digits.yaml"))
@@ -124,15 +142,10 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=os.path.join(ROOT, "outputs", "ablation"), help="training outputs")
     p.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results", "ablation_digits"),
                    help="table path without extension (.md and .json are written)")
+    p.add_argument("--note", default="", help="a sentence appended to the table (e.g. the machine's load)")
     p.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="README to update ('' for none)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-
-    rows = []
-    for variant in args.variants:
-        t0 = time.perf_counter()
-        rows.append(run_variant(variant, args))
-        print(f"[ablation] {variant}: {json.dumps(rows[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     from ppma.train.config import load_config
 
@@ -140,14 +153,13 @@ def main(argv=None) -> int:
     meta = {"epochs": args.epochs, "seed": args.seed, "threads": args.threads, "batch": data.batch_size,
             "img": data.img_size, "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch "
                                             f"{torch.__version__}"}
-    text = table(rows, meta)
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    with open(args.results + ".md", "w") as f:
-        f.write(text)
-    with open(args.results + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    if args.readme and not update_readme(text, args.readme):
-        print(f"[ablation] {args.readme} has no {START} ... {END} markers: not updated", file=sys.stderr)
+    rows = []
+    for variant in args.variants:
+        t0 = time.perf_counter()
+        rows.append(run_variant(variant, args))
+        print(f"[ablation] {variant}: {json.dumps(rows[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        # after every variant, so that an interrupted run keeps what it measured
+        text = write_outputs(rows, meta, args, done=len(rows) == len(args.variants))
     print(text)
     return 0
 
