@@ -55,6 +55,9 @@ class PPMAConfig:
         mask: the mask every attention applies (``ppma.nn.MASKS``; ``"polyline"`` is the official model).
         mixer: per stage, the token mixer (``ppma.nn.MIXERS``; ``"attention"`` is the official model). One
             string means every stage.
+        init_values, heads_ranges: per stage, RMT's decay schedule ``log g_h = log(1 - 2^(-init_value -
+            heads_range h / heads))``, used by ``mask="manhattan"`` only (the official factories' values, spec
+            §4.1, which the official code does not use).
         layer_init_values: initial layer-scale value.
         drop_path_rate: stochastic depth, linearly increasing from 0 over all blocks.
         head_hidden_dim: width of the head's ``proj`` layer (1024).
@@ -74,6 +77,8 @@ class PPMAConfig:
     attention: tuple[str, ...] = ("softmax",) * 4
     mask: str = "polyline"
     mixer: tuple[str, ...] = ("attention",) * 4
+    init_values: tuple[float, ...] = (2.0, 2.0, 2.0, 2.0)
+    heads_ranges: tuple[float, ...] = (4.0, 4.0, 6.0, 6.0)
     layer_init_values: float = 1e-6
     drop_path_rate: float = 0.1
     head_hidden_dim: int = 1024
@@ -86,7 +91,7 @@ class PPMAConfig:
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),) * 4)
         for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale", "attention",
-                     "mixer"):
+                     "mixer", "init_values", "heads_ranges"):
             value = tuple(getattr(self, name))
             object.__setattr__(self, name, value)
             if len(value) != 4:
@@ -119,6 +124,7 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
         mlp_ratios=(4.0, 4.0, 3.0, 3.0),
         criss_cross=(True, True, True, False),
         layerscale=(False, False, True, True),
+        heads_ranges=(5.0, 5.0, 6.0, 6.0),
         layer_init_values=1e-6,
         drop_path_rate=0.4,
     ),
@@ -208,6 +214,7 @@ class PPMA(nn.Module):
                     mode="criss_cross" if cfg.criss_cross[s] else "full",
                     attention=cfg.attention[s],
                     mask=cfg.mask,
+                    gamma=(cfg.init_values[s], cfg.heads_ranges[s]),
                     mixer=cfg.mixer[s],
                     layerscale=cfg.layerscale[s],
                     layer_init_values=cfg.layer_init_values,

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.decay import PathDecay
 from ppma.nn.layers import DWConv2d
+from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
 
 __all__ = ["PPMAAttention", "MaskedAttentionOp", "LinearAttentionOp", "ATTENTION_MODES", "ATTENTION_KINDS", "MASKS"]
@@ -18,8 +18,8 @@ ATTENTION_MODES = tuple(_MODE_OPS)
 # What the attention computes (docs/ops.md): "softmax" is PPMA's masked softmax attention (spec §3); "linear"
 # the polyline masked linear attention PPMLA (spec §2 A.7), O(N) over the whole map whatever the mode.
 ATTENTION_KINDS = ("softmax", "linear")
-# Which mask the attention applies (docs/ops.md): "polyline" is the 2-D polyline path mask (spec §1).
-MASKS = ("polyline",)
+# Which mask the attention applies (MASKS, from ppma.nn.masks; docs/ops.md "Masks"): "polyline" is the 2-D
+# polyline path mask (spec §1), the others the paper's ablation masks (spec §7.4).
 
 
 class MaskedAttentionOp(nn.Module):
@@ -30,20 +30,25 @@ class MaskedAttentionOp(nn.Module):
     Shapes: ``q, k: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``, ``log_alpha, log_beta:
     [B, H, W, heads]`` -> ``[B, H, W, heads, dv]``. It exists so that forward hooks see exactly what the
     operator receives (``ppma-visualize`` reads the attention weights this way). Whether the compiled
-    kernels or the reference run is ``ppma.ops.set_impl``'s choice, not the module's.
+    kernels or the reference run is ``ppma.ops.set_impl``'s choice, not the module's. With a ``mask`` other
+    than ``"polyline"`` it runs :func:`ppma.nn.masks.masked_attention` (docs/ops.md, "Masks").
     """
 
-    def __init__(self, mode: str, scale: float) -> None:
+    def __init__(self, mode: str, scale: float, mask: str = "polyline") -> None:
         super().__init__()
         if mode not in _MODE_OPS:
             raise ValueError(f"MaskedAttentionOp: mode must be one of {ATTENTION_MODES}, got {mode!r}")
-        self.mode, self.scale = mode, scale
+        if mask not in MASKS:
+            raise ValueError(f"MaskedAttentionOp: mask must be one of {MASKS}, got {mask!r}")
+        self.mode, self.scale, self.mask = mode, scale, mask
 
     def forward(self, q, k, v, log_alpha, log_beta) -> torch.Tensor:
+        if self.mask != "polyline":
+            return masked_attention(self.mask, self.mode, q, k, v, log_alpha, log_beta, self.scale)
         return _MODE_OPS[self.mode](q, k, v, log_alpha, log_beta, self.scale)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, scale={self.scale}"
+        return f"mode={self.mode!r}, scale={self.scale}" + ("" if self.mask == "polyline" else f", mask={self.mask!r}")
 
 
 class LinearAttentionOp(nn.Module):
@@ -84,11 +89,21 @@ class PPMAAttention(nn.Module):
         mode: ``"full"`` or ``"criss_cross"``.
         attention: what is computed, one of :data:`ATTENTION_KINDS` (``"softmax"``: the official PPMA;
             ``"linear"``: PPMLA, which supports ``mask="polyline"`` only).
-        mask: which mask is applied, one of :data:`MASKS` (``"polyline"``: the official PPMA).
+        mask: which mask is applied, one of :data:`MASKS` (``"polyline"``: the official PPMA; the others are
+            the paper's ablation masks, docs/ops.md "Masks"). It also picks the decay module ``decay``
+            (:func:`ppma.nn.masks.build_decay`; ``"none"`` and ``"manhattan"`` have no parameters there).
+        gamma: ``(initial_value, heads_range)`` of RMT's fixed decays, used by ``mask="manhattan"`` only.
     """
 
     def __init__(
-        self, dim: int, num_heads: int, mode: str = "full", *, attention: str = "softmax", mask: str = "polyline"
+        self,
+        dim: int,
+        num_heads: int,
+        mode: str = "full",
+        *,
+        attention: str = "softmax",
+        mask: str = "polyline",
+        gamma: tuple[float, float] = RMT_GAMMA,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -99,6 +114,8 @@ class PPMAAttention(nn.Module):
             raise ValueError(f"PPMAAttention: attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if mask not in MASKS:
             raise ValueError(f"PPMAAttention: mask must be one of {MASKS}, got {mask!r}")
+        if attention == "linear" and mask != "polyline":
+            raise ValueError(f"PPMAAttention: attention='linear' supports mask='polyline' only, got {mask!r}")
         self.dim, self.num_heads, self.head_dim, self.mode = dim, num_heads, dim // num_heads, mode
         self.attention, self.mask = attention, mask
         self.scale = self.head_dim**-0.5
@@ -106,14 +123,12 @@ class PPMAAttention(nn.Module):
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
         self.lepe = DWConv2d(dim, 5)
-        self.decay = PathDecay(dim, num_heads)
+        self.decay = build_decay(mask, dim, num_heads, gamma)
         self.proj = nn.Linear(dim, dim)
         if attention == "linear":
-            if mask != "polyline":
-                raise ValueError(f"PPMAAttention: attention='linear' supports mask='polyline' only, got {mask!r}")
             self.attn_op = LinearAttentionOp()
         else:
-            self.attn_op = MaskedAttentionOp(mode, scale=1.0)
+            self.attn_op = MaskedAttentionOp(mode, scale=1.0, mask=mask)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]`` (already normalised) -> ``[B, H, W, C]``.

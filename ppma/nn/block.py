@@ -6,12 +6,14 @@ import torch
 from torch import nn
 
 from ppma.nn.attention import PPMAAttention
+from ppma.nn.masks import RMT_GAMMA
+from ppma.nn.padre import PADReMixer
 from ppma.nn.layers import ConvFFN, DropPath, DWConv2d, LayerScale
 
 __all__ = ["PPMABlock", "MIXERS"]
 
-# The token mixer of a block: "attention" is PPMAAttention (spec §3).
-MIXERS = ("attention",)
+# The token mixer of a block: "attention" is PPMAAttention (spec §3), "padre" PADRe's polynomial mixer.
+MIXERS = ("attention", "padre")
 
 
 class PPMABlock(nn.Module):
@@ -24,9 +26,11 @@ class PPMABlock(nn.Module):
         dim, num_heads: channels and heads.
         mlp_ratio: FFN hidden width is ``int(mlp_ratio * dim)``.
         mode: attention mode, ``"full"`` or ``"criss_cross"``.
-        attention, mask: what the attention computes and which mask it applies (see :class:`PPMAAttention`).
-        mixer: the token mixer, one of :data:`MIXERS` (``"attention"``: :class:`PPMAAttention`); it is the
-            ``attn`` child whichever it is.
+        attention, mask, gamma: what the attention computes, which mask it applies and RMT's decay schedule of
+            ``mask="manhattan"`` (see :class:`PPMAAttention`).
+        mixer: the token mixer, one of :data:`MIXERS` (``"attention"``: :class:`PPMAAttention`; ``"padre"``:
+            :class:`ppma.nn.padre.PADReMixer`, which ignores ``mode``, ``attention``, ``mask`` and ``gamma``);
+            it is the ``attn`` child whichever it is.
         drop_path: stochastic depth rate of this block.
         layerscale: whether to use layer scale; ``layer_init_values`` is its initial value.
 
@@ -42,6 +46,7 @@ class PPMABlock(nn.Module):
         mode: str = "full",
         attention: str = "softmax",
         mask: str = "polyline",
+        gamma: tuple[float, float] = RMT_GAMMA,
         mixer: str = "attention",
         drop_path: float = 0.0,
         layerscale: bool = False,
@@ -52,7 +57,10 @@ class PPMABlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         if mixer not in MIXERS:
             raise ValueError(f"PPMABlock: mixer must be one of {MIXERS}, got {mixer!r}")
-        self.attn = PPMAAttention(dim, num_heads, mode=mode, attention=attention, mask=mask)
+        if mixer == "padre":
+            self.attn = PADReMixer(dim)
+        else:
+            self.attn = PPMAAttention(dim, num_heads, mode=mode, attention=attention, mask=mask, gamma=gamma)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
