@@ -163,7 +163,7 @@ TINY_KW = dict(embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1), num_heads=(2, 
 
 
 @pytest.mark.parametrize("mode", ["full", "criss_cross"])
-def test_linear_attention_module(mode, monkeypatch):
+def test_linear_attention_module(mode):
     """Same parameters as the softmax attention; the output is the op on elu+1 features of the module's
     rotated q and scaled, rotated k, in either mode (a linear layer always attends over the whole map)."""
     from ppma.nn import PPMAAttention
@@ -184,12 +184,9 @@ def test_linear_attention_module(mode, monkeypatch):
     torch.testing.assert_close(seen["out"], polyline_linear_attention_ref(phi(q), phi(k), v, la, lb))
     y.square().sum().backward()
     assert all(p.grad is not None for p in lin.parameters())
-    import ppma.nn.attention
-
-    monkeypatch.setattr(ppma.nn.attention, "MASKS", ("polyline", "other"))  # an ablation mask (issue 11)
-    PPMAAttention(32, 2, mode, mask="other")
+    PPMAAttention(32, 2, mode, mask="manhattan")  # an ablation mask with softmax attention
     with pytest.raises(ValueError, match="attention='linear' supports mask='polyline' only"):
-        PPMAAttention(32, 2, mode, attention="linear", mask="other")
+        PPMAAttention(32, 2, mode, attention="linear", mask="manhattan")
 
 
 def test_model_with_linear_stages():

@@ -284,7 +284,7 @@ def _torch_load(path: str, map_location) -> dict:
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
-            if "Unsupported global" not in str(exc):  # not a refused object: a damaged or foreign file
+            if "Unsupported operand" in str(exc):  # not a refused object: bytes that are no pickle (a damaged file)
                 raise ValueError(f"read_checkpoint: {path!r} is not a readable checkpoint ({exc})") from exc
             raise RuntimeError(
                 f"read_checkpoint: {path!r} holds objects that a weights-only load does not rebuild (allowed: tensors, "
