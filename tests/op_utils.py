@@ -210,6 +210,32 @@ def nan_at(t: torch.Tensor, index) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+def assert_thread_invariant(fn, inputs) -> None:
+    """``fn(*inputs)`` and its gradients w.r.t. every input are bit-identical on 1 and on several CPU threads
+    (the CPU kernels own fixed slices and summation orders)."""
+    n = torch.get_num_threads()
+    res = []
+    try:
+        for threads in (1, max(2, n)):
+            torch.set_num_threads(threads)
+            out = fn(*inputs)
+            res.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(res[0][0], res[1][0])
+    for a, b in zip(res[0][1], res[1][1]):
+        assert torch.equal(a, b)
+
+
+def assert_raises_cases(cases, fn, ref) -> None:
+    """Each ``(arguments, exception, message, the reference raises too)`` raises ``exception`` matching
+    ``message`` from ``fn`` (and from ``ref`` where said)."""
+    for args, exc, msg, ref_too in cases:
+        for f in (fn, ref) if ref_too else (fn,):
+            with pytest.raises(exc, match=msg):
+                f(*args)
+
+
 def check_against_reference(fn, ref, inputs, extra=(), *, names, dtype, device="cpu", ref_fp64=None,
                             tol_dtype=None, grad_mult=None, floors=None, only=None):
     """``fn(*inputs, *extra)`` (the public op) against ``ref`` (its reference): the forward and the gradient of
@@ -635,10 +661,7 @@ class AttentionOpTests(OpTests):
             ((q, k, v, la, lb, torch.ones(2)), TypeError, "scale must be a real number", True),
             ((q, k, v, la, lb, torch.tensor(0.5, requires_grad=True)), TypeError, "scale must be a number", True),
         ]
-        for args, exc, msg, ref_too in cases:
-            for f in (self.fn, self.ref) if ref_too else (self.fn,):
-                with pytest.raises(exc, match=msg):
-                    f(*args)
+        assert_raises_cases(cases, self.fn, self.ref)
 
     @needs_ext
     def test_bad_inputs_reach_cpp_checks(self):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from op_utils import DEVICES, AttentionOpTests, make_attention_inputs, needs_ext
+from op_utils import DEVICES, AttentionOpTests, assert_thread_invariant, make_attention_inputs, needs_ext
 from ppma.ops import polyline_attention
 from ppma.ops.reference import polyline_attention_ref
 
@@ -26,16 +26,4 @@ class TestPolylineAttention(AttentionOpTests):
     def test_thread_count_does_not_change_results(self, device):
         if device != "cpu":
             pytest.skip("CPU thread pool")
-        inputs = make_attention_inputs((1, 8, 9, 2, 16, 16), torch.float32)
-        n = torch.get_num_threads()
-        res = []
-        try:
-            for threads in (1, max(2, n)):
-                torch.set_num_threads(threads)
-                out = polyline_attention(*inputs)
-                res.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
-        finally:
-            torch.set_num_threads(n)
-        assert torch.equal(res[0][0], res[1][0])
-        for a, b in zip(res[0][1], res[1][1]):
-            assert torch.equal(a, b)
+        assert_thread_invariant(polyline_attention, make_attention_inputs((1, 8, 9, 2, 16, 16), torch.float32))

@@ -10,6 +10,8 @@ import torch
 from op_utils import (
     DEVICES,
     OpTests,
+    assert_raises_cases,
+    assert_thread_invariant,
     check_against_reference,
     make_attention_inputs,
     needs_ext,
@@ -108,19 +110,7 @@ class TestPolylineLinearAttention(OpTests):
 
     @needs_ext
     def test_thread_count_does_not_change_results(self):
-        inputs = self.inputs((1, 8, 9, 2, 16, 16), torch.float32)
-        n = torch.get_num_threads()
-        res = []
-        try:
-            for threads in (1, max(2, n)):
-                torch.set_num_threads(threads)
-                out = polyline_linear_attention(*inputs)
-                res.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
-        finally:
-            torch.set_num_threads(n)
-        assert torch.equal(res[0][0], res[1][0])
-        for a, b in zip(res[0][1], res[1][1]):
-            assert torch.equal(a, b)
+        assert_thread_invariant(polyline_linear_attention, self.inputs((1, 8, 9, 2, 16, 16), torch.float32))
 
     def test_bad_inputs_named(self):
         q, k, v, la, lb = self.inputs((2, 5, 6, 2, 8, 8), requires_grad=False)
@@ -136,10 +126,7 @@ class TestPolylineLinearAttention(OpTests):
             ((q, k, v, la, lb, True, float("nan")), ValueError, "eps must be finite and >= 0", True),
             ((q, k, v, la, lb, True, float("inf")), ValueError, "eps must be finite and >= 0", True),
         ]
-        for args, exc, msg, ref_too in cases:
-            for f in (self.fn, self.ref) if ref_too else (self.fn,):
-                with pytest.raises(exc, match=msg):
-                    f(*args)
+        assert_raises_cases(cases, self.fn, self.ref)
 
     @needs_ext
     def test_bad_inputs_reach_cpp_checks(self):
