@@ -108,6 +108,11 @@ def test_mixer_options_broadcast_and_errors():
         create_model("ppma_tiny", mask="diagonal")
     with pytest.raises(ValueError, match="4 entries"):
         create_model("ppma_tiny", attention=("softmax",) * 3)
+    with pytest.raises(ValueError, match=r"attention='linear' \(stage 2\) supports mask='polyline' only"):
+        create_model("ppma_tiny", attention=("softmax", "softmax", "linear", "linear"), mask="manhattan")
+    # a stage whose mixer is PADRe has no attention: its attention kind does not constrain the mask
+    create_model("ppma_tiny", attention=("softmax", "softmax", "linear", "softmax"), mask="manhattan",
+                 mixer=("attention", "attention", "padre", "attention"), **TINY_KW)
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])

@@ -107,6 +107,10 @@ class PPMAConfig:
                 raise ValueError(f"PPMAConfig.{name}: {bad[0]!r} is not one of {allowed}")
         if self.mask not in MASKS:
             raise ValueError(f"PPMAConfig.mask: {self.mask!r} is not one of {MASKS}")
+        linear = [s for s, (a, m) in enumerate(zip(self.attention, self.mixer)) if a == "linear" and m == "attention"]
+        if linear and self.mask != "polyline":
+            raise ValueError(f"PPMAConfig: attention='linear' (stage {linear[0]}) supports mask='polyline' only, "
+                             f"got mask={self.mask!r}")
 
 
 MODEL_CONFIGS: dict[str, PPMAConfig] = {
