@@ -191,6 +191,59 @@ def test_attention_row_is_the_models_attention():
     assert polyline_attention_ref is not None
 
 
+@pytest.mark.parametrize("mask", ["none", "manhattan", "v2h", "shared", "cross_scan", "hilbert"])
+def test_visualize_ablation_masks(mask):
+    """For every ablation mask: the attention row is the row of the mask's own attention (one-hot values through
+    ppma.nn.masks.masked_attention, in both modes) and sums to 1; the mask rows are the dense definition's
+    (docs/ops.md "Masks")."""
+    from ppma.nn.masks import masked_attention, order_log_mask, scan_orders
+    from ppma.ops.reference import polyline_mask
+    from ppma.train.visualize import attention_row, mask_rows
+
+    H, W, d = 4, 5, 8
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, H, W, d, generator=g, dtype=torch.float64)
+    la = -torch.rand(H, W, generator=g, dtype=torch.float64)
+    lb = la.clone() if mask == "shared" else -torch.rand(H, W, generator=g, dtype=torch.float64)
+    if mask in ("none", "manhattan"):  # what ConstantDecay gives the attention
+        la = lb = torch.full((H, W), 0.0 if mask == "none" else -0.3, dtype=torch.float64)
+    query = (1, 3)
+    p = query[0] * W + query[1]
+    v = torch.randn(1, H, W, 1, 3, generator=g, dtype=torch.float64)
+    for mode in ("full", "criss_cross"):
+        row = attention_row(q, k, la, lb, query, criss_cross=mode == "criss_cross", mask=mask)
+        out = masked_attention(mask, mode, q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
+                               lb[None, :, :, None], d**-0.5)
+        torch.testing.assert_close(row.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
+        assert row.sum().item() == pytest.approx(1.0)
+    m_a, m_b, names = mask_rows(mask, la, lb, query)
+    assert len(names) == 2
+    if mask in ("cross_scan", "hilbert"):
+        order_a, order_b = scan_orders(mask, H, W, la.device)
+        expect_a = order_log_mask(la[None, :, :, None], order_a)[0, 0, p].exp()
+        expect_b = order_log_mask(lb[None, :, :, None], order_b)[0, 0, p].exp()
+    else:
+        L = polyline_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]
+        expect_a, expect_b = L[p], (L[p] if mask == "v2h" else L[:, p])
+        if mask == "manhattan":  # RMT's gamma^(|di| + |dj|)
+            i, j = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
+            dist = ((i - query[0]).abs() + (j - query[1]).abs()).reshape(-1).double()
+            torch.testing.assert_close(expect_a, torch.exp(-0.3 * dist))
+    torch.testing.assert_close(m_a.reshape(-1), expect_a)
+    torch.testing.assert_close(m_b.reshape(-1), expect_b)
+
+
+def test_visualize_cli_with_an_ablation_mask(tmp_path):
+    from ppma.train.cli.visualize import main
+
+    cfg = tmp_path / "hilbert.yaml"
+    cfg.write_text("model:\n  name: ppma_tiny\n  overrides:\n    mask: hilbert\n    embed_dims: [8, 16, 16, 16]\n"
+                   "    depths: [1, 1, 1, 1]\n    num_heads: [1, 2, 2, 2]\ndata:\n  dataset: digits\n  img_size: 32\n")
+    out = tmp_path / "vis"
+    assert main(["--digits-index", "0", "--config", str(cfg), "--output", str(out), "--block", "0"]) == 0
+    assert sorted(p.name.split("_")[0] for p in out.glob("*.png")) == ["attn", "decay", "mask"]
+
+
 @pytest.mark.parametrize("impl", ["fused", "reference"])
 def test_capture_attention_hooks_every_layer(impl):
     """capture_attention reads each attention layer's operator inputs with forward hooks on its

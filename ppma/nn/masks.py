@@ -49,6 +49,7 @@ __all__ = [
     "rmt_log_gammas",
     "hilbert_order",
     "order_log_mask",
+    "scan_orders",
 ]
 
 MASKS = ("polyline", "none", "manhattan", "v2h", "shared", "cross_scan", "hilbert")
@@ -186,7 +187,7 @@ def transposed_order(order_t: torch.Tensor, H: int, W: int) -> torch.Tensor:
     return (order_t % H) * W + order_t // H
 
 
-def _scan_orders(mask: str, H: int, W: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_orders(mask: str, H: int, W: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two token orders of a 1-D scan mask: ``M_a`` along the first (with alpha), ``M_b`` the second (beta)."""
     if mask == "cross_scan":
         a = torch.arange(H * W)
@@ -295,7 +296,7 @@ def masked_attention(mask: str, mode: str, q, k, v, log_alpha, log_beta, scale: 
         return _criss_cross_masked(q, k, v, row_log_mask(log_alpha), col_log_mask(log_beta), scale, (0.0, 1.0))
     if mask in ("cross_scan", "hilbert"):
         H, W = q.shape[1:3]
-        order_a, order_b = _scan_orders(mask, H, W, q.device)
+        order_a, order_b = scan_orders(mask, H, W, q.device)
         if full:
             return 0.5 * _along_order(q, k, v, log_alpha, order_a, scale) + 0.5 * _along_order(
                 q, k, v, log_beta, order_b, scale

@@ -39,12 +39,16 @@ def mask_row(log_alpha: torch.Tensor, log_beta: torch.Tensor, query: tuple[int, 
     return y[0, :, :, 0, 0]
 
 
-def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], criss_cross: bool, scale=None):
+def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], criss_cross: bool, scale=None,
+                  mask: str = "polyline"):
     """Attention weights of query token ``(i, j)`` over all keys, ``[H, W]`` (they sum to 1).
 
     ``q, k: [H, W, d]`` and ``log_alpha, log_beta: [H, W]`` of one head (``q``, ``k`` as the operator
-    receives them). The weights are read off the reference operators applied to one-hot values
-    (``v = I``), so they are exactly what the model uses: ``out_p = sum_s P[p, s] v_s``."""
+    receives them). The weights are read off the operators applied to one-hot values (``v = I``), so they
+    are exactly what the model uses: ``out_p = sum_s P[p, s] v_s``: the reference operators for the
+    polyline mask, :func:`ppma.nn.masks.masked_attention` of ``mask`` for the ablation masks (docs/ops.md,
+    "Masks"); in criss-cross stages ``P`` is the two-step composition (row then column attention, and the
+    reverse), whose row still sums to 1."""
     from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref
 
     H, W, d = q.shape
@@ -52,10 +56,41 @@ def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], criss_cross
     if not (0 <= i < H and 0 <= j < W):
         raise ValueError(f"query {query} is outside the {H}x{W} token grid")
     eye = torch.eye(H * W, dtype=torch.float64, device=q.device).reshape(1, H, W, 1, H * W)
-    op = criss_cross_attention_ref if criss_cross else polyline_attention_ref
-    P = op(q.double()[None, :, :, None], k.double()[None, :, :, None], eye,
-           log_alpha.double()[None, :, :, None], log_beta.double()[None, :, :, None], scale)
+    args = (q.double()[None, :, :, None], k.double()[None, :, :, None], eye,
+            log_alpha.double()[None, :, :, None], log_beta.double()[None, :, :, None])
+    if mask == "polyline":
+        op = criss_cross_attention_ref if criss_cross else polyline_attention_ref
+        P = op(*args, scale)
+    else:
+        from ppma.nn.masks import masked_attention
+
+        P = masked_attention(mask, "criss_cross" if criss_cross else "full", *args, d**-0.5 if scale is None else scale)
     return P[0, i, j, 0].reshape(H, W)
+
+
+def mask_rows(mask: str, log_alpha: torch.Tensor, log_beta: torch.Tensor, query: tuple[int, int]):
+    """The two masks of ``mask`` (docs/ops.md, "Masks": ``exp(M_a)`` and ``exp(M_b)``) seen from query ``(i, j)``,
+    each an ``[H, W]`` map, with their names. ``log_alpha, log_beta: [H, W]`` of one head, as the attention
+    receives them (constants for ``none`` / ``manhattan``, one decay twice for ``shared``), so the polyline
+    family (``polyline``, ``none``, ``manhattan``, ``shared``: V2H and H2V of those decays) and ``v2h`` (V2H
+    twice) read off :func:`mask_row`; ``cross_scan`` / ``hilbert`` are the 1-D masks along their two orders."""
+    H, W = log_alpha.shape
+    if mask in ("cross_scan", "hilbert"):
+        from ppma.nn.masks import scan_orders, order_log_mask
+
+        i, j = query
+        if not (0 <= i < H and 0 <= j < W):
+            raise ValueError(f"query {query} is outside the {H}x{W} token grid")
+        order_a, order_b = scan_orders(mask, H, W, log_alpha.device)
+        rows = [order_log_mask(t[None, :, :, None], order)[0, 0, i * W + j].reshape(H, W).exp()
+                for t, order in ((log_alpha, order_a), (log_beta, order_b))]
+        names = ("row-major" if mask == "cross_scan" else "Hilbert", "column-major" if mask == "cross_scan"
+                 else "Hilbert (transposed)")
+        return rows[0], rows[1], tuple(f"{n} scan mask" for n in names)
+    v2h = mask_row(log_alpha, log_beta, query)
+    if mask == "v2h":
+        return v2h, v2h, ("V2H mask", "V2H mask (both terms)")
+    return v2h, mask_row(log_alpha, log_beta, query, transpose=True), ("V2H mask L (row of query)", "H2V mask L^T")
 
 
 # ----------------------------------------------------------------------------------------------- capture
@@ -66,7 +101,7 @@ def capture_attention(model: torch.nn.Module):
     output, in call order.
 
     Yields ``records``: a dict with ``calls`` (list of dicts with ``kind`` in {"full", "criss_cross"},
-    ``q``, ``k`` ``[B, H, W, heads, d]``, ``log_alpha``, ``log_beta`` ``[B, H, W, heads]``, ``scale``)
+    ``q``, ``k`` ``[B, H, W, heads, d]``, ``log_alpha``, ``log_beta`` ``[B, H, W, heads]``, ``scale``, ``mask``)
     and ``decays`` (list of ``(module_name, log_alpha, log_beta)``). Both are read with forward hooks: on
     every ``ppma.nn.MaskedAttentionOp`` (the module through which each attention layer calls its operator,
     whichever implementation ``ppma.ops.set_impl`` picks) and every ``ppma.nn.PathDecay``."""
@@ -78,7 +113,7 @@ def capture_attention(model: torch.nn.Module):
         q, k, _, log_alpha, log_beta = inputs
         records["calls"].append({"kind": mod.mode, "q": q.detach(), "k": k.detach(),
                                  "log_alpha": log_alpha.detach(), "log_beta": log_beta.detach(),
-                                 "scale": mod.scale})
+                                 "scale": mod.scale, "mask": mod.mask})
 
     handles = []
     for mname, m in model.named_modules():

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from ppma.train.visualize import attention_row, capture_attention, mask_row
+from ppma.train.visualize import attention_row, capture_attention, mask_row, mask_rows
 
 __all__ = ["main", "parse_args"]
 
@@ -169,6 +169,8 @@ def main(argv=None) -> int:
 
     pred = int(logits.argmax(1)[0])
     title = f"{label} (predicted {pred}) — {names[idx]} ({call['kind']}), head {g}, {H}x{W} tokens"
+    if call["mask"] != "polyline":
+        title += f", mask {call['mask']}"
 
     # 1. decays
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
@@ -186,11 +188,16 @@ def main(argv=None) -> int:
     save(fig, f"decay_{tag}.png")
 
     # 2. masks seen from the query
-    m_v2h = mask_row(la, lb, query)
-    m_h2v = mask_row(la, lb, query, transpose=True)
+    mask = call["mask"]
+    if mask == "polyline":
+        m_a, m_b = mask_row(la, lb, query), mask_row(la, lb, query, transpose=True)
+        names_ab = ("V2H mask L (row of query)", "H2V mask L^T", "2-D mask L + L^T")
+    else:  # the ablation masks (docs/ops.md "Masks"), from the decays the attention received
+        m_a, m_b, (name_a, name_b) = mask_rows(mask, call["log_alpha"][0, :, :, g].double(),
+                                               call["log_beta"][0, :, :, g].double(), query)
+        names_ab = (name_a, name_b, f"{mask}: both")
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    for ax, t, name in ((axes[0], m_v2h, "V2H mask L (row of query)"), (axes[1], m_h2v, "H2V mask L^T"),
-                        (axes[2], m_v2h + m_h2v, "2-D mask L + L^T")):
+    for ax, t, name in ((axes[0], m_a, names_ab[0]), (axes[1], m_b, names_ab[1]), (axes[2], m_a + m_b, names_ab[2])):
         im = ax.imshow(t.numpy(), cmap="magma")
         mark(ax)
         ax.set_title(name)
@@ -202,7 +209,7 @@ def main(argv=None) -> int:
     # 3. attention of the query
     q, k = call["q"][0, :, :, g], call["k"][0, :, :, g]
     attn = attention_row(q, k, call["log_alpha"][0, :, :, g], call["log_beta"][0, :, :, g], query,
-                         criss_cross=call["kind"] == "criss_cross", scale=call["scale"])
+                         criss_cross=call["kind"] == "criss_cross", scale=call["scale"], mask=mask)
     fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.6))
     axes[0].imshow(shown, cmap=cmap_img)
     axes[0].set_title("input")
