@@ -227,6 +227,18 @@ def assert_thread_invariant(fn, inputs) -> None:
         assert torch.equal(a, b)
 
 
+def attention_shape_cases(q, k, v, la, lb) -> list:
+    """The named-error cases every attention-shaped op (q, k, v, log_alpha, log_beta) shares, as
+    ``(arguments, exception, message, the reference raises too)`` for :func:`assert_raises_cases`."""
+    return [
+        ((q[0], k[0], v[0], la[0], lb[0]), ValueError, "q must be", True),
+        ((q, k[:, :4], v, la, lb), ValueError, "k must have the shape", True),
+        ((q, k, v[:, :, :5], la, lb), ValueError, "v must be", True),
+        ((q, k, v, la[:, :4], lb), ValueError, "log_alpha must be", True),
+        ((q, k.float(), v, la, lb), ValueError, "k has dtype", False),
+    ]
+
+
 def assert_raises_cases(cases, fn, ref) -> None:
     """Each ``(arguments, exception, message, the reference raises too)`` raises ``exception`` matching
     ``message`` from ``fn`` (and from ``ref`` where said)."""
@@ -643,13 +655,8 @@ class AttentionOpTests(OpTests):
         """Errors that name the argument and print the shapes / values, from the wrapper and, for what it
         checks (types, shapes, devices, scale; it computes any dtype mix), from the reference."""
         q, k, v, la, lb = self.inputs((2, 5, 6, 2, 8, 8), requires_grad=False)
-        cases = [  # (arguments, exception, message, the reference raises too)
-            ((q[0], k[0], v[0], la[0], lb[0]), ValueError, "q must be", True),
-            ((q, k[:, :4], v, la, lb), ValueError, "k must have the shape", True),
-            ((q, k, v[:, :, :5], la, lb), ValueError, "v must be", True),
-            ((q, k, v, la[:, :4], lb), ValueError, "log_alpha must be", True),
+        cases = attention_shape_cases(q, k, v, la, lb) + [
             ((q, k, v, la, lb.unsqueeze(-1)), ValueError, "log_beta must be", True),
-            ((q, k.float(), v, la, lb), ValueError, "k has dtype", False),
             ((q, k, v.float(), la, lb), ValueError, "v has dtype", False),
             ((q, k, v, la, lb.float()), ValueError, "log_beta has dtype", False),
             ((q.long(), k.long(), v.long(), la, lb), ValueError, "q must be float", False),

@@ -12,6 +12,7 @@ from op_utils import (
     OpTests,
     assert_raises_cases,
     assert_thread_invariant,
+    attention_shape_cases,
     check_against_reference,
     make_attention_inputs,
     needs_ext,
@@ -114,12 +115,7 @@ class TestPolylineLinearAttention(OpTests):
 
     def test_bad_inputs_named(self):
         q, k, v, la, lb = self.inputs((2, 5, 6, 2, 8, 8), requires_grad=False)
-        cases = [  # (arguments, exception, message, the reference raises too)
-            ((q[0], k[0], v[0], la[0], lb[0]), ValueError, "q must be", True),
-            ((q, k[:, :4], v, la, lb), ValueError, "k must have the shape", True),
-            ((q, k, v[:, :, :5], la, lb), ValueError, "v must be", True),
-            ((q, k, v, la[:, :4], lb), ValueError, "log_alpha must be", True),
-            ((q, k.float(), v, la, lb), ValueError, "k has dtype", False),
+        cases = attention_shape_cases(q, k, v, la, lb) + [
             ((q, k, v, la, lb, 1), TypeError, "normalize must be a bool", True),
             ((q, k, v, la, lb, True, "1e-6"), TypeError, "eps must be a real number", True),
             ((q, k, v, la, lb, True, -1e-6), ValueError, "eps must be finite and >= 0", True),
