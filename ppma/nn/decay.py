@@ -28,6 +28,8 @@ class PathDecay(nn.Module):
             ``[dt_min, dt_max]`` and clamped below at ``dt_init_floor``.
     """
 
+    directions = 2  # outputs of dt_linear: alpha, beta (SharedDecay: one, used for both)
+
     def __init__(
         self,
         dim: int,
@@ -42,7 +44,7 @@ class PathDecay(nn.Module):
             raise ValueError(f"PathDecay: dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.A_init_range, self.dt_min, self.dt_max, self.dt_init_floor = A_init_range, dt_min, dt_max, dt_init_floor
-        self.dt_linear = nn.Linear(self.head_dim, 2, bias=False)
+        self.dt_linear = nn.Linear(self.head_dim, self.directions, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         self.A_log = nn.Parameter(torch.empty(num_heads))
         self.reset_parameters()
@@ -61,14 +63,14 @@ class PathDecay(nn.Module):
         """``x: [B, H, W, C]`` (the attention input after LayerNorm) -> ``(log_alpha, log_beta)``,
         each ``[B, H, W, heads]``, ``<= 0``, in fp32 (fp64 for fp64 input)."""
         if x.dim() != 4 or x.shape[-1] != self.dim:
-            raise ValueError(f"PathDecay: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
+            raise ValueError(f"{type(self).__name__}: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
         B, H, W, _ = x.shape
-        u = self.dt_linear(x.reshape(B, H, W, self.num_heads, self.head_dim))  # [B, H, W, heads, 2]
+        u = self.dt_linear(x.reshape(B, H, W, self.num_heads, self.head_dim))  # [B, H, W, heads, directions]
         # softplus/exp in fp32 (fp64 for fp64), like the official code under autocast (spec §3.5).
         ct = torch.float64 if u.dtype == torch.float64 else torch.float32
         A = -torch.exp(self.A_log.to(ct))
         d = F.softplus(u.to(ct) + self.dt_bias.to(ct)[:, None]) * A[:, None]
-        return d[..., 0], d[..., 1]
+        return d[..., 0], d[..., -1]
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}"

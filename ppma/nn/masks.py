@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ppma.ops as ops
@@ -99,21 +98,10 @@ class ConstantDecay(nn.Module):
 class SharedDecay(PathDecay):
     """One log-decay per token and head, used as both ``log_alpha`` and ``log_beta`` (``mask="shared"``, the
     paper's "shared decays (alpha = beta)"). Parametrised like :class:`PathDecay` with a bias-free
-    ``Linear(head_dim, 1)``: ``head_dim`` fewer parameters per attention."""
+    ``Linear(head_dim, 1)``: ``head_dim`` fewer parameters per attention. ``forward`` returns the one
+    log-decay twice."""
 
-    def __init__(self, dim: int, num_heads: int, **kwargs) -> None:
-        super().__init__(dim, num_heads, **kwargs)
-        self.dt_linear = nn.Linear(self.head_dim, 1, bias=False)
-        nn.init.trunc_normal_(self.dt_linear.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.dim() != 4 or x.shape[-1] != self.dim:
-            raise ValueError(f"SharedDecay: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
-        B, H, W, _ = x.shape
-        u = self.dt_linear(x.reshape(B, H, W, self.num_heads, self.head_dim))[..., 0]  # [B, H, W, heads]
-        ct = torch.float64 if u.dtype == torch.float64 else torch.float32
-        d = F.softplus(u.to(ct) + self.dt_bias.to(ct)) * -torch.exp(self.A_log.to(ct))
-        return d, d
+    directions = 1
 
 
 def build_decay(mask: str, dim: int, num_heads: int, gamma: tuple[float, float] = RMT_GAMMA) -> nn.Module:
