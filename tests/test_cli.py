@@ -217,7 +217,7 @@ def test_visualize_ablation_masks(mask):
         torch.testing.assert_close(row.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
         assert row.sum().item() == pytest.approx(1.0)
     m_a, m_b, names = mask_rows(mask, la, lb, query)
-    assert len(names) == 2
+    assert len(names) == 3
     if mask in ("cross_scan", "hilbert"):
         order_a, order_b = scan_orders(mask, H, W, la.device)
         expect_a = order_log_mask(la[None, :, :, None], order_a)[0, 0, p].exp()

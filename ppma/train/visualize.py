@@ -70,7 +70,7 @@ def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], criss_cross
 
 def mask_rows(mask: str, log_alpha: torch.Tensor, log_beta: torch.Tensor, query: tuple[int, int]):
     """The two masks of ``mask`` (docs/ops.md, "Masks": ``exp(M_a)`` and ``exp(M_b)``) seen from query ``(i, j)``,
-    each an ``[H, W]`` map, with their names. ``log_alpha, log_beta: [H, W]`` of one head, as the attention
+    each an ``[H, W]`` map, with the names of the two and of their sum. ``log_alpha, log_beta: [H, W]`` of one head, as the attention
     receives them (constants for ``none`` / ``manhattan``, one decay twice for ``shared``), so the polyline
     family (``polyline``, ``none``, ``manhattan``, ``shared``: V2H and H2V of those decays) and ``v2h`` (V2H
     twice) read off :func:`mask_row`; ``cross_scan`` / ``hilbert`` are the 1-D masks along their two orders."""
@@ -86,11 +86,13 @@ def mask_rows(mask: str, log_alpha: torch.Tensor, log_beta: torch.Tensor, query:
                 for t, order in ((log_alpha, order_a), (log_beta, order_b))]
         names = ("row-major" if mask == "cross_scan" else "Hilbert", "column-major" if mask == "cross_scan"
                  else "Hilbert (transposed)")
-        return rows[0], rows[1], tuple(f"{n} scan mask" for n in names)
+        return rows[0], rows[1], tuple(f"{n} scan mask" for n in names) + (f"{mask}: both",)
     v2h = mask_row(log_alpha, log_beta, query)
     if mask == "v2h":
-        return v2h, v2h, ("V2H mask", "V2H mask (both terms)")
-    return v2h, mask_row(log_alpha, log_beta, query, transpose=True), ("V2H mask L (row of query)", "H2V mask L^T")
+        return v2h, v2h, ("V2H mask", "V2H mask (both terms)", "v2h: both")
+    names = ("V2H mask L (row of query)", "H2V mask L^T")
+    names += ("2-D mask L + L^T",) if mask == "polyline" else (f"{mask}: both",)
+    return v2h, mask_row(log_alpha, log_beta, query, transpose=True), names
 
 
 # ----------------------------------------------------------------------------------------------- capture

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from ppma.train.visualize import attention_row, capture_attention, mask_row, mask_rows
+from ppma.train.visualize import attention_row, capture_attention, mask_rows
 
 __all__ = ["main", "parse_args"]
 
@@ -189,13 +189,7 @@ def main(argv=None) -> int:
 
     # 2. masks seen from the query
     mask = call["mask"]
-    if mask == "polyline":
-        m_a, m_b = mask_row(la, lb, query), mask_row(la, lb, query, transpose=True)
-        names_ab = ("V2H mask L (row of query)", "H2V mask L^T", "2-D mask L + L^T")
-    else:  # the ablation masks (docs/ops.md "Masks"), from the decays the attention received
-        m_a, m_b, (name_a, name_b) = mask_rows(mask, call["log_alpha"][0, :, :, g].double(),
-                                               call["log_beta"][0, :, :, g].double(), query)
-        names_ab = (name_a, name_b, f"{mask}: both")
+    m_a, m_b, names_ab = mask_rows(mask, la, lb, query)  # from the decays the attention received
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
     for ax, t, name in ((axes[0], m_a, names_ab[0]), (axes[1], m_b, names_ab[1]), (axes[2], m_a + m_b, names_ab[2])):
         im = ax.imshow(t.numpy(), cmap="magma")
