@@ -18,7 +18,10 @@ not run for the reference (marked "skipped" in the table).
 * ``linear`` (not part of ``all``): ``polyline_linear_attention`` (PPMLA, O(N)) against the full
   ``polyline_attention`` and against its dense reference at 32x32 .. 128x128 tokens (d = dv = 32), with the
   time / memory growth from 64x64 to 128x128 tokens; and PPMA-T with linear attention in stages 3-4 against the
-  standard PPMA-T (forward+backward, batch 1) at 512x512, 1024x1024 and 1333x800 (padded to 1344x800) inputs.
+  standard PPMA-T, both on the fused kernels ("standard") and in the official formulation ("official": the
+  reference ops, N x N masks), forward and forward+backward, batch 1, at 512x512, 1024x1024 and 1333x800 (padded
+  to 1344x800) inputs. The official model is first run in a child process whose address space may grow by at
+  most ``--ref-limit-gib``; where it cannot allocate within that, it is reported as out of memory, not timed.
 
 Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all|linear] [--cases substr ...] [--threads N]``.
 Results go to ``benchmarks/results/`` as markdown and JSON, with the machine and torch version.
@@ -105,7 +108,13 @@ LINEAR_IMPLS = {
     "full": lambda *a: ppma.ops.polyline_attention(*a),
     "dense": lambda *a: reference.polyline_linear_attention_ref(*a),
 }
-MODEL_IMPLS = {"linear34": ("softmax", "softmax", "linear", "linear"), "standard": ("softmax",) * 4}
+# Model level: (attention per stage, ppma.ops implementation). "standard" is PPMA-T on our fused kernels, "official"
+# the same model in the official formulation (the reference ops, which build the N x N masks).
+MODEL_IMPLS = {
+    "linear34": (("softmax", "softmax", "linear", "linear"), "fused"),
+    "standard": (("softmax",) * 4, "fused"),
+    "official": (("softmax",) * 4, "reference"),
+}
 
 
 def linear_cases(quick: bool):
@@ -136,8 +145,16 @@ def run_linear(a, repeat: int, warmup: int, cases) -> list:
                 if linear_skip(case, impl, limit):
                     row[impl] = None
                     continue
+                if case["level"] == "model" and MODEL_IMPLS[impl][1] == "reference":
+                    # the official formulation's N x N masks may not fit: try it first in a child process whose
+                    # address space is capped at --ref-limit-gib above its start, and time it only if it ran
+                    m = child_peak(case, impl, backward, cap_gib=a.ref_limit_gib)
+                    if m == "oom":
+                        row[impl] = dict(oom_cap_gib=a.ref_limit_gib)
+                        continue
+                else:
+                    m = None if a.no_memory else child_peak(case, impl, backward)
                 t, tmin = time_case(case, impl, backward, warmup, repeat)
-                m = None if a.no_memory else child_peak(case, impl, backward)
                 row[impl] = dict(time_s=t, min_time_s=tmin, peak_mib=m)
             ours = row[impls[0]]
             parts = [f"{row['case']:<32} {row['pass_']:<8}"]
@@ -145,6 +162,9 @@ def run_linear(a, repeat: int, warmup: int, cases) -> list:
                 r = row[impl]
                 if r is None:
                     parts.append(f"{impl} skipped (dense > limit)")
+                    continue
+                if "oom_cap_gib" in r:
+                    parts.append(f"{impl} cannot run (out of memory under a {r['oom_cap_gib']:g} GiB cap)")
                     continue
                 txt = f"{impl} {r['time_s'] * 1e3:9.1f} ms {_fmt(r['peak_mib'], '8.1f')} MiB"
                 if impl != impls[0]:
@@ -202,12 +222,16 @@ def build(case, impl: str, backward: bool):
         run = lambda: fn(*args)  # noqa: E731
     elif case["level"] == "model":
         torch.manual_seed(0)
-        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, attention=MODEL_IMPLS[impl]).eval()
+        attention, ops_impl = MODEL_IMPLS[impl]
+        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, attention=attention).eval()
         x = torch.randn(B, 3, H, W, generator=g)
         args = list(model.parameters())
         if not backward:
             model.requires_grad_(False)
-        run = lambda: model(x)  # noqa: E731
+
+        def run():
+            with ppma.ops.use_impl(ops_impl):  # the attention modules read the switch at call time
+                return model(x)
     elif case["level"] == "op":
         d = case["d"]
         q, k, v = (torch.randn(B, H, W, G, d, generator=g) for _ in range(3))
@@ -259,13 +283,16 @@ def time_case(case, impl, backward, warmup, repeat):
     return statistics.median(times), min(times)
 
 
-def child_peak(case, impl, backward) -> float | None:
-    """Peak-RSS increase (MiB) of one pass, measured in a fresh process (same torch thread count)."""
-    spec = dict(case=case, impl=impl, bwd=backward, threads=torch.get_num_threads())
+def child_peak(case, impl, backward, cap_gib: float | None = None) -> float | str | None:
+    """Peak-RSS increase (MiB) of one pass, measured in a fresh process (same torch thread count). With
+    ``cap_gib``, the child's address space may grow by at most that much after its warm-up, and ``"oom"`` is
+    returned when the pass could not allocate within it."""
+    spec = dict(case=case, impl=impl, bwd=backward, threads=torch.get_num_threads(), cap_gib=cap_gib)
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=dict(os.environ))
-        return float(out.stdout.strip().splitlines()[-1])
+        last = out.stdout.strip().splitlines()[-1]
+        return "oom" if last == "oom" else float(last)
     except Exception as exc:  # report, never fake a number
         print(f"  memory measurement failed for {label(case)} {impl}: {exc}", file=sys.stderr)
         return None
@@ -293,8 +320,19 @@ def _child(spec):
             fh.write("5")  # reset VmHWM to the current RSS
     except OSError:
         pass
+    if spec.get("cap_gib"):
+        import resource
+
+        cap = _status_kib("VmSize") * 1024 + int(spec["cap_gib"] * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
     base = _status_kib("VmRSS")
-    f()
+    try:
+        f()
+    except (RuntimeError, MemoryError) as exc:
+        if spec.get("cap_gib") and ("alloc" in str(exc) or isinstance(exc, MemoryError)):
+            print("oom")
+            return
+        raise
     peak = _status_kib("VmHWM")
     print((peak - base) / 1024.0)
 
