@@ -20,8 +20,8 @@
 // Kernels, in launch order (launch_polyline_linear_attention_fwd / _bwd below; scratch: the work buffers of
 // LinearAttnWork, laid out by polyline_linear_attention_workspace):
 //   forward:  pack (q, k, v', decay multipliers) -> scan (stats <- unnormalised terms) -> finish (out, stats)
-//   backward: pack (+ dO') -> bwd scan (three tasks per unit: dq; dk, dv'; prefix-sum gradients) -> reduce
-//             (dq, dk, dv, summed prefix-sum gradients) -> decay_grad_kernel
+//   backward: pack (+ dO') -> bwd scan (two tasks per unit: dq; dk, dv') -> bwd mask (prefix-sum gradients) ->
+//             reduce (dq, dk, dv, summed prefix-sum gradients) -> decay_grad_kernel
 // Accumulation in fp32 (fp64 for fp64 inputs).
 #pragma once
 
@@ -428,42 +428,66 @@ __global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_fwd_
   masked_scan(u, X, blk.dir == 1, k, st, st + int64_t(u.W) * d * w.cs);
 }
 
-// Backward, per unit (bg, dir, slice), three tasks (blocks):
-//   0: dq_p  += (Lm X)_p dO'dir_p                          (Lm = L for V2H, L^T for H2V; X = k ⊗ v')
-//   1: dk_s  += (Lm^T Y)_s v'_s, dv'_s += (Lm^T Y)_s^T k_s   (Y = q ⊗ dO'dir)
-//   2: the prefix-sum gradients of sum L[p, s] <A_p, B_s>, (A, B) = (Y, X) for V2H and (X, Y) for H2V.
+// Backward, per unit (bg, dir, slice), with X = k ⊗ v', Y = q ⊗ dO'dir and Lm = L (V2H) or L^T (H2V):
+//   dq_p  += (Lm X)_p dO'dir_p                              (scan kernel, task 0)
+//   dk_s  += (Lm^T Y)_s v'_s, dv'_s += (Lm^T Y)_s^T k_s      (scan kernel, task 1)
+//   the prefix-sum gradients of sum L[p, s] <A_p, B_s>, (A, B) = (Y, X) for V2H and (X, Y) for H2V (mask kernel).
+// Two kernels rather than one with three tasks: each fits the register file without spills. State buffers of a
+// unit: [0, 2) task 0, [2, 4) task 1, [4, 8) the mask kernel.
 template <typename acc_t>
-__global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_kernel(LinearAttnWork<acc_t> w) {
-  const LinBlock blk = lin_block(w.S, 3);
-  const LinUnit<acc_t> u = lin_unit(w, blk.bg, blk.slice);
-  const int d = u.d, C = u.C, S = w.S;
-  const int64_t N = int64_t(u.H) * u.W, BG = int64_t(w.sz.B) * w.sz.G, bg = blk.bg;
-  const int64_t part = (int64_t(blk.dir) * S + blk.slice) * BG * N;  // token offset of this (direction, slice)
-  const LinOuter<acc_t> X{w.k + bg * N * d, w.v + bg * N * C + u.c0, d, C, u.cw};
-  const acc_t* dop = w.dop + (blk.dir * BG + bg) * N * C + u.c0;
-  const LinOuter<acc_t> Y{w.q + bg * N * d, dop, d, C, u.cw};
-  const int64_t buf = int64_t(u.W) * d * w.cs;
-  acc_t* st = w.state + blk.unit * w.state_stride;
+struct LinBwdUnit {
+  LinBlock blk;
+  LinUnit<acc_t> u;
+  LinOuter<acc_t> X, Y;
+  int64_t part;  // token offset of the unit's (direction, slice) in the partial sums
+  acc_t* st;     // its state buffers, `buf` elements each
+  int64_t buf;
+};
+
+template <typename acc_t>
+PPMA_D LinBwdUnit<acc_t> lin_bwd_unit(const LinearAttnWork<acc_t>& w, int tasks) {
+  LinBwdUnit<acc_t> r;
+  r.blk = lin_block(w.S, tasks);
+  r.u = lin_unit(w, r.blk.bg, r.blk.slice);
+  const int d = r.u.d, C = r.u.C;
+  const int64_t N = int64_t(r.u.H) * r.u.W, BG = int64_t(w.sz.B) * w.sz.G, bg = r.blk.bg;
+  r.part = (int64_t(r.blk.dir) * w.S + r.blk.slice) * BG * N;
+  r.X = LinOuter<acc_t>{w.k + bg * N * d, w.v + bg * N * C + r.u.c0, d, C, r.u.cw};
+  r.Y = LinOuter<acc_t>{w.q + bg * N * d, w.dop + (r.blk.dir * BG + bg) * N * C + r.u.c0, d, C, r.u.cw};
+  r.buf = int64_t(r.u.W) * d * w.cs;
+  r.st = w.state + r.blk.unit * w.state_stride;
+  return r;
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_scan_kernel(LinearAttnWork<acc_t> w) {
+  const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 2);
+  const int task = b.blk.task, d = b.u.d, C = b.u.C;
+  const int64_t N = int64_t(b.u.H) * b.u.W, BG = int64_t(w.sz.B) * w.sz.G, bg = b.blk.bg;
   LinContract<acc_t> k;
-  if (blk.task == 0) {
-    k.b = dop;
-    k.out_b = w.dq_part + (part + bg * N) * d;
-    k.obs = d;
-    masked_scan(u, X, blk.dir == 1, k, st, st + buf);
-  } else if (blk.task == 1) {
-    k.a = w.k + bg * N * d;
-    k.out_a = w.dv_part + (blk.dir * BG + bg) * N * C + u.c0;
-    k.oas = C;
-    k.b = w.v + bg * N * C + u.c0;
-    k.out_b = w.dk_part + (part + bg * N) * d;
-    k.obs = d;
-    masked_scan(u, Y, blk.dir == 0, k, st + 2 * buf, st + 3 * buf);
+  k.out_b = (task == 0 ? w.dq_part : w.dk_part) + (b.part + bg * N) * d;
+  k.obs = d;
+  if (task == 0) {
+    k.b = b.Y.y;  // dO'dir at the slice
   } else {
-    acc_t* gcr = w.gc_part + part + bg * N;
-    acc_t* gcc = w.gc_part + 2 * S * BG * N + part + bg * N;
-    mask_grads(u, blk.dir == 0 ? Y : X, blk.dir == 0 ? X : Y, gcr, gcc, st + 4 * buf, st + 5 * buf, st + 6 * buf,
-               st + 7 * buf);
+    k.a = b.X.x;  // k
+    k.out_a = w.dv_part + (b.blk.dir * BG + bg) * N * C + b.u.c0;
+    k.oas = C;
+    k.b = b.X.y;  // v' at the slice
   }
+  acc_t* st = b.st + 2 * task * b.buf;
+  masked_scan(b.u, task == 0 ? b.X : b.Y, (task == 0) == (b.blk.dir == 1), k, st, st + b.buf);
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_mask_kernel(LinearAttnWork<acc_t> w) {
+  const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 1);
+  const int64_t N = int64_t(b.u.H) * b.u.W, BG = int64_t(w.sz.B) * w.sz.G;
+  acc_t* gcr = w.gc_part + b.part + b.blk.bg * N;
+  acc_t* gcc = gcr + 2 * w.S * BG * N;
+  const bool v2h = b.blk.dir == 0;
+  mask_grads(b.u, v2h ? b.Y : b.X, v2h ? b.X : b.Y, gcr, gcc, b.st + 4 * b.buf, b.st + 5 * b.buf, b.st + 6 * b.buf,
+             b.st + 7 * b.buf);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -471,8 +495,8 @@ __global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_
 // ---------------------------------------------------------------------------------------------
 
 // Lays the work buffers of w (sizes and C, cs set) out from base (nullptr: only counts) and returns their total
-// number of elements; the forward needs no dO' and no partial sums. Blocks: 2 state buffers per unit (forward) or 8
-// (backward: 2 + 2 + 4 for its three tasks).
+// number of elements; the forward needs no dO' and no partial sums. State: 2 row buffers per unit (forward) or 8
+// (backward: 2 + 2 for the scan kernel's tasks, 4 for the mask kernel).
 template <typename acc_t>
 inline int64_t polyline_linear_attention_workspace(LinearAttnWork<acc_t>& w, bool backward, acc_t* base) {
   w.S = (w.C + w.cs - 1) / w.cs;
@@ -501,9 +525,10 @@ inline int64_t polyline_linear_attention_workspace(LinearAttnWork<acc_t>& w, boo
   return off;
 }
 
-// Blocks of the scan kernel (the launchers check them against the grid limit).
+// Blocks of the largest scan kernel (the launchers check them against the grid limit): one per unit, two per unit
+// for the backward's scan kernel.
 inline int64_t polyline_linear_attention_blocks(const GridSizes& sz, int C, int cs, bool backward) {
-  return int64_t(sz.B) * sz.G * 2 * ((C + cs - 1) / cs) * (backward ? 3 : 1);
+  return int64_t(sz.B) * sz.G * 2 * ((C + cs - 1) / cs) * (backward ? 2 : 1);
 }
 
 // Forward: p.w laid out by polyline_linear_attention_workspace(.., false, ..), p.w.stats the statistics output.
@@ -527,8 +552,10 @@ inline void launch_polyline_linear_attention_bwd(const LinearAttnParams<scalar_t
   const int64_t tokens = int64_t(sz.B) * sz.G * sz.H * sz.W;
   const unsigned tb = unsigned((tokens + 127) / 128);
   launch_kernel(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, dim3(tb), dim3(128), 0, stream, p);
-  launch_kernel(polyline_linear_attention_bwd_kernel<acc_t>,
-                dim3(unsigned(polyline_linear_attention_blocks(sz, p.w.C, p.w.cs, true))), dim3(kLinearThreads), 0,
+  const int64_t units = polyline_linear_attention_blocks(sz, p.w.C, p.w.cs, false);
+  launch_kernel(polyline_linear_attention_bwd_scan_kernel<acc_t>, dim3(unsigned(2 * units)), dim3(kLinearThreads), 0,
+                stream, p.w);
+  launch_kernel(polyline_linear_attention_bwd_mask_kernel<acc_t>, dim3(unsigned(units)), dim3(kLinearThreads), 0,
                 stream, p.w);
   launch_kernel(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, dim3(tb), dim3(128), 0, stream, p);
   DecayGradParams<acc_t> dg;
