@@ -68,8 +68,8 @@ gen() {  # gen <header> -> instantiation TU on stdout
         echo "template void launch_polyline_scan_fwd<$t>(const GridSizes&, bool, const $t*, const Strides4&, const $A*, const $A*, const ScanScratch<$A>&, $t*, cudaStream_t);"
         echo "template void launch_polyline_scan_bwd<$t>(const GridSizes&, bool, const $t*, const Strides4&, const $t*, const Strides4&, const $A*, const $A*, const ScanScratch<$A>&, $t*, $A*, $A*, cudaStream_t);"
       done ;;
-    polyline_linear_attention.cuh)
-      for t in $DT; do
+    polyline_linear_attention.cuh)  # double too: its scan kernels are reported and spill-checked like fp32's
+      for t in $DT double; do
         A="AccType<$t>::type"
         echo "template void launch_polyline_linear_attention_fwd<$t, $A>(const LinearAttnParams<$t, $A>&, cudaStream_t);"
         echo "template void launch_polyline_linear_attention_bwd<$t, $A>(const LinearAttnParams<$t, $A>&, cudaStream_t);"

@@ -438,9 +438,12 @@ template <typename acc_t>
 struct LinBwdUnit {
   LinBlock blk;
   LinUnit<acc_t> u;
-  LinOuter<acc_t> X, Y;
-  int64_t part;  // token offset of the unit's (direction, slice) in the partial sums
-  acc_t* st;     // its state buffers, `buf` elements each
+  const acc_t* q;    // [N][d] of the unit's (b, head)
+  const acc_t* k;
+  const acc_t* v;    // v' [N][C] at the slice
+  const acc_t* dop;  // dO' of the unit's direction [N][C] at the slice
+  int64_t part;      // token offset of the unit's (direction, slice) in the partial sums
+  acc_t* st;         // its state buffers, `buf` elements each
   int64_t buf;
 };
 
@@ -451,43 +454,51 @@ PPMA_D LinBwdUnit<acc_t> lin_bwd_unit(const LinearAttnWork<acc_t>& w, int tasks)
   r.u = lin_unit(w, r.blk.bg, r.blk.slice);
   const int d = r.u.d, C = r.u.C;
   const int64_t N = int64_t(r.u.H) * r.u.W, BG = int64_t(w.sz.B) * w.sz.G, bg = r.blk.bg;
+  r.q = w.q + bg * N * d;
+  r.k = w.k + bg * N * d;
+  r.v = w.v + bg * N * C + r.u.c0;
+  r.dop = w.dop + (r.blk.dir * BG + bg) * N * C + r.u.c0;
   r.part = (int64_t(r.blk.dir) * w.S + r.blk.slice) * BG * N;
-  r.X = LinOuter<acc_t>{w.k + bg * N * d, w.v + bg * N * C + r.u.c0, d, C, r.u.cw};
-  r.Y = LinOuter<acc_t>{w.q + bg * N * d, w.dop + (r.blk.dir * BG + bg) * N * C + r.u.c0, d, C, r.u.cw};
   r.buf = int64_t(r.u.W) * d * w.cs;
   r.st = w.state + r.blk.unit * w.state_stride;
   return r;
 }
 
+// (The operands are built from selected pointers, not by selecting between two LinOuter objects: a runtime choice
+// between two structs would put both in local memory.)
 template <typename acc_t>
 __global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_scan_kernel(LinearAttnWork<acc_t> w) {
   const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 2);
-  const int task = b.blk.task, d = b.u.d, C = b.u.C;
+  const bool dq = b.blk.task == 0;
+  const int d = b.u.d, C = b.u.C;
   const int64_t N = int64_t(b.u.H) * b.u.W, BG = int64_t(w.sz.B) * w.sz.G, bg = b.blk.bg;
   LinContract<acc_t> k;
-  k.out_b = (task == 0 ? w.dq_part : w.dk_part) + (b.part + bg * N) * d;
+  k.out_b = (dq ? w.dq_part : w.dk_part) + (b.part + bg * N) * d;
   k.obs = d;
-  if (task == 0) {
-    k.b = b.Y.y;  // dO'dir at the slice
-  } else {
-    k.a = b.X.x;  // k
+  k.b = dq ? b.dop : b.v;
+  if (!dq) {
+    k.a = b.k;
     k.out_a = w.dv_part + (b.blk.dir * BG + bg) * N * C + b.u.c0;
     k.oas = C;
-    k.b = b.X.y;  // v' at the slice
   }
-  acc_t* st = b.st + 2 * task * b.buf;
-  masked_scan(b.u, task == 0 ? b.X : b.Y, (task == 0) == (b.blk.dir == 1), k, st, st + b.buf);
+  const LinOuter<acc_t> X{dq ? b.k : b.q, dq ? b.v : b.dop, d, C, b.u.cw};  // k ⊗ v' or q ⊗ dO'
+  acc_t* st = b.st + (dq ? 0 : 2) * b.buf;
+  masked_scan(b.u, X, dq == (b.blk.dir == 1), k, st, st + b.buf);
 }
 
+// Minimum one block per SM: without it ptxas trades registers for occupancy and spills (119 registers for fp32, 168
+// for fp64 on sm_90 instead).
 template <typename acc_t>
-__global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_mask_kernel(LinearAttnWork<acc_t> w) {
+__global__ void __launch_bounds__(kLinearThreads, 1) polyline_linear_attention_bwd_mask_kernel(LinearAttnWork<acc_t> w) {
   const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 1);
+  const int d = b.u.d, C = b.u.C;
   const int64_t N = int64_t(b.u.H) * b.u.W, BG = int64_t(w.sz.B) * w.sz.G;
   acc_t* gcr = w.gc_part + b.part + b.blk.bg * N;
   acc_t* gcc = gcr + 2 * w.S * BG * N;
-  const bool v2h = b.blk.dir == 0;
-  mask_grads(b.u, v2h ? b.Y : b.X, v2h ? b.X : b.Y, gcr, gcc, b.st + 4 * b.buf, b.st + 5 * b.buf, b.st + 6 * b.buf,
-             b.st + 7 * b.buf);
+  const bool v2h = b.blk.dir == 0;  // (A, B) = (q ⊗ dO', k ⊗ v') for V2H, swapped for H2V
+  const LinOuter<acc_t> A{v2h ? b.q : b.k, v2h ? b.dop : b.v, d, C, b.u.cw};
+  const LinOuter<acc_t> B{v2h ? b.k : b.q, v2h ? b.v : b.dop, d, C, b.u.cw};
+  mask_grads(b.u, A, B, gcr, gcc, b.st + 4 * b.buf, b.st + 5 * b.buf, b.st + 6 * b.buf, b.st + 7 * b.buf);
 }
 
 // ---------------------------------------------------------------------------------------------
