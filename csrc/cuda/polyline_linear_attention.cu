@@ -19,28 +19,51 @@ namespace ppma {
 namespace cuda {
 namespace {
 
-// The fields forward and backward share: sizes, channels and slices, q, k, v (unit last stride) and the log-decays
-// in the accumulation dtype (any strides).
-template <typename scalar_t, typename P>
-void set_linear_inputs(P& p, const GridSizes& sz, bool normalize, double eps, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, const at::Tensor& la, const at::Tensor& lb) {
-  using A = decltype(p.eps);
-  p.w.sz = sz;
-  p.w.C = sz.dv + (normalize ? 1 : 0);
-  p.w.cs = polyline_linear_attention_slice(p.w.C);
-  p.normalize = normalize;
-  p.eps = A(eps);
-  p.q = cptr<scalar_t>(q);
-  p.k = cptr<scalar_t>(k);
-  p.v = cptr<scalar_t>(v);
-  p.sq = strides4(q);
-  p.sk = strides4(k);
-  p.sv = strides4(v);
-  p.log_alpha = la.data_ptr<A>();
-  p.log_beta = lb.data_ptr<A>();
-  p.sa = strides4(la);
-  p.sb = strides4(lb);
-}
+// The inputs as the kernels read them, shared by forward and backward: q, k, v with a unit last stride, the
+// log-decays in the accumulation dtype (any strides), sizes and the channel count C of v'. Checked first; built
+// under the caller's device guard.
+struct LinearInputs {
+  at::Tensor q, k, v, la, lb;
+  at::ScalarType acc;
+  GridSizes sz;
+  int64_t C;
+
+  LinearInputs(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& log_alpha,
+               const at::Tensor& log_beta, bool normalize)
+      : q(last_dim_contiguous(q_in)),
+        k(last_dim_contiguous(k_in)),
+        v(last_dim_contiguous(v_in)),
+        acc(acc_type(q_in)),
+        sz(grid_sizes(q_in, v_in.size(4))),
+        C(sz.dv + (normalize ? 1 : 0)) {
+    la = log_alpha.to(acc);
+    lb = log_beta.to(acc);
+  }
+
+  bool empty() const { return q.numel() == 0 || v.numel() == 0; }
+
+  // The largest grid fits the launch limit.
+  void check_blocks(const char* op, bool backward) const {
+    const int c = int(C);
+    check_grid(op, polyline_linear_attention_blocks(sz, c, polyline_linear_attention_slice(c), backward), sz);
+  }
+
+  // The input fields of p (sizes, channels and slices, eps, q, k, v, log-decays).
+  template <typename scalar_t, typename P>
+  void set(P& p, bool normalize, double eps) const {
+    using A = decltype(p.eps);
+    p.w.sz = sz;
+    p.w.C = int(C);
+    p.w.cs = polyline_linear_attention_slice(int(C));
+    p.normalize = normalize;
+    p.eps = A(eps);
+    set_qkv<scalar_t>(p, q, k, v);
+    p.log_alpha = la.data_ptr<A>();
+    p.log_beta = lb.data_ptr<A>();
+    p.sa = strides4(la);
+    p.sb = strides4(lb);
+  }
+};
 
 // The workspace of p.w (forward or backward), allocated as one acc tensor that the caller keeps alive.
 template <typename A, typename P>
@@ -57,11 +80,6 @@ void check_linear(const char* op, const at::Tensor& q, const at::Tensor& k, cons
   check_inputs(op, q, k, v, log_alpha, log_beta);
 }
 
-void check_grid_of(const char* op, const GridSizes& sz, bool normalize, bool backward) {
-  const int C = sz.dv + (normalize ? 1 : 0);
-  check_grid(op, polyline_linear_attention_blocks(sz, C, polyline_linear_attention_slice(C), backward), sz);
-}
-
 std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                                   const at::Tensor& v_in, const at::Tensor& log_alpha,
                                                                   const at::Tensor& log_beta, bool normalize,
@@ -70,21 +88,18 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cuda(const at::Tens
   check_linear(op, q_in, k_in, v_in, log_alpha, log_beta);
   TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
-  const auto acc = acc_type(q);
-  const GridSizes sz = grid_sizes(q, v.size(4));
-  const int64_t C = sz.dv + (normalize ? 1 : 0);
-  at::Tensor out = at::empty(v.sizes(), v.options());
-  at::Tensor stats = at::empty({sz.B, sz.H, sz.W, sz.G, 2, C}, q.options().dtype(acc));
-  if (q.numel() == 0 || v.numel() == 0) return {out.zero_(), stats.zero_()};
-  check_grid_of(op, sz, normalize, false);
-  const at::Tensor la = log_alpha.to(acc), lb = log_beta.to(acc);
+  const LinearInputs in(q_in, k_in, v_in, log_alpha, log_beta, normalize);
+  const GridSizes& sz = in.sz;
+  at::Tensor out = at::empty(in.v.sizes(), in.v.options());
+  at::Tensor stats = at::empty({sz.B, sz.H, sz.W, sz.G, 2, in.C}, in.q.options().dtype(in.acc));
+  if (in.empty()) return {out.zero_(), stats.zero_()};
+  in.check_blocks(op, false);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_linear_attention_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.q.scalar_type(), "polyline_linear_attention_cuda", [&] {
     using T = typename CudaType<scalar_t>::type;
     using A = typename AccType<T>::type;
     LinearAttnParams<T, A> p;
-    set_linear_inputs<scalar_t>(p, sz, normalize, eps, q, k, v, la, lb);
+    in.set<scalar_t>(p, normalize, eps);
     p.out = cptr<scalar_t>(out);
     p.w.stats = stats.data_ptr<A>();
     const at::Tensor ws = workspace<A>(p, false, stats);
@@ -102,31 +117,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
   check_shape(op, "grad_out", grad_out_in, v_in.sizes(), q_in);
   check_like(op, "grad_out", grad_out_in, "q", q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  const LinearInputs in(q_in, k_in, v_in, log_alpha, log_beta, normalize);
+  const GridSizes& sz = in.sz;
+  check_shape(op, "stats", stats_in, {sz.B, sz.H, sz.W, sz.G, 2, in.C}, q_in);
+  AttentionGrads g(in.q, in.v, log_alpha, in.acc);
+  if (in.empty()) return g.zeros(log_alpha, log_beta);
+  in.check_blocks(op, true);
   const at::Tensor dout = last_dim_contiguous(grad_out_in);
-  const auto acc = acc_type(q);
-  const GridSizes sz = grid_sizes(q, v.size(4));
-  const int64_t C = sz.dv + (normalize ? 1 : 0);
-  check_shape(op, "stats", stats_in, {sz.B, sz.H, sz.W, sz.G, 2, C}, q_in);
-  AttentionGrads g(q, v, log_alpha, acc);
-  if (q.numel() == 0 || v.numel() == 0) return g.zeros(log_alpha, log_beta);
-  check_grid_of(op, sz, normalize, true);
-  const at::Tensor stats = stats_in.to(acc).contiguous();
-  const at::Tensor la = log_alpha.to(acc), lb = log_beta.to(acc);
+  const at::Tensor stats = stats_in.to(in.acc).contiguous();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_linear_attention_bwd_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.q.scalar_type(), "polyline_linear_attn_bwd_cuda", [&] {
     using T = typename CudaType<scalar_t>::type;
     using A = typename AccType<T>::type;
     LinearAttnParams<T, A> p;
-    set_linear_inputs<scalar_t>(p, sz, normalize, eps, q, k, v, la, lb);
+    in.set<scalar_t>(p, normalize, eps);
     p.w.stats = const_cast<A*>(stats.data_ptr<A>());  // read only in the backward
     p.dout = cptr<scalar_t>(dout);
     p.sdo = strides4(dout);
-    p.dq = cptr<scalar_t>(g.gq);
-    p.dk = cptr<scalar_t>(g.gk);
-    p.dv = cptr<scalar_t>(g.gv);
-    p.g_log_alpha = g.gla.data_ptr<A>();
-    p.g_log_beta = g.glb.data_ptr<A>();
+    g.bind<scalar_t>(p);
     const at::Tensor ws = workspace<A>(p, true, stats);
     launch_polyline_linear_attention_bwd(p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

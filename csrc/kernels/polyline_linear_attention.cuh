@@ -542,17 +542,22 @@ inline int64_t polyline_linear_attention_blocks(const GridSizes& sz, int C, int 
   return int64_t(sz.B) * sz.G * 2 * ((C + cs - 1) / cs) * (backward ? 2 : 1);
 }
 
+// Launches a token-local kernel (pack, finish, reduce): 128 threads, one per (b * heads + g, token).
+template <typename scalar_t, typename acc_t>
+inline void launch_per_token(void (*kernel)(LinearAttnParams<scalar_t, acc_t>),
+                             const LinearAttnParams<scalar_t, acc_t>& p, cudaStream_t stream) {
+  const int64_t tokens = int64_t(p.w.sz.B) * p.w.sz.G * p.w.sz.H * p.w.sz.W;
+  launch_kernel(kernel, dim3(unsigned((tokens + 127) / 128)), dim3(128), 0, stream, p);
+}
+
 // Forward: p.w laid out by polyline_linear_attention_workspace(.., false, ..), p.w.stats the statistics output.
 template <typename scalar_t, typename acc_t>
 inline void launch_polyline_linear_attention_fwd(const LinearAttnParams<scalar_t, acc_t>& p, cudaStream_t stream) {
-  const GridSizes& sz = p.w.sz;
-  const int64_t tokens = int64_t(sz.B) * sz.G * sz.H * sz.W;
-  const unsigned tb = unsigned((tokens + 127) / 128);
-  launch_kernel(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, dim3(tb), dim3(128), 0, stream, p);
-  launch_kernel(polyline_linear_attention_fwd_kernel<acc_t>,
-                dim3(unsigned(polyline_linear_attention_blocks(sz, p.w.C, p.w.cs, false))), dim3(kLinearThreads), 0,
-                stream, p.w);
-  launch_kernel(polyline_linear_attention_finish_kernel<scalar_t, acc_t>, dim3(tb), dim3(128), 0, stream, p);
+  const int64_t units = polyline_linear_attention_blocks(p.w.sz, p.w.C, p.w.cs, false);
+  launch_per_token(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, p, stream);
+  launch_kernel(polyline_linear_attention_fwd_kernel<acc_t>, dim3(unsigned(units)), dim3(kLinearThreads), 0, stream,
+                p.w);
+  launch_per_token(polyline_linear_attention_finish_kernel<scalar_t, acc_t>, p, stream);
 }
 
 // Backward: p.w laid out by polyline_linear_attention_workspace(.., true, ..), p.w.stats the forward's statistics
@@ -560,21 +565,18 @@ inline void launch_polyline_linear_attention_fwd(const LinearAttnParams<scalar_t
 template <typename scalar_t, typename acc_t>
 inline void launch_polyline_linear_attention_bwd(const LinearAttnParams<scalar_t, acc_t>& p, cudaStream_t stream) {
   const GridSizes& sz = p.w.sz;
-  const int64_t tokens = int64_t(sz.B) * sz.G * sz.H * sz.W;
-  const unsigned tb = unsigned((tokens + 127) / 128);
-  launch_kernel(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, dim3(tb), dim3(128), 0, stream, p);
   const int64_t units = polyline_linear_attention_blocks(sz, p.w.C, p.w.cs, false);
+  launch_per_token(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, p, stream);
   launch_kernel(polyline_linear_attention_bwd_scan_kernel<acc_t>, dim3(unsigned(2 * units)), dim3(kLinearThreads), 0,
                 stream, p.w);
   launch_kernel(polyline_linear_attention_bwd_mask_kernel<acc_t>, dim3(unsigned(units)), dim3(kLinearThreads), 0,
                 stream, p.w);
-  launch_kernel(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, dim3(tb), dim3(128), 0, stream, p);
-  DecayGradParams<acc_t> dg;
+  launch_per_token(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, p, stream);
+  DecayGradParams<acc_t> dg;  // reverse cumsums of the summed prefix-sum gradients (no cross-term tables)
   dg.sz = sz;
-  const int64_t tok = int64_t(sz.B) * sz.G * sz.H * sz.W;
   dg.own_r[0] = p.w.gc_sum;
-  dg.own_c[0] = p.w.gc_sum + tok;
-  dg.tile_bm = sz.W;  // no cross-term tables here
+  dg.own_c[0] = p.w.gc_sum + int64_t(sz.B) * sz.G * sz.H * sz.W;
+  dg.tile_bm = sz.W;
   dg.g_log_alpha = p.g_log_alpha;
   dg.g_log_beta = p.g_log_beta;
   const int64_t lines = int64_t(sz.B) * sz.G * (sz.H + sz.W);

@@ -112,6 +112,18 @@ void tc_switch(int dp, F&& f) {
   }
 }
 
+// q, k (stored as the case asks) and v (contiguous) in the fields of an attention's Params.
+template <typename P, typename T>
+void bind_qkv(P& p, const Case& c, const std::vector<T>& q, const Strides4& sq, const std::vector<T>& k,
+              const Strides4& sk, const std::vector<T>& v) {
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.sq = sq;
+  p.sk = sk;
+  p.sv = contiguous4(c, c.dv);
+}
+
 // polyline_linear_attention: the launcher's sequence (csrc/cuda/polyline_linear_attention.cu) with its workspace.
 template <typename T, typename A>
 void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, const Strides4& sq, const std::vector<T>& k,
@@ -124,12 +136,7 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   p.w.sz = sz;
   p.w.C = c.dv + (p.normalize ? 1 : 0);
   p.w.cs = c.slice > 0 ? c.slice : polyline_linear_attention_slice(p.w.C);
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.sq = sq;
-  p.sk = sk;
-  p.sv = contiguous4(c, c.dv);
+  bind_qkv(p, c, q, sq, k, sk, v);
   p.log_alpha = la.data();
   p.log_beta = lb.data();
   p.sa = p.sb = contiguous4(c, 1);
@@ -197,12 +204,7 @@ void run(const Case& c, std::FILE* out) {
   auto set_inputs = [&](auto& p) {
     p.sz = sz;
     p.scale = A(c.scale);
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
-    p.sq = sq;
-    p.sk = sk;
-    p.sv = contiguous4(c, c.dv);
+    bind_qkv(p, c, q, sq, k, sk, v);
     p.cr = cr.data();
     p.cc = cc.data();
   };
