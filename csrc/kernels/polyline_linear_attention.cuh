@@ -6,9 +6,10 @@
 // of v'. So the C channels are split into S slices of at most kLinearMaxSlice, and one block runs one unit
 // (b * heads + g, direction, slice): the CPU kernel's recurrences over the rows (two passes, the top-down inclusive
 // and bottom-up exclusive halves of the column recurrence), with the state of one row, W x d x (slice width), in a
-// global scratch region of its own. Threads run over the state elements: a column step is elementwise, a row
-// product runs each element's recurrence along the row (sequential in the column, parallel over d x slice), and
-// the contractions with the token's vectors give one thread per output element. Every output element of a unit is
+// global scratch region of its own (shared memory would hold it only for small maps; the region stays in L1/L2).
+// Threads run over the state elements: a column step is elementwise, a row product runs each element's recurrences
+// along the row (sequential over the columns, parallel over d x slice), and the contractions with the token's
+// vectors give one thread per output element. Every output element of a unit is
 // written by one thread, first in the top-down pass (=) and then in the bottom-up pass (+=).
 //
 // What sums over channels is partial per slice: dq, dk (sums over v' channels) and the prefix-sum gradients (inner
