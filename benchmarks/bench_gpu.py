@@ -9,7 +9,8 @@ median time after warm-up (CUDA events) and peak memory above the inputs; ratios
 Cases: ``polyline_attention`` bf16, batch 8, 4 heads, head dim 32, at 32x32, 48x48 and 64x64 tokens (1024-4096);
 ``criss_cross_attention`` bf16 at the PPMA-T stage 1 and 2 shapes with batch 64 (56x56, 4 heads of 16; 28x28,
 4 heads of 32); ``polyline_linear_attention`` bf16 (non-negative q, k; normalised) at 64x64, 128x128 and 256x256
-tokens, 4 heads of 32, also against the softmax ``polyline_attention`` on the same inputs. Writes ``<out>.md`` and ``<out>.json``; the default name carries the GPU, torch and CUDA versions::
+tokens, 4 heads of 32, also against the softmax ``polyline_attention`` on the same inputs. Writes ``<out>.md`` and
+``<out>.json``; the default name carries the GPU, torch and CUDA versions::
 
     python3 benchmarks/bench_gpu.py                 # the whole table (a few minutes on an H100)
     python3 benchmarks/bench_gpu.py --quick         # one shape per op

@@ -119,7 +119,8 @@ def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True,
     if backward:
         sizes += [("q", n * d), ("k", n * d), ("v", n * dv), ("log_alpha", n), ("log_beta", n)]
     shapes = {"out": (B, H, W, G, dv), "out_v2h": (B, H, W, G, dv), "lse": (B, H, W, G, 2), "q": (B, H, W, G, d),
-              "k": (B, H, W, G, d), "v": (B, H, W, G, dv), "log_alpha": (B, H, W, G), "log_beta": (B, H, W, G), "stats": (B, H, W, G, 2, C)}
+              "k": (B, H, W, G, d), "v": (B, H, W, G, dv), "log_alpha": (B, H, W, G), "log_beta": (B, H, W, G),
+              "stats": (B, H, W, G, 2, C)}
     res, o = {}, 0
     for name, size in sizes:
         res[name] = flat[o:o + size].view(shapes[name])

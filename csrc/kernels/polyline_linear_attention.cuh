@@ -490,7 +490,8 @@ __global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_bwd_
 // Minimum one block per SM: without it ptxas trades registers for occupancy and spills (119 registers for fp32, 168
 // for fp64 on sm_90 instead).
 template <typename acc_t>
-__global__ void __launch_bounds__(kLinearThreads, 1) polyline_linear_attention_bwd_mask_kernel(LinearAttnWork<acc_t> w) {
+__global__ void __launch_bounds__(kLinearThreads, 1)
+    polyline_linear_attention_bwd_mask_kernel(LinearAttnWork<acc_t> w) {
   const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 1);
   const int d = b.u.d, C = b.u.C;
   const int64_t N = int64_t(b.u.H) * b.u.W, BG = int64_t(w.sz.B) * w.sz.G;

@@ -1,7 +1,7 @@
 // Runs ppma's CUDA kernels (csrc/kernels) on the CPU through the emulator in emu.h, for the tests in
 // tests/test_cuda_emulation.py: polyline_attention (CUDA-core or tensor-core kernels), criss_cross_attention and
-// polyline_linear_attention, forward and backward, with the same host-side sequence of launches and scratch buffers as the launchers in
-// csrc/cuda/*.cu (which need torch and a GPU).
+// polyline_linear_attention, forward and backward, with the same host-side sequence of launches and scratch buffers
+// as the launchers in csrc/cuda/*.cu (which need torch and a GPU).
 //
 //   run_kernels IN OUT
 // IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention, 2 polyline_linear_attention), path
@@ -126,9 +126,9 @@ void bind_qkv(P& p, const Case& c, const std::vector<T>& q, const Strides4& sq, 
 
 // polyline_linear_attention: the launcher's sequence (csrc/cuda/polyline_linear_attention.cu) with its workspace.
 template <typename T, typename A>
-void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, const Strides4& sq, const std::vector<T>& k,
-                const Strides4& sk, const std::vector<T>& v, const std::vector<A>& la, const std::vector<A>& lb,
-                const std::vector<T>& go, std::FILE* out) {
+void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, const Strides4& sq,
+                const std::vector<T>& k, const Strides4& sk, const std::vector<T>& v, const std::vector<A>& la,
+                const std::vector<A>& lb, const std::vector<T>& go, std::FILE* out) {
   const int64_t n = int64_t(c.B) * c.H * c.W * c.G;
   LinearAttnParams<T, A> p;
   p.normalize = c.path != 0;
