@@ -3,7 +3,7 @@
 #  1. every csrc/kernels/*.cuh in a translation unit of its own, with its templates explicitly instantiated for
 #     float / half / bfloat16 / double and the head-dim paths, for sm_80 and sm_90, with ptxas' resource report
 #     (-Xptxas -v): registers, spills and shared memory of every kernel are printed, and a register spill in a
-#     tensor-core or packed kernel (the kernels written to fit the register file) fails the check;
+#     tensor-core, packed or linear-attention kernel (the kernels written to fit the register file) fails the check;
 #  2. the host launchers csrc/cuda/*.cu against the installed torch's headers (sm_90 only).
 # Exits 0 with a note when nvcc is missing; non-zero on any compile error or unexpected spill.
 # PPMA_CHECK_CUDA_ONLY=<glob> restricts step 1 to matching headers (e.g. 'polyline_attention_tc*') and skips step 2.
@@ -26,7 +26,7 @@ DP="16 32 64 128 256 512"
 TC_DT="__half __nv_bfloat16"
 TC_DP="16 32 64 128"
 # kernels that must not spill (ptxas -v), and the spills that are known and accepted (kernel-name regex)
-NO_SPILL='polyline_attention_tc_|criss_cross_pack_'
+NO_SPILL='polyline_attention_tc_|criss_cross_pack_|polyline_linear_attention_'
 SPILL_OK='polyline_attention_tc_dkdv_kernel<[_a-z0-9]+, 128>'  # 20 bytes: dK and dV accumulators of 16 x 128
 gen() {  # gen <header> -> instantiation TU on stdout
   local h=$1
@@ -67,6 +67,12 @@ gen() {  # gen <header> -> instantiation TU on stdout
         A="AccType<$t>::type"
         echo "template void launch_polyline_scan_fwd<$t>(const GridSizes&, bool, const $t*, const Strides4&, const $A*, const $A*, const ScanScratch<$A>&, $t*, cudaStream_t);"
         echo "template void launch_polyline_scan_bwd<$t>(const GridSizes&, bool, const $t*, const Strides4&, const $t*, const Strides4&, const $A*, const $A*, const ScanScratch<$A>&, $t*, $A*, $A*, cudaStream_t);"
+      done ;;
+    polyline_linear_attention.cuh)  # double too: its scan kernels are reported and spill-checked like fp32's
+      for t in $DT double; do
+        A="AccType<$t>::type"
+        echo "template void launch_polyline_linear_attention_fwd<$t, $A>(const LinearAttnParams<$t, $A>&, cudaStream_t);"
+        echo "template void launch_polyline_linear_attention_bwd<$t, $A>(const LinearAttnParams<$t, $A>&, cudaStream_t);"
       done ;;
     *)
       echo "// no explicit instantiations known for $h: header compiled for syntax only" >&2 ;;

@@ -8,7 +8,9 @@ median time after warm-up (CUDA events) and peak memory above the inputs; ratios
 
 Cases: ``polyline_attention`` bf16, batch 8, 4 heads, head dim 32, at 32x32, 48x48 and 64x64 tokens (1024-4096);
 ``criss_cross_attention`` bf16 at the PPMA-T stage 1 and 2 shapes with batch 64 (56x56, 4 heads of 16; 28x28,
-4 heads of 32). Writes ``<out>.md`` and ``<out>.json``; the default name carries the GPU, torch and CUDA versions::
+4 heads of 32); ``polyline_linear_attention`` bf16 (non-negative q, k; normalised) at 64x64, 128x128 and 256x256
+tokens, 4 heads of 32, also against the softmax ``polyline_attention`` on the same inputs. Writes ``<out>.md`` and
+``<out>.json``; the default name carries the GPU, torch and CUDA versions::
 
     python3 benchmarks/bench_gpu.py                 # the whole table (a few minutes on an H100)
     python3 benchmarks/bench_gpu.py --quick         # one shape per op
@@ -36,8 +38,10 @@ from ppma.ops import reference as ref
 # (name, [B, H, W, heads, d]) per op; quick and CPU smoke sizes below
 PA_SHAPES = [(8, 32, 32, 4, 32), (8, 48, 48, 4, 32), (8, 64, 64, 4, 32)]
 CC_SHAPES = [(64, 56, 56, 4, 16), (64, 28, 28, 4, 32)]
+LA_SHAPES = [(8, 64, 64, 4, 32), (2, 128, 128, 4, 32), (1, 256, 256, 4, 32)]
 CPU_PA_SHAPES = [(1, 6, 7, 2, 16)]
 CPU_CC_SHAPES = [(2, 7, 7, 2, 16)]
+CPU_LA_SHAPES = [(1, 6, 7, 2, 16)]
 
 
 def _sync(device: torch.device) -> None:
@@ -72,10 +76,12 @@ def bench(fn, device: torch.device, warmup: int, reps: int):
     return statistics.median(times), mem
 
 
-def make_inputs(shape, dtype, device, grad: bool, seed: int = 0):
+def make_inputs(shape, dtype, device, grad: bool, seed: int = 0, nonneg_qk: bool = False):
     B, H, W, G, d = shape
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(B, H, W, G, d, generator=g).to(device, dtype) for _ in range(3))
+    if nonneg_qk:  # the features of linear attention (already mapped)
+        q, k = q.abs(), k.abs()
     la = -torch.rand(B, H, W, G, generator=g).to(device)
     lb = -torch.rand(B, H, W, G, generator=g).to(device)
     return [t.requires_grad_(grad) for t in (q, k, v, la, lb)]
@@ -133,6 +139,10 @@ def cuda_core_kernels():
             os.environ["PPMA_CUDA_TENSOR_CORES"] = old
 
 
+def _linear_ref(q, k, v, la, lb, scale):
+    return ref.polyline_linear_attention_ref(q, k, v, la, lb)
+
+
 def impls(op: str, device: torch.device):
     """name -> callable(q, k, v, la, lb, scale) for one op."""
     if op == "polyline_attention":
@@ -149,6 +159,13 @@ def impls(op: str, device: torch.device):
 
             res["ppma fused, CUDA cores"] = cuda_cores
         return res
+    if op == "polyline_linear_attention":  # no scale; normalised, eps 1e-6
+        return {
+            "eager reference": _linear_ref,
+            "compiled reference": torch.compile(_linear_ref),
+            "ppma polyline_attention (softmax)": ops.polyline_attention,
+            "ppma fused": lambda q, k, v, la, lb, scale: ops.polyline_linear_attention(q, k, v, la, lb),
+        }
     return {
         "eager reference": ref.criss_cross_attention_ref,
         "compiled reference": torch.compile(ref.criss_cross_attention_ref),
@@ -159,7 +176,7 @@ def impls(op: str, device: torch.device):
 def run_case(op, shape, dtype, device, warmup, reps, rows):
     for mode in ("fwd", "fwd+bwd"):
         for name, fn in impls(op, device).items():
-            ins = make_inputs(shape, dtype, device, grad=mode != "fwd")
+            ins = make_inputs(shape, dtype, device, grad=mode != "fwd", nonneg_qk=op == "polyline_linear_attention")
             scale = shape[4] ** -0.5
             note = ""
 
@@ -266,7 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="one shape per op")
-    ap.add_argument("--ops", nargs="+", default=["polyline_attention", "criss_cross_attention"])
+    ap.add_argument("--ops", nargs="+",
+                    default=["polyline_attention", "criss_cross_attention", "polyline_linear_attention"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
@@ -278,12 +296,12 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     env = environment(device)
     if device.type == "cpu":
-        pa, cc = CPU_PA_SHAPES, CPU_CC_SHAPES
+        pa, cc, la = CPU_PA_SHAPES, CPU_CC_SHAPES, CPU_LA_SHAPES
     else:
-        pa, cc = (PA_SHAPES[:1], CC_SHAPES[1:]) if args.quick else (PA_SHAPES, CC_SHAPES)
+        pa, cc, la = (PA_SHAPES[:1], CC_SHAPES[1:], LA_SHAPES[:1]) if args.quick else (PA_SHAPES, CC_SHAPES, LA_SHAPES)
     rows: list[dict] = []
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for op, shapes in (("polyline_attention", pa), ("criss_cross_attention", cc)):
+    for op, shapes in (("polyline_attention", pa), ("criss_cross_attention", cc), ("polyline_linear_attention", la)):
         if op in args.ops:
             for shape in shapes:
                 run_case(op, shape, dtype, device, args.warmup, args.reps, rows)

@@ -71,8 +71,9 @@ q = torch.randn(1, 4, 5, 2, 32, device='cuda', dtype=torch.bfloat16)
 la = -torch.rand(1, 4, 5, 2, device='cuda')
 out = ppma.ops.polyline_attention(q, q, q, la, la)
 out2 = ppma.ops.criss_cross_attention(q, q, q, la, la)
+out3 = ppma.ops.polyline_linear_attention(q.abs(), q.abs(), q, la, la)
 torch.cuda.synchronize()
-print('smoke ok', out.shape, out2.shape, float(out.float().abs().sum()), float(out2.float().abs().sum()))
+print('smoke ok', out.shape, out2.shape, out3.shape, *(float(o.float().abs().sum()) for o in (out, out2, out3)))
 "
     ;;
   test | test-full)

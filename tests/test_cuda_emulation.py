@@ -16,6 +16,7 @@ sweep.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import struct
@@ -98,11 +99,12 @@ def _inputs(shape, dtype, seed, decay_scale=1.0):
     return q, k, v, la, lb, go
 
 
-def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True):
-    """Runs one op (forward, backward) in the emulator; returns the outputs as float64 tensors."""
+def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True, slice_width=0):
+    """Runs one op (forward, backward) in the emulator; returns the outputs as float64 tensors. op 2
+    (polyline_linear_attention): path = normalize, scale = eps, slice_width = its channel slices (0: default)."""
     B, H, W, G, d, dv = shape
     q, k, v, la, lb, go = ins
-    head = struct.pack("12i", op, path, DTYPE_CODE[dtype], B, H, W, G, d, dv, int(backward), layout, 0)
+    head = struct.pack("12i", op, path, DTYPE_CODE[dtype], B, H, W, G, d, dv, int(backward), layout, slice_width)
     head += struct.pack("d", scale)
     with tempfile.TemporaryDirectory() as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
@@ -111,11 +113,14 @@ def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True)
         assert r.returncode == 0, f"emulated kernels failed: {r.stderr[-2000:]}"
         flat = torch.from_numpy(np.fromfile(fout, dtype=np.float64))
     n = B * H * W * G
-    sizes = [("out", n * dv)] + ([("out_v2h", n * dv)] if op == 0 else []) + [("lse", n * 2)]
+    C = dv + path  # polyline_linear_attention: the channels of v' = [v, 1] (normalize) or v
+    stats = [("stats", n * 2 * C)] if op == 2 else [("lse", n * 2)]
+    sizes = [("out", n * dv)] + ([("out_v2h", n * dv)] if op == 0 else []) + stats
     if backward:
         sizes += [("q", n * d), ("k", n * d), ("v", n * dv), ("log_alpha", n), ("log_beta", n)]
     shapes = {"out": (B, H, W, G, dv), "out_v2h": (B, H, W, G, dv), "lse": (B, H, W, G, 2), "q": (B, H, W, G, d),
-              "k": (B, H, W, G, d), "v": (B, H, W, G, dv), "log_alpha": (B, H, W, G), "log_beta": (B, H, W, G)}
+              "k": (B, H, W, G, d), "v": (B, H, W, G, dv), "log_alpha": (B, H, W, G), "log_beta": (B, H, W, G),
+              "stats": (B, H, W, G, 2, C)}
     res, o = {}, 0
     for name, size in sizes:
         res[name] = flat[o:o + size].view(shapes[name])
@@ -270,3 +275,80 @@ def test_criss_cross(runner, shape, dtype):
     scale = shape[4] ** -0.5
     res = emulate(runner, 1, 0, dtype, shape, scale, ins)
     check_against_reference(res, ref.criss_cross_attention_ref, ins, scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# polyline_linear_attention: channel slices of the scan form (one block per (b * head, direction, slice))
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear_inputs(shape, dtype, seed, decay_scale=1.0):
+    """Non-negative q, k (the op's features are already mapped)."""
+    q, k, v, la, lb, go = _inputs(shape, dtype, seed, decay_scale)
+    return q.abs(), k.abs(), v, la, lb, go
+
+
+def _linear_stats_ref(ins, normalize, eps):
+    """The statistics output from the dense definition: per direction (term / den, den) or the term."""
+    q, k, v, la, lb, _ = (t.double() for t in ins)
+    B, H, W, G, d = q.shape
+    qf, kf = (t.reshape(B, H * W, G, d).transpose(1, 2) for t in (q, k))
+    vf = v.reshape(B, H * W, G, -1).transpose(1, 2)
+    A, L = qf @ kf.transpose(-1, -2), ref.polyline_mask(la, lb)
+    dirs = []
+    for P in (A * L, A * L.transpose(-1, -2)):
+        term = P @ vf
+        if normalize:
+            den = P.sum(-1, keepdim=True) + eps
+            term = torch.cat([term / den, den], -1)
+        dirs.append(term)
+    return torch.stack(dirs, -2).transpose(1, 2).reshape(B, H, W, G, 2, -1)
+
+
+def check_linear(runner, shape, dtype, normalize, ins, slice_width=0, layout=0, eps=1e-6):
+    res = emulate(runner, 2, int(normalize), dtype, shape, eps, ins, layout=layout, slice_width=slice_width)
+    fn = lambda q, k, v, la, lb, e: ref.polyline_linear_attention_ref(q, k, v, la, lb, normalize, e)  # noqa: E731
+    check_against_reference(res, fn, ins, eps, dtype)
+    # the statistics are accumulated in fp32 / fp64 from the rounded inputs: the forward tolerance of fp32 at most
+    err = rel_err(res["stats"], _linear_stats_ref(ins, normalize, eps))
+    assert err <= max(TOLERANCES[dtype][0], TOLERANCES[torch.float32][0]), f"stats: relative error {err:.3e}"
+
+
+# (B, H, W, heads, d, dv), dtype, normalize, slice width (0: the launcher's), layout of q and k: C = dv + normalize
+# channels in one slice or several (a last slice narrower than the others), 1-wide and 1-high maps, d != dv,
+# several heads and batches, strided q and k.
+LINEAR_CASES = [
+    ((1, 4, 5, 2, 8, 6), torch.float64, True, 0, 0),
+    ((2, 3, 4, 1, 6, 9), torch.float64, False, 4, 1),  # C = 9: slices 4 + 4 + 1
+    ((1, 5, 1, 2, 8, 8), torch.float32, True, 4, 0),   # W = 1, C = 9: 4 + 4 + 1
+    ((1, 1, 6, 1, 8, 5), torch.float32, False, 0, 0),  # H = 1
+    ((1, 3, 7, 1, 16, 40), torch.float32, True, 0, 1),  # C = 41: the default slices 21 + 20
+    ((1, 4, 3, 2, 8, 8), torch.float16, True, 0, 0),
+    ((2, 3, 4, 1, 8, 8), torch.bfloat16, False, 3, 0),
+]
+if FULL:
+    LINEAR_CASES += [
+        ((2, 9, 12, 2, 16, 16), torch.float32, True, 0, 0),
+        ((1, 7, 6, 3, 32, 32), torch.bfloat16, True, 0, 1),  # C = 33: 17 + 16
+        ((1, 12, 1, 1, 8, 8), torch.float64, True, 2, 0),
+        ((1, 1, 13, 2, 4, 12), torch.float64, False, 5, 0),
+        ((2, 5, 6, 1, 12, 70), torch.float16, False, 0, 0),  # C = 70: 24 + 23 + 23
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,normalize,slice_width,layout", LINEAR_CASES)
+def test_polyline_linear_attention(runner, shape, dtype, normalize, slice_width, layout):
+    ins = _linear_inputs(shape, dtype, seed=sum(shape) + 2)
+    check_linear(runner, shape, dtype, normalize, ins, slice_width, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalize", "plain"])
+def test_polyline_linear_attention_extreme_decays(runner, dtype, normalize):
+    """Log-decays of -inf (a decay of exactly 0), -1e5 (below the floor) and 0 (no decay) on alternate rows and
+    columns, and a large eps that enters the normaliser."""
+    shape = (1, 5, 6, 2, 8, 8)
+    q, k, v, la, lb, go = _linear_inputs(shape, dtype, seed=9)
+    la[:, :, 1::3], la[:, :, 2::3] = -math.inf, 0.0
+    lb[:, 1::3], lb[:, 2::3] = -1e5, 0.0
+    check_linear(runner, shape, dtype, normalize, (q, k, v, la, lb, go), slice_width=4, eps=0.5 if normalize else 1e-6)

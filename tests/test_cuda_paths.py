@@ -1,7 +1,8 @@
 """The CUDA kernel paths that only a GPU selects (issue 9): tensor-core ``polyline_attention`` (fp16 / bf16, d and
 dv multiples of 8 up to 128) against the CUDA-core kernels on the same inputs, the launch limits (B * heads above
-65535, head dims above 128 and above 512, misaligned rows) and the packed short-line ``criss_cross_attention``
-kernels. The op sweeps of ``tests/test_<op>.py`` run every op on CUDA as well; the same kernels run on the CPU
+65535, head dims above 128 and above 512, misaligned rows), the packed short-line ``criss_cross_attention``
+kernels, and ``polyline_linear_attention`` at sizes the sweep does not reach (4096 tokens, several channel slices,
+many batch-heads). The op sweeps of ``tests/test_<op>.py`` run every op on CUDA as well; the same kernels run on the CPU
 through the emulator in ``tests/test_cuda_emulation.py``. Skipped without a GPU and the CUDA kernels."""
 
 from __future__ import annotations
@@ -119,3 +120,27 @@ def test_criss_cross_packed_lines(shape, dtype):
     for name, a, b, w in zip(("q", "k", "v", "log_alpha", "log_beta"), g1, g2, wgrads):
         assert torch.equal(a, b), f"grad {name}: backward is not deterministic"
         assert_close(a, w, dtype, f"grad {name}", grad=True, mult=2.0)
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalize", "plain"])
+@pytest.mark.parametrize("shape,dtype", [((1, 64, 64, 2, 32, 32), torch.bfloat16),   # 4096 tokens, C = 33: 2 slices
+                                         ((2, 9, 17, 2, 16, 100), torch.float32),    # C = 101: 4 slices
+                                         ((20000, 1, 3, 2, 8, 8), torch.float32)])   # 40000 batch-heads
+def test_polyline_linear_attention_large(shape, dtype, normalize):
+    """Forward and every gradient against the fp64 reference, and two backward runs bitwise equal (the channel
+    slices' partial sums are reduced in a fixed order, no atomics)."""
+    q, k, v, la, lb = _inputs(shape, dtype, seed=sum(shape))
+    q, k = q.abs(), k.abs()
+    out, stats = torch.ops.ppma.polyline_linear_attention(q, k, v, la, lb, normalize, 1e-6)
+    go = torch.randn_like(out)
+    idx = torch.arange(min(shape[0], 4), device="cuda")  # the reference on a few batches only
+    ins = [t[idx].detach().double().requires_grad_() for t in (q, k, v, la, lb)]
+    want = ref.polyline_linear_attention_ref(*ins, normalize, 1e-6)
+    wgrads = torch.autograd.grad(want, ins, go[idx].double())
+    assert_close(out[idx], want, dtype, "out")
+    g1 = torch.ops.ppma.polyline_linear_attention_backward(go, q, k, v, la, lb, stats, normalize, 1e-6)
+    g2 = torch.ops.ppma.polyline_linear_attention_backward(go, q, k, v, la, lb, stats, normalize, 1e-6)
+    for name, a, b, w in zip(("q", "k", "v", "log_alpha", "log_beta"), g1, g2, wgrads):
+        assert torch.equal(a, b), f"grad {name}: backward is not deterministic"
+        assert torch.isfinite(a).all(), f"grad {name}: non-finite values"
+        assert_close(a[idx], w, dtype, f"grad {name}", grad=True, mult=2.0)

@@ -98,17 +98,6 @@ class TestPolylineLinearAttention(OpTests):
         both = term + torch.einsum("bhwgd,bhwgde->bhwge", q, other)
         torch.testing.assert_close(self.ref(q, k, v, la, lb, False), 0.5 * both)
 
-    @pytest.mark.parametrize("normalize", [True, False])
-    def test_polyline_scan_path_matches_reference(self, normalize):
-        """The path the wrapper takes on a device whose ppma._C lacks this op (CUDA so far): forward and every
-        gradient against the dense reference (fp64, CPU here)."""
-        from ppma.ops.polyline_linear_attention import _scan_form
-
-        inputs = self.inputs((2, 5, 4, 2, 8, 6))
-        check_against_reference(lambda *a: _scan_form(*a, normalize, 1e-6),
-                                lambda *a: polyline_linear_attention_ref(*a, normalize, 1e-6), inputs,
-                                names=self.grad_names, dtype=torch.float64)
-
     @needs_ext
     def test_thread_count_does_not_change_results(self):
         assert_thread_invariant(polyline_linear_attention, self.inputs((1, 8, 9, 2, 16, 16), torch.float32))

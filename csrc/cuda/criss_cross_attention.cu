@@ -110,11 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
     p.delta = u;
     p.g_cr = u + BG * N;
     p.g_cc = u + 2 * BG * N;
-    p.dq = cptr<scalar_t>(g.gq);
-    p.dk = cptr<scalar_t>(g.gk);
-    p.dv = cptr<scalar_t>(g.gv);
-    p.g_log_alpha = g.gla.data_ptr<A>();
-    p.g_log_beta = g.glb.data_ptr<A>();
+    g.bind<scalar_t>(p);
     PPMA_DPAD_SWITCH(dpad, [&] { launch_criss_cross_bwd<T, DPAD>(p, stream); });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -121,20 +122,26 @@ inline std::pair<at::Tensor, at::Tensor> prefix_sums(const GridSizes& sz, const 
   return {cr, cc};
 }
 
-// The fields PolylineAttnParams and CrissCrossParams share: sizes, scale, q, k, v ([B, H, W, heads, d|dv],
-// unit last stride) with their strides, and the prefix sums cr, cc ([B * heads, H * W], acc dtype).
+// q, k, v ([B, H, W, heads, d|dv], unit last stride) and their strides, in the fields of every attention's Params.
 template <typename scalar_t, typename P>
-inline void set_attention_inputs(P& p, const GridSizes& sz, double scale, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& cr, const at::Tensor& cc) {
-  using A = decltype(p.scale);
-  p.sz = sz;
-  p.scale = A(scale);
+inline void set_qkv(P& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   p.q = cptr<scalar_t>(q);
   p.k = cptr<scalar_t>(k);
   p.v = cptr<scalar_t>(v);
   p.sq = strides4(q);
   p.sk = strides4(k);
   p.sv = strides4(v);
+}
+
+// The fields PolylineAttnParams and CrissCrossParams share: sizes, scale, q, k, v (set_qkv), and the prefix sums
+// cr, cc ([B * heads, H * W], acc dtype).
+template <typename scalar_t, typename P>
+inline void set_attention_inputs(P& p, const GridSizes& sz, double scale, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& cr, const at::Tensor& cc) {
+  using A = decltype(p.scale);
+  p.sz = sz;
+  p.scale = A(scale);
+  set_qkv<scalar_t>(p, q, k, v);
   p.cr = cr.data_ptr<A>();
   p.cc = cc.data_ptr<A>();
 }
@@ -150,6 +157,17 @@ struct AttentionGrads {
         gv(at::empty(v.sizes(), v.options())),
         gla(at::empty(log_alpha.sizes(), q.options().dtype(acc))),
         glb(at::empty_like(gla)) {}
+
+  // The output fields of a backward's Params: dq, dk, dv, g_log_alpha, g_log_beta.
+  template <typename scalar_t, typename P>
+  void bind(P& p) const {
+    using A = std::remove_pointer_t<decltype(p.g_log_alpha)>;
+    p.dq = cptr<scalar_t>(gq);
+    p.dk = cptr<scalar_t>(gk);
+    p.dv = cptr<scalar_t>(gv);
+    p.g_log_alpha = gla.data_ptr<A>();
+    p.g_log_beta = glb.data_ptr<A>();
+  }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> result(const at::Tensor& log_alpha,
                                                                                 const at::Tensor& log_beta) const {

@@ -180,9 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     p.out_c = cptr<scalar_t>(out);
     p.out_v2h_c = cptr<scalar_t>(out_v2h);
     p.delta = delta.data_ptr<A>();
-    p.dq = cptr<scalar_t>(g.gq);
-    p.dk = cptr<scalar_t>(g.gk);
-    p.dv = cptr<scalar_t>(g.gv);
+    g.bind<scalar_t>(p);
     A* o = own.data_ptr<A>();
     p.gq_cr = o;
     p.gq_cc = o + BG * N;
@@ -194,8 +192,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     p.x1_cc = t + ts;
     p.x2_cr = t + 2 * ts;
     p.x2_cc = t + 3 * ts;
-    p.g_log_alpha = g.gla.data_ptr<A>();
-    p.g_log_beta = g.glb.data_ptr<A>();
     with_path<T>(
         tc, dpad, [&](auto D) { launch_polyline_attention_tc_bwd<T, decltype(D)::value>(p, stream); },
         [&](auto D) { launch_polyline_attention_bwd<T, decltype(D)::value>(p, stream); });

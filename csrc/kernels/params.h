@@ -150,4 +150,57 @@ struct ScanGradParams {
   acc_t* grad_decay = nullptr;   // contiguous [B,H,W,heads] (written by the reduction kernel)
 };
 
+// polyline_linear_attention forward and backward (kernels/polyline_linear_attention.cuh). v' = [v, 1] has C = dv + 1
+// channels with normalisation, C = dv without; they are split into S = ceil(C / cs) slices of cs channels (the last
+// one may be shorter), and one block runs one (b * heads + g, direction, slice) unit. The work buffers are acc_t
+// and contiguous, heads-major ("[BG][N][n]", bg = b * G + g), like the CPU kernel's copies of the inputs.
+template <typename acc_t>
+struct LinearAttnWork {
+  GridSizes sz;
+  int C = 0, cs = 0, S = 0;  // channels of v', slice width, slices
+  // packed inputs: q, k [BG][N][d], v' [BG][N][C], decay multipliers exp(floored log-decay) [BG][N], and for the
+  // backward dO' [2][BG][N][C] (the gradient of each direction's numerator and denominator channels)
+  acc_t* q = nullptr;
+  acc_t* k = nullptr;
+  acc_t* v = nullptr;
+  acc_t* ea = nullptr;
+  acc_t* eb = nullptr;
+  acc_t* dop = nullptr;
+  // the recurrences' row states: `state_stride` elements per block (polyline_linear_attention_state())
+  acc_t* state = nullptr;
+  int64_t state_stride = 0;
+  // forward: the unnormalised terms, then the statistics, contiguous [B, H, W, heads, 2, C] ([..., dir, c])
+  acc_t* stats = nullptr;
+  // backward partial sums, reduced in a fixed order by the last kernels: grad q and k per (direction, slice)
+  // [2][S][BG][N][d], grad v' per direction [2][BG][N][C], prefix-sum gradients [2 (rows, columns)][2][S][BG][N]
+  // and their sums [2][BG][N]
+  acc_t* dq_part = nullptr;
+  acc_t* dk_part = nullptr;
+  acc_t* dv_part = nullptr;
+  acc_t* gc_part = nullptr;
+  acc_t* gc_sum = nullptr;
+};
+
+template <typename scalar_t, typename acc_t>
+struct LinearAttnParams {
+  LinearAttnWork<acc_t> w;
+  bool normalize = true;
+  acc_t eps = 0;
+  const scalar_t* q = nullptr;  // [B, H, W, heads, d], strides sq (unit last stride)
+  const scalar_t* k = nullptr;
+  const scalar_t* v = nullptr;  // [B, H, W, heads, dv]
+  Strides4 sq, sk, sv;
+  const acc_t* log_alpha = nullptr;  // [B, H, W, heads], strides sa, sb
+  const acc_t* log_beta = nullptr;
+  Strides4 sa, sb;
+  const scalar_t* dout = nullptr;  // backward: grad_out [B, H, W, heads, dv], strides sdo
+  Strides4 sdo;
+  scalar_t* out = nullptr;  // forward output, contiguous [B, H, W, heads, dv]
+  scalar_t* dq = nullptr;   // backward outputs, contiguous [B, H, W, heads, d | d | dv]
+  scalar_t* dk = nullptr;
+  scalar_t* dv = nullptr;
+  acc_t* g_log_alpha = nullptr;  // contiguous [B, H, W, heads]
+  acc_t* g_log_beta = nullptr;
+};
+
 }  // namespace ppma

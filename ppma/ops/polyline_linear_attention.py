@@ -1,8 +1,8 @@
 """``ppma.ops.polyline_linear_attention``: polyline path masked linear attention, PPMLA, in O(N)
 (spec §2, Theorem 3 and A.7; docs/ops.md "polyline_linear_attention").
 
-The fused kernel is ``torch.ops.ppma.polyline_linear_attention``; its fake (meta) kernel and autograd formula
-are registered here, next to the wrapper.
+The fused kernel is ``torch.ops.ppma.polyline_linear_attention`` (CPU and CUDA); its fake (meta) kernel and
+autograd formula are registered here, next to the wrapper.
 """
 
 from __future__ import annotations
@@ -20,17 +20,9 @@ from ppma.ops._validate import (
     lse_dtype,
     no_double_backward,
 )
-from ppma.ops.polyline_scan import polyline_scan
 from ppma.ops.reference import polyline_linear_attention_ref
 
 _OP = "polyline_linear_attention"
-
-# Devices other than the CPU: the fused kernel exists for the CPU only so far. Where ppma._C serves a device
-# (CUDA) without this op, the wrapper computes the same scan form from polyline_scan (linear in N, it forms the
-# N x d x (dv + 1) tensor k ⊗ v'). Decided once at import: dynamo cannot trace the dispatcher query.
-_CUDA_KERNEL = _ext.has_ext() and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "ppma::polyline_linear_attention", "CUDA"
-)
 
 
 def polyline_linear_attention(
@@ -64,26 +56,7 @@ def polyline_linear_attention(
     check_linear_options(_OP, normalize, eps)
     if not run_fused(q) or is_empty(q, v):
         return polyline_linear_attention_ref(q, k, v, log_alpha, log_beta, normalize, eps)
-    if q.device.type == "cuda" and not _CUDA_KERNEL:
-        return _scan_form(q, k, v, log_alpha, log_beta, normalize, eps)
     return torch.ops.ppma.polyline_linear_attention(q, k, v, log_alpha, log_beta, normalize, eps)[0]
-
-
-def _scan_form(q, k, v, log_alpha, log_beta, normalize, eps):
-    """The op through ``polyline_scan`` (Theorem 3): ``term = q_p^T (L (k ⊗ v'))_p`` per direction, with
-    ``v' = [v, 1]`` when normalising. Differentiable through polyline_scan's autograd."""
-    B, H, W, G, d = q.shape
-    vp = torch.cat([v, torch.ones_like(v[..., :1])], -1) if normalize else v
-    C = vp.shape[-1]
-    kv = (k[..., :, None] * vp[..., None, :]).reshape(B, H, W, G, d * C)
-    out = 0
-    for transpose in (False, True):
-        term = torch.einsum("bhwgd,bhwgdc->bhwgc", q, polyline_scan(kv, log_alpha, log_beta, transpose).view(
-            B, H, W, G, d, C))
-        if normalize:
-            term = term[..., :-1] / (term[..., -1:] + eps)
-        out = out + 0.5 * term
-    return out.to(v.dtype)
 
 
 def _fake(q, k, v, log_alpha, log_beta, normalize, eps):

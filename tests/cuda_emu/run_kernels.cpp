@@ -1,21 +1,24 @@
 // Runs ppma's CUDA kernels (csrc/kernels) on the CPU through the emulator in emu.h, for the tests in
-// tests/test_cuda_emulation.py: polyline_attention (CUDA-core or tensor-core kernels) and criss_cross_attention,
-// forward and backward, with the same host-side sequence of launches and scratch buffers as the launchers in
-// csrc/cuda/*.cu (which need torch and a GPU).
+// tests/test_cuda_emulation.py: polyline_attention (CUDA-core or tensor-core kernels), criss_cross_attention and
+// polyline_linear_attention, forward and backward, with the same host-side sequence of launches and scratch buffers
+// as the launchers in csrc/cuda/*.cu (which need torch and a GPU).
 //
 //   run_kernels IN OUT
-// IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention), path (0 CUDA cores, 1 tensor cores),
-//     dtype (0 float32, 1 float64, 2 float16, 3 bfloat16), B, H, W, heads, d, dv, backward (0/1),
-//     layout of q and k (0 contiguous [B, H, W, heads, d], 1 stored as [B, W, H, heads, d] and passed with the
-//     strides of that permutation), 0}, float64 scale, then float64 arrays q, k [B*H*W*heads*d], v [...*dv],
-//     log_alpha, log_beta [B*H*W*heads], grad_out [...*dv] (values already rounded to dtype).
-// OUT: float64 arrays out, out_v2h (polyline_attention only), lse [B*H*W*heads*2], then with backward grad_q,
-//     grad_k, grad_v, grad_log_alpha, grad_log_beta.
+// IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention, 2 polyline_linear_attention), path
+//     (op 0: 0 CUDA cores, 1 tensor cores; op 2: normalize 0/1), dtype (0 float32, 1 float64, 2 float16,
+//     3 bfloat16), B, H, W, heads, d, dv, backward (0/1), layout of q and k (0 contiguous [B, H, W, heads, d],
+//     1 stored as [B, W, H, heads, d] and passed with the strides of that permutation), op 2: channel slice width
+//     (0: the launcher's choice) else 0}, float64 scale (op 2: eps), then float64 arrays q, k [B*H*W*heads*d],
+//     v [...*dv], log_alpha, log_beta [B*H*W*heads], grad_out [...*dv] (values already rounded to dtype).
+// OUT: float64 arrays out, out_v2h (polyline_attention only), lse [B*H*W*heads*2] (polyline_linear_attention: stats
+//     [B*H*W*heads*2*C], C = dv + normalize), then with backward grad_q, grad_k, grad_v, grad_log_alpha,
+//     grad_log_beta.
 #include "emu.h"
 // clang-format off
 #include "criss_cross_attention.cuh"
 #include "polyline_attention_fwd.cuh"
 #include "polyline_attention_tc.cuh"
+#include "polyline_linear_attention.cuh"
 // clang-format on
 
 #include <cstdio>
@@ -55,7 +58,7 @@ void put(std::FILE* f, const std::vector<T>& a) {
 }
 
 struct Case {
-  int op, path, dtype, B, H, W, G, d, dv, bwd, layout;
+  int op, path, dtype, B, H, W, G, d, dv, bwd, layout, slice;
   double scale;
   std::vector<double> q, k, v, la, lb, go;
 };
@@ -109,6 +112,63 @@ void tc_switch(int dp, F&& f) {
   }
 }
 
+// q, k (stored as the case asks) and v (contiguous) in the fields of an attention's Params.
+template <typename P, typename T>
+void bind_qkv(P& p, const Case& c, const std::vector<T>& q, const Strides4& sq, const std::vector<T>& k,
+              const Strides4& sk, const std::vector<T>& v) {
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.sq = sq;
+  p.sk = sk;
+  p.sv = contiguous4(c, c.dv);
+}
+
+// polyline_linear_attention: the launcher's sequence (csrc/cuda/polyline_linear_attention.cu) with its workspace.
+template <typename T, typename A>
+void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, const Strides4& sq,
+                const std::vector<T>& k, const Strides4& sk, const std::vector<T>& v, const std::vector<A>& la,
+                const std::vector<A>& lb, const std::vector<T>& go, std::FILE* out) {
+  const int64_t n = int64_t(c.B) * c.H * c.W * c.G;
+  LinearAttnParams<T, A> p;
+  p.normalize = c.path != 0;
+  p.eps = A(c.scale);
+  p.w.sz = sz;
+  p.w.C = c.dv + (p.normalize ? 1 : 0);
+  p.w.cs = c.slice > 0 ? c.slice : polyline_linear_attention_slice(p.w.C);
+  bind_qkv(p, c, q, sq, k, sk, v);
+  p.log_alpha = la.data();
+  p.log_beta = lb.data();
+  p.sa = p.sb = contiguous4(c, 1);
+  std::vector<T> o(n * c.dv), dq(n * c.d), dk(n * c.d), dv(n * c.dv);
+  std::vector<A> stats(n * 2 * p.w.C), gla(n), glb(n);
+  p.out = o.data();
+  p.w.stats = stats.data();
+  // poisoned workspace (NaN): a read of an element no kernel wrote shows up in the results
+  std::vector<A> work(polyline_linear_attention_workspace(p.w, false, static_cast<A*>(nullptr)), A(NAN));
+  polyline_linear_attention_workspace(p.w, false, work.data());
+  launch_polyline_linear_attention_fwd(p, nullptr);
+  put(out, o);
+  put(out, stats);
+  if (!c.bwd) return;
+  LinearAttnParams<T, A> b = p;
+  b.dout = go.data();
+  b.sdo = contiguous4(c, c.dv);
+  b.dq = dq.data();
+  b.dk = dk.data();
+  b.dv = dv.data();
+  b.g_log_alpha = gla.data();
+  b.g_log_beta = glb.data();
+  std::vector<A> bwork(polyline_linear_attention_workspace(b.w, true, static_cast<A*>(nullptr)), A(NAN));
+  polyline_linear_attention_workspace(b.w, true, bwork.data());
+  launch_polyline_linear_attention_bwd(b, nullptr);
+  put(out, dq);
+  put(out, dk);
+  put(out, dv);
+  put(out, gla);
+  put(out, glb);
+}
+
 template <typename T>
 void run(const Case& c, std::FILE* out) {
   using A = typename AccType<T>::type;
@@ -136,6 +196,7 @@ void run(const Case& c, std::FILE* out) {
     const int64_t n = BG * (c.H + c.W);
     launch_kernel(prefix_sums_kernel<A>, dim3(unsigned((n + 127) / 128)), dim3(128), 0, nullptr, pp);
   }
+  if (c.op == 2) return run_linear<T>(c, sz, q, sq, k, sk, v, la, lb, go, out);
   const int dp = padded(c.d > c.dv ? c.d : c.dv);
   std::vector<T> o(rows * c.dv), ov(rows * c.dv), dq(rows * c.d), dk(rows * c.d), dv(rows * c.dv);
   std::vector<A> lse(rows * 2), gla(rows), glb(rows);
@@ -143,12 +204,7 @@ void run(const Case& c, std::FILE* out) {
   auto set_inputs = [&](auto& p) {
     p.sz = sz;
     p.scale = A(c.scale);
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
-    p.sq = sq;
-    p.sk = sk;
-    p.sv = contiguous4(c, c.dv);
+    bind_qkv(p, c, q, sq, k, sk, v);
     p.cr = cr.data();
     p.cc = cc.data();
   };
@@ -279,6 +335,7 @@ int main(int argc, char** argv) {
   c.dv = h[8];
   c.bwd = h[9];
   c.layout = h[10];
+  c.slice = h[11];
   const int64_t n = int64_t(c.B) * c.H * c.W * c.G;
   c.q = read_doubles(in, n * c.d);
   c.k = read_doubles(in, n * c.d);
