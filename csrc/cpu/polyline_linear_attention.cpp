@@ -9,15 +9,19 @@
 // one pass over the rows with a state of one row (W x d x C); the result is linear in them, so each pass
 // contracts its share with q as it goes. The N x d x C state is never formed.
 //
-// Backward (all in the same scan primitive, T_L(x, y)_p = sum_s L[p, s] x_s ⊗ y_s contracted on either side):
-//   dO'_p (C per token, per direction): 0.5 dO / (den + eps) and -0.5 <dO, o> / (den + eps)   (normalize)
-//   dq_p  = T_L(k, v')_p dO'1_p + T_{L^T}(k, v')_p dO'2_p
-//   dk_s  = T_{L^T}(q, dO'1)_s v'_s + T_L(q, dO'2)_s v'_s,  dv'_s = the same T^T k_s.
-//   Log-decays through the prefix sums: the gradient of sum_{p,s} L[p, s] <A_p, B_s> (V2H: A = q ⊗ dO'1,
-//   B = k ⊗ v'; H2V: A = k ⊗ v', B = q ⊗ dO'2, since <dY, L^T X> = <X, L dY>) w.r.t. the prefix sum c_t of a
-//   line is sum_{u<t} (G_tu + G_ut) - sum_{u>t} (G_tu + G_ut) over the line's pairs (bias = c_max - c_min); each
-//   of the four sums is a one-sided recurrence paired with a token-local quantity (mask_grads below), and the
-//   log-decay gradients are their reverse cumsums (d_0 gets exactly 0).
+// Backward. dO'_p (C per token, per direction) = 0.5 dO / (den + eps) and -0.5 <dO, o> / (den + eps) with
+// normalisation, 0.5 dO without. Each direction's share of the loss is F = sum_{p,s} L[p, s] <A_p, B_s> with L
+// the V2H mask: V2H A = q ⊗ dO'1, B = k ⊗ v'; H2V A = k ⊗ v', B = q ⊗ dO'2 (<dY, L^T X> = <X, L dY>). So
+//   dA = L B   (V2H: dq_p = (L B)_p dO'1_p; H2V: dk, dv'),   dB = L^T A   (V2H: dk_s = (L^T A)_s v'_s, dv'; H2V: dq),
+// and the gradient w.r.t. the prefix sum c_t of a line is sum_{u<t} (G_tu + G_ut) - sum_{u>t} (G_tu + G_ut)
+// over the line's pairs (bias = c_max - c_min), with G(j, l) = Lrow(j, l) <A_ij, Z_il> along rows (Z = L^V B)
+// and G(i, k) = Lcol(i, k) <D_il, B_kl> along columns (D = L^H A); the log-decay gradients are their reverse
+// cumsums (d_0 gets exactly 0). One routine per direction (term_grads) builds the three states these need
+// once per pass, Z's column half, D and D's column half, and reads everything off them as it sweeps: L B is
+// Z's row product and L^T A = L^V D, contracted at every token, and each of the gradient sums is a one-sided
+// recurrence paired with a token-local quantity, most of them products of those contractions with the token's
+// vectors; only <Z, D> and <Z, g(A)> are full d x C dot products. About 10 sweeps of d x C matrices per token
+// and pass, against 5 per direction in the forward.
 // Every task writes only its own (batch, head) slice: deterministic and independent of the thread count.
 // Accumulation in fp32 (fp64 for fp64 inputs).
 #include <ATen/ATen.h>
@@ -109,17 +113,17 @@ struct Contract {
   }
 };
 
-// Per-thread scratch: three row buffers of W matrices (m values each), three single matrices, five vectors of
+// Per-thread scratch: three row buffers of W matrices (m values each), three single matrices, seven vectors of
 // n values (the contractions of one token) and W values (one per token of a row).
 template <typename T>
 struct Scratch {
   int64_t W, m, n;
   std::vector<T> buf;
-  Scratch(int64_t W_, int64_t m_, int64_t n_) : W(W_), m(m_), n(n_), buf(3 * W * m + 3 * m + 5 * n + W) {}
+  Scratch(int64_t W_, int64_t m_, int64_t n_) : W(W_), m(m_), n(n_), buf(3 * W * m + 3 * m + 7 * n + W) {}
   T* row(int k) { return buf.data() + k * W * m; }
   T* one(int k) { return buf.data() + 3 * W * m + k * m; }
   T* vec(int k) { return buf.data() + 3 * W * m + 3 * m + k * n; }
-  T* line() { return buf.data() + 3 * W * m + 3 * m + 5 * n; }
+  T* line() { return buf.data() + 3 * W * m + 3 * m + 7 * n; }
 };
 
 // The 1-D symmetric product along row i (decays ea) of the row of matrices Z [W, m], contracted at every token:
@@ -215,6 +219,15 @@ void masked_scan(const Grid<T>& g, const Outer<T>& X, bool transpose, const Cont
   }
 }
 
+// sum of x[0:n]
+template <typename T>
+inline T sum(int64_t n, const T* __restrict x) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t e = 0; e < n; ++e) s += x[e];
+  return s;
+}
+
 // S = s * P + x ⊗ y with P the previous matrix of a recurrence (P = nullptr: S = x ⊗ y).
 template <typename T>
 inline void next_outer(int64_t n1, int64_t n2, T s, const T* __restrict P, const T* __restrict x,
@@ -275,7 +288,11 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
   T* za = s.vec(2);  // Z_l^T a1
   T* dd = s.vec(3);  // D_l^T b1
   T* cd = s.vec(4);  // cD_l^T b1
-  T* zg = s.line();  // <Z_l, g_l(A)>
+  // The two full dot products are summed over rows lane by lane and reduced once per token: a scalar sum per
+  // row would be a serial chain through every lane of every row.
+  T* zgv = s.vec(5);  // <Z_l, g_l(A)> by lanes
+  T* zdv = s.vec(6);  // <Z_l, D_l> by lanes
+  T* zg = s.line();   // <Z_l, g_l(A)>
   for (int pass = 0; pass < 2; ++pass) {
     const bool down = pass == 0;
     std::fill(cB, cB + W * m, T(0));
@@ -301,7 +318,7 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
         const T* a1 = ax + l * n1;
         const T* a2 = ay + l * n2;
         std::fill(gz, gz + n2, T(0));
-        T zgl = 0;
+        std::fill(zgv, zgv + n2, T(0));
         for (int64_t r = 0; r < n1; ++r) {
           T* Dr = D + l * m + r * n2;
           const T* Zr = cB + l * m + r * n2;
@@ -309,16 +326,16 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
           T* gZr = gZ + r * n2;
           const T a1r = a1[r];
           if (t.da1) t.da1[(i * W + l) * n1 + r] += dot(n2, gZr, a2);
-#pragma omp simd reduction(+ : zgl)
+#pragma omp simd
           for (int64_t c = 0; c < n2; ++c) {
             Dr[c] += gAr[c];
-            zgl += Zr[c] * gAr[c];
+            zgv[c] += Zr[c] * gAr[c];
             gz[c] += a1r * gZr[c];
             gAr[c] = e * (gAr[c] + a1r * a2[c]);
             gZr[c] = e * (gZr[c] + Zr[c]);
           }
         }
-        zg[l] = zgl;
+        zg[l] = sum(n2, zgv);
         const int64_t p = i * W + l;
         axpy(n2, T(1), gz, t.da2 + p * n2);
         gcr[p] -= dot(n2, a2, gz);
@@ -338,7 +355,7 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
         std::fill(za, za + n2, T(0));
         std::fill(dd, dd + n2, T(0));
         std::fill(cd, cd + n2, T(0));
-        T zd = 0;  // <Z_l, D_l>
+        std::fill(zdv, zdv + n2, T(0));
         for (int64_t r = 0; r < n1; ++r) {
           T* Zr = cB + l * m + r * n2;
           const T* Dr = D + l * m + r * n2;
@@ -346,13 +363,13 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
           T* fZr = fZ + r * n2;
           const T a1r = a1[r], b1r = b1[r];
           if (down) {
-#pragma omp simd reduction(+ : zd)
+#pragma omp simd
             for (int64_t c = 0; c < n2; ++c) {
               const T f = ef * fZr[c] + Zr[c];
               fZr[c] = f;
               fz[c] += a1r * f;
               za[c] += a1r * Zr[c];
-              zd += Zr[c] * Dr[c];
+              zdv[c] += Zr[c] * Dr[c];
               dd[c] += b1r * Dr[c];
               const T x = ec * cDr[c] + Dr[c];
               cDr[c] = x;
@@ -361,13 +378,13 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
             if (t.db1) t.db1[p * n1 + r] += dot(n2, cDr, b2);
           } else {
             if (t.db1) t.db1[p * n1 + r] += dot(n2, cDr, b2);
-#pragma omp simd reduction(+ : zd)
+#pragma omp simd
             for (int64_t c = 0; c < n2; ++c) {
               const T f = ef * fZr[c] + Zr[c];
               fZr[c] = f;
               fz[c] += a1r * f;
               za[c] += a1r * Zr[c];
-              zd += Zr[c] * Dr[c];
+              zdv[c] += Zr[c] * Dr[c];
               cd[c] += b1r * cDr[c];
             }
             if (move_up) {  // G_{i-1} = eb_i (G_i + X_i)
@@ -380,6 +397,7 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
           }
           if (t.da1) t.da1[p * n1 + r] += dot(n2, fZr, a2);
         }
+        const T zd = sum(n2, zdv);  // <Z_l, D_l>
         axpy(n2, T(1), fz, t.da2 + p * n2);
         axpy(n2, T(1), cd, t.db2 + p * n2);
         gcr[p] += dot(n2, a2, fz) - 2 * dot(n2, a2, za) + zd - 2 * zg[l];
