@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common/checks.h"
@@ -259,6 +260,41 @@ struct Term {
   T* db1;  // [N, n1] or null
 };
 
+// Sweep 3 of term_grads on R consecutive rows of token l's matrices (Z, D, cD, fZ point at the first; a1, b1 at
+// its entries): f(Z) moves on and, top-down, cD takes the row; the per-token accumulators (fz = f^T a1,
+// za = Z^T a1, zdv = <Z, D> by lanes, dd = D^T b1, cd = cD^T b1) are read and written once for all R rows.
+template <int R, bool Down, typename T>
+inline void sweep3_rows(int64_t n2, T ef, T ec, const T* __restrict a1, const T* __restrict b1, const T* __restrict Z,
+                        const T* __restrict D, T* __restrict cD, T* __restrict fZ, T* __restrict fz,
+                        T* __restrict za, T* __restrict zdv, T* __restrict dd, T* __restrict cd) {
+#pragma omp simd
+  for (int64_t c = 0; c < n2; ++c) {
+    T fzc = fz[c], zac = za[c], zdc = zdv[c], ddc = dd[c], cdc = cd[c];
+    for (int k = 0; k < R; ++k) {
+      const int64_t e = k * n2 + c;
+      const T z = Z[e], dl = D[e];
+      const T f = ef * fZ[e] + z;
+      fZ[e] = f;
+      fzc += a1[k] * f;
+      zac += a1[k] * z;
+      zdc += z * dl;
+      if (Down) {
+        ddc += b1[k] * dl;
+        const T x = ec * cD[e] + dl;
+        cD[e] = x;
+        cdc += b1[k] * x;
+      } else {
+        cdc += b1[k] * cD[e];
+      }
+    }
+    fz[c] = fzc;
+    za[c] = zac;
+    zdv[c] = zdc;
+    if (Down) dd[c] = ddc;
+    cd[c] = cdc;
+  }
+}
+
 // Everything of one term in two passes over the rows (top-down: the inclusive column halves F; bottom-up: the
 // exclusive halves G), each row in three sweeps. With Z = the column half of B (L B = L^H (F(B) + G(B))),
 // D = L^H A (row-local, two-sided) and its column half cD (L^T A = F(D) + G(D)):
@@ -356,46 +392,32 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
         std::fill(dd, dd + n2, T(0));
         std::fill(cd, cd + n2, T(0));
         std::fill(zdv, zdv + n2, T(0));
-        for (int64_t r = 0; r < n1; ++r) {
+        // R rows at a time (the accumulators are read and written once per R rows)
+        auto rows = [&](auto R, int64_t r) {
+          const int64_t o = l * m + r * n2;
+          if (down)
+            sweep3_rows<R(), true>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZ + r * n2, fz, za, zdv, dd, cd);
+          else
+            sweep3_rows<R(), false>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZ + r * n2, fz, za, zdv, dd,
+                                    cd);
+        };
+        int64_t r = 0;
+        for (; r + 4 <= n1; r += 4) rows(std::integral_constant<int, 4>{}, r);
+        for (; r < n1; ++r) rows(std::integral_constant<int, 1>{}, r);
+        for (r = 0; r < n1; ++r) {
           T* Zr = cB + l * m + r * n2;
           const T* Dr = D + l * m + r * n2;
           T* cDr = cD + l * m + r * n2;
-          T* fZr = fZ + r * n2;
-          const T a1r = a1[r], b1r = b1[r];
-          if (down) {
+          const T b1r = b1[r];
+          if (t.db1) t.db1[p * n1 + r] += dot(n2, cDr, b2);  // top-down F_i, bottom-up G_i
+          if (t.da1) t.da1[p * n1 + r] += dot(n2, fZ + r * n2, a2);
+          if (move_up) {  // G_{i-1} = eb_i (G_i + X_i)
 #pragma omp simd
             for (int64_t c = 0; c < n2; ++c) {
-              const T f = ef * fZr[c] + Zr[c];
-              fZr[c] = f;
-              fz[c] += a1r * f;
-              za[c] += a1r * Zr[c];
-              zdv[c] += Zr[c] * Dr[c];
-              dd[c] += b1r * Dr[c];
-              const T x = ec * cDr[c] + Dr[c];
-              cDr[c] = x;
-              cd[c] += b1r * x;
-            }
-            if (t.db1) t.db1[p * n1 + r] += dot(n2, cDr, b2);
-          } else {
-            if (t.db1) t.db1[p * n1 + r] += dot(n2, cDr, b2);
-#pragma omp simd
-            for (int64_t c = 0; c < n2; ++c) {
-              const T f = ef * fZr[c] + Zr[c];
-              fZr[c] = f;
-              fz[c] += a1r * f;
-              za[c] += a1r * Zr[c];
-              zdv[c] += Zr[c] * Dr[c];
-              cd[c] += b1r * cDr[c];
-            }
-            if (move_up) {  // G_{i-1} = eb_i (G_i + X_i)
-#pragma omp simd
-              for (int64_t c = 0; c < n2; ++c) {
-                cDr[c] = ec * (cDr[c] + Dr[c]);
-                Zr[c] = ec * (Zr[c] + b1r * b2[c]);
-              }
+              cDr[c] = ec * (cDr[c] + Dr[c]);
+              Zr[c] = ec * (Zr[c] + b1r * b2[c]);
             }
           }
-          if (t.da1) t.da1[p * n1 + r] += dot(n2, fZr, a2);
         }
         const T zd = sum(n2, zdv);  // <Z_l, D_l>
         axpy(n2, T(1), fz, t.da2 + p * n2);
