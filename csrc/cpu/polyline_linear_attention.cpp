@@ -260,6 +260,29 @@ struct Term {
   T* db1;  // [N, n1] or null
 };
 
+// Sweep 2 of term_grads on R consecutive rows of token l's matrices (Z, D, gA, gZ point at the first; a1 at its
+// entry): D gets g_l(A), and g(A), g(Z) move on to l - 1 (decay e); the per-token accumulators (gz = g_l(Z)^T a1,
+// zgv = <Z, g_l(A)> by lanes) are read and written once for all R rows.
+template <int R, typename T>
+inline void sweep2_rows(int64_t n2, T e, const T* __restrict a1, const T* __restrict a2, const T* __restrict Z,
+                        T* __restrict D, T* __restrict gA, T* __restrict gZ, T* __restrict gz, T* __restrict zgv) {
+#pragma omp simd
+  for (int64_t c = 0; c < n2; ++c) {
+    T gzc = gz[c], zgc = zgv[c];
+    for (int k = 0; k < R; ++k) {
+      const int64_t x = k * n2 + c;
+      const T ga = gA[x], gzk = gZ[x], z = Z[x];
+      D[x] += ga;
+      zgc += z * ga;
+      gzc += a1[k] * gzk;
+      gA[x] = e * (ga + a1[k] * a2[c]);
+      gZ[x] = e * (gzk + z);
+    }
+    gz[c] = gzc;
+    zgv[c] = zgc;
+  }
+}
+
 // Sweep 3 of term_grads on R consecutive rows of token l's matrices (Z, D, cD, fZ point at the first; a1, b1 at
 // its entries): f(Z) moves on and, top-down, cD takes the row; the per-token accumulators (fz = f^T a1,
 // za = Z^T a1, zdv = <Z, D> by lanes, dd = D^T b1, cd = cD^T b1) are read and written once for all R rows.
@@ -355,22 +378,15 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
         const T* a2 = ay + l * n2;
         std::fill(gz, gz + n2, T(0));
         std::fill(zgv, zgv + n2, T(0));
-        for (int64_t r = 0; r < n1; ++r) {
-          T* Dr = D + l * m + r * n2;
-          const T* Zr = cB + l * m + r * n2;
-          T* gAr = gA + r * n2;
-          T* gZr = gZ + r * n2;
-          const T a1r = a1[r];
-          if (t.da1) t.da1[(i * W + l) * n1 + r] += dot(n2, gZr, a2);
-#pragma omp simd
-          for (int64_t c = 0; c < n2; ++c) {
-            Dr[c] += gAr[c];
-            zgv[c] += Zr[c] * gAr[c];
-            gz[c] += a1r * gZr[c];
-            gAr[c] = e * (gAr[c] + a1r * a2[c]);
-            gZr[c] = e * (gZr[c] + Zr[c]);
-          }
-        }
+        if (t.da1)
+          for (int64_t r = 0; r < n1; ++r) t.da1[(i * W + l) * n1 + r] += dot(n2, gZ + r * n2, a2);
+        auto rows = [&](auto R, int64_t r) {
+          const int64_t o = l * m + r * n2;
+          sweep2_rows<R()>(n2, e, a1 + r, a2, cB + o, D + o, gA + r * n2, gZ + r * n2, gz, zgv);
+        };
+        int64_t r = 0;
+        for (; r + 4 <= n1; r += 4) rows(std::integral_constant<int, 4>{}, r);
+        for (; r < n1; ++r) rows(std::integral_constant<int, 1>{}, r);
         zg[l] = sum(n2, zgv);
         const int64_t p = i * W + l;
         axpy(n2, T(1), gz, t.da2 + p * n2);
