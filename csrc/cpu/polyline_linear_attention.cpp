@@ -20,8 +20,10 @@
 // once per pass, Z's column half, D and D's column half, and reads everything off them as it sweeps: L B is
 // Z's row product and L^T A = L^V D, contracted at every token, and each of the gradient sums is a one-sided
 // recurrence paired with a token-local quantity, most of them products of those contractions with the token's
-// vectors; only <Z, D> and <Z, g(A)> are full d x C dot products. About 10 sweeps of d x C matrices per token
-// and pass, against 5 per direction in the forward.
+// vectors; only <Z, D> and <Z, g(A)> are full d x C dot products. Per token and pass a term reads or writes
+// about 10 matrices of the row buffers (the forward: about 5 per direction), in three sweeps per row.
+// The backward stores its matrices C x d (v' ⊗ k, dO' ⊗ q; the forward d x C): dq and dk, most of the
+// contractions, are then sums of rows of d values, and only dv' needs a dot product per row.
 // Every task writes only its own (batch, head) slice: deterministic and independent of the thread count.
 // Accumulation in fp32 (fp64 for fp64 inputs).
 #include <ATen/ATen.h>
@@ -260,6 +262,16 @@ struct Term {
   T* db1;  // [N, n1] or null
 };
 
+// f(R, r) for blocks of R consecutive rows r .. r + R - 1 covering [0, n1): fours, then single rows. Blocks let
+// the sweeps below keep their per-token sums in registers over R rows, instead of reading and writing them for
+// every row (that traffic, not the row buffers, bounds the sweeps).
+template <typename F>
+inline void in_row_blocks(int64_t n1, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= n1; r += 4) f(std::integral_constant<int, 4>{}, r);
+  for (; r < n1; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
 // Sweep 2 of term_grads on R consecutive rows of token l's matrices (Z, D, gA, gZ point at the first; a1 at its
 // entry): D gets g_l(A), and g(A), g(Z) move on to l - 1 (decay e); the per-token accumulators (gz = g_l(Z)^T a1,
 // zgv = <Z, g_l(A)> by lanes) are read and written once for all R rows.
@@ -364,7 +376,7 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
       const T* by = B.y + i * W * n2;
       const T* ea = g.ea + i * W;
       const T* eb = g.eb + i * W;
-      // 1
+      // 1: F_i = eb_i F_{i-1} + B_i (top-down); f_l(A) = ea_l f_{l-1}(A) + A_l
       for (int64_t l = 0; l < W; ++l) {
         if (down) decay_add_outer(n1, n2, i == 0 ? T(0) : eb[l], bx + l * n1, by + l * n2, cB + l * m);
         next_outer(n1, n2, ea[l], l == 0 ? nullptr : D + (l - 1) * m, ax + l * n1, ay + l * n2, D + l * m);
@@ -380,19 +392,16 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
         std::fill(zgv, zgv + n2, T(0));
         if (t.da1)
           for (int64_t r = 0; r < n1; ++r) t.da1[(i * W + l) * n1 + r] += dot(n2, gZ + r * n2, a2);
-        auto rows = [&](auto R, int64_t r) {
+        in_row_blocks(n1, [&](auto R, int64_t r) {
           const int64_t o = l * m + r * n2;
           sweep2_rows<R()>(n2, e, a1 + r, a2, cB + o, D + o, gA + r * n2, gZ + r * n2, gz, zgv);
-        };
-        int64_t r = 0;
-        for (; r + 4 <= n1; r += 4) rows(std::integral_constant<int, 4>{}, r);
-        for (; r < n1; ++r) rows(std::integral_constant<int, 1>{}, r);
+        });
         zg[l] = sum(n2, zgv);
         const int64_t p = i * W + l;
         axpy(n2, T(1), gz, t.da2 + p * n2);
         gcr[p] -= dot(n2, a2, gz);
       }
-      // 3
+      // 3: f_l(Z) = ea_l f_{l-1}(Z) + Z_l; top-down cD_l = eb_l cD_l + D_l (F_i); bottom-up cD_l is G_i
       for (int64_t l = 0; l < W; ++l) {
         const int64_t p = i * W + l;
         const T ef = l == 0 ? T(0) : ea[l];
@@ -408,19 +417,16 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
         std::fill(dd, dd + n2, T(0));
         std::fill(cd, cd + n2, T(0));
         std::fill(zdv, zdv + n2, T(0));
-        // R rows at a time (the accumulators are read and written once per R rows)
-        auto rows = [&](auto R, int64_t r) {
+        in_row_blocks(n1, [&](auto R, int64_t r) {
           const int64_t o = l * m + r * n2;
+          T* fZr = fZ + r * n2;
           if (down)
-            sweep3_rows<R(), true>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZ + r * n2, fz, za, zdv, dd, cd);
+            sweep3_rows<R(), true>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZr, fz, za, zdv, dd, cd);
           else
-            sweep3_rows<R(), false>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZ + r * n2, fz, za, zdv, dd,
-                                    cd);
-        };
-        int64_t r = 0;
-        for (; r + 4 <= n1; r += 4) rows(std::integral_constant<int, 4>{}, r);
-        for (; r < n1; ++r) rows(std::integral_constant<int, 1>{}, r);
-        for (r = 0; r < n1; ++r) {
+            sweep3_rows<R(), false>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZr, fz, za, zdv, dd, cd);
+        });
+        // the n1-valued contractions (one dot product per row), then bottom-up the move to row i - 1
+        for (int64_t r = 0; r < n1; ++r) {
           T* Zr = cB + l * m + r * n2;
           const T* Dr = D + l * m + r * n2;
           T* cDr = cD + l * m + r * n2;
@@ -447,6 +453,7 @@ void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& 
     }
   }
 }
+
 constexpr const char* kOp = "polyline_linear_attention";
 constexpr const char* kOpBwd = "polyline_linear_attention_backward";
 
@@ -555,8 +562,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
       T* dqb = dqd + bg * N * d;
       T* dkb = dkd + bg * N * d;
       T* dvb = dvd + bg * N * C;
-      // In the backward the per-token matrices are stored C x d (v' ⊗ k, dO' ⊗ q): the contractions that most
-      // of them need (dq, dk: S^T times a C-vector) are then sums of rows of d values.
       // V2H: A = dO'1 ⊗ q, B = v' ⊗ k: L B gives dq, L^T A gives dk, dv'.
       term_grads(g, Term<T>{{do1, C, qb, d}, {vb, C, kb, d}, dqb, nullptr, dkb, dvb}, gcrd + bg * N,
                  gccd + bg * N, s);
