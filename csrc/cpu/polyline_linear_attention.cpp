@@ -9,15 +9,21 @@
 // one pass over the rows with a state of one row (W x d x C); the result is linear in them, so each pass
 // contracts its share with q as it goes. The N x d x C state is never formed.
 //
-// Backward (all in the same scan primitive, T_L(x, y)_p = sum_s L[p, s] x_s ⊗ y_s contracted on either side):
-//   dO'_p (C per token, per direction): 0.5 dO / (den + eps) and -0.5 <dO, o> / (den + eps)   (normalize)
-//   dq_p  = T_L(k, v')_p dO'1_p + T_{L^T}(k, v')_p dO'2_p
-//   dk_s  = T_{L^T}(q, dO'1)_s v'_s + T_L(q, dO'2)_s v'_s,  dv'_s = the same T^T k_s.
-//   Log-decays through the prefix sums: the gradient of sum_{p,s} L[p, s] <A_p, B_s> (V2H: A = q ⊗ dO'1,
-//   B = k ⊗ v'; H2V: A = k ⊗ v', B = q ⊗ dO'2, since <dY, L^T X> = <X, L dY>) w.r.t. the prefix sum c_t of a
-//   line is sum_{u<t} (G_tu + G_ut) - sum_{u>t} (G_tu + G_ut) over the line's pairs (bias = c_max - c_min); each
-//   of the four sums is a one-sided recurrence paired with a token-local quantity (mask_grads below), and the
-//   log-decay gradients are their reverse cumsums (d_0 gets exactly 0).
+// Backward. dO'_p (C per token, per direction) = 0.5 dO / (den + eps) and -0.5 <dO, o> / (den + eps) with
+// normalisation, 0.5 dO without. Each direction's share of the loss is F = sum_{p,s} L[p, s] <A_p, B_s> with L
+// the V2H mask: V2H A = q ⊗ dO'1, B = k ⊗ v'; H2V A = k ⊗ v', B = q ⊗ dO'2 (<dY, L^T X> = <X, L dY>). So
+//   dA = L B   (V2H: dq_p = (L B)_p dO'1_p; H2V: dk, dv'),   dB = L^T A   (V2H: dk_s = (L^T A)_s v'_s, dv'; H2V: dq),
+// and the gradient w.r.t. the prefix sum c_t of a line is sum_{u<t} (G_tu + G_ut) - sum_{u>t} (G_tu + G_ut)
+// over the line's pairs (bias = c_max - c_min), with G(j, l) = Lrow(j, l) <A_ij, Z_il> along rows (Z = L^V B)
+// and G(i, k) = Lcol(i, k) <D_il, B_kl> along columns (D = L^H A); the log-decay gradients are their reverse
+// cumsums (d_0 gets exactly 0). One routine per direction (term_grads) builds the three states these need
+// once per pass, Z's column half, D and D's column half, and reads everything off them as it sweeps: L B is
+// Z's row product and L^T A = L^V D, contracted at every token, and each of the gradient sums is a one-sided
+// recurrence paired with a token-local quantity, most of them products of those contractions with the token's
+// vectors; only <Z, D> and <Z, g(A)> are full d x C dot products. Per token and pass a term reads or writes
+// about 10 matrices of the row buffers (the forward: about 5 per direction), in three sweeps per row.
+// The backward stores its matrices C x d (v' ⊗ k, dO' ⊗ q; the forward d x C): dq and dk, most of the
+// contractions, are then sums of rows of d values, and only dv' needs a dot product per row.
 // Every task writes only its own (batch, head) slice: deterministic and independent of the thread count.
 // Accumulation in fp32 (fp64 for fp64 inputs).
 #include <ATen/ATen.h>
@@ -26,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common/checks.h"
@@ -95,44 +102,31 @@ inline void add_decay(int64_t m, T s, const T* __restrict U, T* __restrict S) {
   for (int64_t e = 0; e < m; ++e) S[e] = s * (S[e] + U[e]);
 }
 
-// x^T S y
-template <typename T>
-inline T bilinear(int64_t n1, int64_t n2, const T* S, const T* x, const T* y) {
-  T acc = 0;
-  for (int64_t r = 0; r < n1; ++r) acc += x[r] * dot(n2, S + r * n2, y);
-  return acc;
-}
-
-// What to do with S_p (n1 x n2) at token p: out_a[p] += S_p^T a_p (n2 values; a [N, n1]) and/or
-// out_b[p] += S_p b_p (n1 values; b [N, n2]).
+// What to do with S_p (n1 x n2) at token p: out[p] += S_p^T a_p (n2 values; a [N, n1]).
 template <typename T>
 struct Contract {
   int64_t n1, n2;
-  const T* a = nullptr;
-  T* out_a = nullptr;
-  const T* b = nullptr;
-  T* out_b = nullptr;
+  const T* a;
+  T* out;
 
   void operator()(int64_t p, const T* S) const {
-    if (a) {
-      const T* ap = a + p * n1;
-      T* op = out_a + p * n2;
-      for (int64_t r = 0; r < n1; ++r) axpy(n2, ap[r], S + r * n2, op);
-    }
-    if (b) {
-      const T* bp = b + p * n2;
-      T* op = out_b + p * n1;
-      for (int64_t r = 0; r < n1; ++r) op[r] += dot(n2, S + r * n2, bp);
-    }
+    const T* ap = a + p * n1;
+    T* op = out + p * n2;
+    for (int64_t r = 0; r < n1; ++r) axpy(n2, ap[r], S + r * n2, op);
   }
 };
 
-// Per-thread scratch: four row buffers of W matrices and two single matrices.
+// Per-thread scratch: three row buffers of W matrices (m values each), three single matrices, seven vectors of
+// n values (the contractions of one token) and W values (one per token of a row).
 template <typename T>
 struct Scratch {
+  int64_t W, m, n;
   std::vector<T> buf;
-  T* row(int k, int64_t W, int64_t m) { return buf.data() + k * W * m; }
-  T* one(int k, int64_t W, int64_t m) { return buf.data() + 4 * W * m + k * m; }
+  Scratch(int64_t W_, int64_t m_, int64_t n_) : W(W_), m(m_), n(n_), buf(3 * W * m + 3 * m + 7 * n + W) {}
+  T* row(int k) { return buf.data() + k * W * m; }
+  T* one(int k) { return buf.data() + 3 * W * m + k * m; }
+  T* vec(int k) { return buf.data() + 3 * W * m + 3 * m + k * n; }
+  T* line() { return buf.data() + 3 * W * m + 3 * m + 7 * n; }
 };
 
 // The 1-D symmetric product along row i (decays ea) of the row of matrices Z [W, m], contracted at every token:
@@ -183,9 +177,9 @@ void row_scan(const Grid<T>& g, int64_t i, const Outer<T>& X, T* R, T* acc) {
 template <typename T>
 void masked_scan(const Grid<T>& g, const Outer<T>& X, bool transpose, const Contract<T>& contract, Scratch<T>& s) {
   const int64_t H = g.H, W = g.W, m = X.size();
-  T* col = s.row(0, W, m);
-  T* row = s.row(1, W, m);
-  T* vec = s.one(0, W, m);
+  T* col = s.row(0);
+  T* row = s.row(1);
+  T* vec = s.one(0);
   for (int pass = 0; pass < 2; ++pass) {
     const bool down = pass == 0;
     std::fill(col, col + W * m, T(0));
@@ -228,103 +222,233 @@ void masked_scan(const Grid<T>& g, const Outer<T>& X, bool transpose, const Cont
   }
 }
 
-// Row i of the two-sided row product of A: D_j = f_j(A) + g_j(A) (= (L^H A)_j) and E_j = f_j(A) - A_j - g_j(A).
+// sum of x[0:n]
 template <typename T>
-void row_products(const Grid<T>& g, int64_t i, const Outer<T>& A, T* D, T* E, T* acc) {
-  const int64_t W = g.W, m = A.size();
-  for (int64_t j = 0; j < W; ++j) {
-    const int64_t p = i * W + j;
-    T* Dj = D + j * m;
-    T* Ej = E + j * m;
-    if (j == 0) {
-      std::fill(Ej, Ej + m, T(0));
-    } else {
-      const T e = g.ea[p];
+inline T sum(int64_t n, const T* __restrict x) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t e = 0; e < n; ++e) s += x[e];
+  return s;
+}
+
+// S = s * P + x ⊗ y with P the previous matrix of a recurrence (P = nullptr: S = x ⊗ y).
+template <typename T>
+inline void next_outer(int64_t n1, int64_t n2, T s, const T* __restrict P, const T* __restrict x,
+                       const T* __restrict y, T* __restrict S) {
+  for (int64_t r = 0; r < n1; ++r) {
+    const T xr = x[r];
+    T* Sr = S + r * n2;
+    if (P) {
+      const T* Pr = P + r * n2;
 #pragma omp simd
-      for (int64_t u = 0; u < m; ++u) Ej[u] = e * Dj[u - m];  // f_j - A_j
-    }
-    std::copy(Ej, Ej + m, Dj);
-    decay_add_outer(A.n1, A.n2, T(1), A.x + p * A.n1, A.y + p * A.n2, Dj);  // f_j
-  }
-  std::fill(acc, acc + m, T(0));
-  for (int64_t j = W - 1; j >= 1; --j) {
-    const int64_t p = i * W + j;
-    add_outer_decay(A.n1, A.n2, g.ea[p], A.x + p * A.n1, A.y + p * A.n2, acc);  // g_{j-1}
-    axpy(m, T(1), acc, D + (j - 1) * m);
-    axpy(m, T(-1), acc, E + (j - 1) * m);
-  }
-}
-
-// Row-decay share of one pass: for the row Z of the column half at row i, grad c_j += <A_j, f_j(Z) - Z_j -
-// g_j(Z)> + <Z_j, E_j>.
-template <typename T>
-void row_grads(const Grid<T>& g, int64_t i, const Outer<T>& A, const T* Z, const T* E, T* gcr, T* acc) {
-  const int64_t W = g.W, m = A.size();
-  for (int64_t j = 0; j < W; ++j) {
-    const int64_t p = i * W + j;
-    const T* Zj = Z + j * m;
-    const T* ap = A.x + p * A.n1;
-    const T* bp = A.y + p * A.n2;
-    T strict = 0;  // <A_j, f_j - Z_j>
-    if (j == 0) {
-      std::copy(Zj, Zj + m, acc);
+      for (int64_t c = 0; c < n2; ++c) Sr[c] = s * Pr[c] + xr * y[c];
     } else {
-      strict = g.ea[p] * bilinear(A.n1, A.n2, acc, ap, bp);
-      decay_add(m, g.ea[p], Zj, acc);
+#pragma omp simd
+      for (int64_t c = 0; c < n2; ++c) Sr[c] = xr * y[c];
     }
-    gcr[p] += strict + dot(m, Zj, E + j * m);
-  }
-  std::fill(acc, acc + m, T(0));
-  for (int64_t j = W - 1; j >= 1; --j) {
-    const int64_t p = i * W + j;
-    add_decay(m, g.ea[p], Z + j * m, acc);  // g_{j-1}
-    gcr[p - 1] -= bilinear(A.n1, A.n2, acc, A.x + (p - 1) * A.n1, A.y + (p - 1) * A.n2);
   }
 }
 
-// Gradients of sum_{p,s} L[p, s] <A_p, B_s> (L the V2H mask) w.r.t. the row and column prefix sums, added to
-// gcr, gcc [N]. Column l, rows i (query side) and k: G_ik = Lcol(i, k) <D_il, B_kl> with D = L^H A; row i,
-// columns j and l: G_jl = Lrow(j, l) <A_ij, Z_il> with Z = L^V B. Two passes over the rows as in masked_scan
-// (top-down: Z = the inclusive column half F(B); bottom-up: the exclusive half G(B)).
+// One of the two terms of the backward, F = sum_{p,s} L[p, s] <A_p, B_s> with L the V2H mask and A, B rank-1
+// per token (A_p = a1_p ⊗ a2_p, n1 x n2). Its gradients, contracted as the inputs need them:
+//   da2_p += (L B)_p^T a1_p and da1_p += (L B)_p a2_p;   db2_s += (L^T A)_s^T b1_s and db1_s += (L^T A)_s b2_s
+// (da1, db1 may be null) and the prefix-sum gradients gcr, gcc.
 template <typename T>
-void mask_grads(const Grid<T>& g, const Outer<T>& A, const Outer<T>& Bm, T* gcr, T* gcc, Scratch<T>& s) {
-  const int64_t H = g.H, W = g.W, m = A.size();
-  T* colB = s.row(0, W, m);
-  T* colD = s.row(1, W, m);
-  T* D = s.row(2, W, m);
-  T* E = s.row(3, W, m);
-  T* acc = s.one(0, W, m);
+struct Term {
+  Outer<T> A, B;
+  T* da2;  // [N, n2]
+  T* da1;  // [N, n1] or null
+  T* db2;  // [N, n2]
+  T* db1;  // [N, n1] or null
+};
+
+// f(R, r) for blocks of R consecutive rows r .. r + R - 1 covering [0, n1): fours, then single rows. Blocks let
+// the sweeps below keep their per-token sums in registers over R rows, instead of reading and writing them for
+// every row (that traffic, not the row buffers, bounds the sweeps).
+template <typename F>
+inline void in_row_blocks(int64_t n1, F&& f) {
+  int64_t r = 0;
+  for (; r + 4 <= n1; r += 4) f(std::integral_constant<int, 4>{}, r);
+  for (; r < n1; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
+// Sweep 2 of term_grads on R consecutive rows of token l's matrices (Z, D, gA, gZ point at the first; a1 at its
+// entry): D gets g_l(A), and g(A), g(Z) move on to l - 1 (decay e); the per-token accumulators (gz = g_l(Z)^T a1,
+// zgv = <Z, g_l(A)> by lanes) are read and written once for all R rows.
+template <int R, typename T>
+inline void sweep2_rows(int64_t n2, T e, const T* __restrict a1, const T* __restrict a2, const T* __restrict Z,
+                        T* __restrict D, T* __restrict gA, T* __restrict gZ, T* __restrict gz, T* __restrict zgv) {
+#pragma omp simd
+  for (int64_t c = 0; c < n2; ++c) {
+    T gzc = gz[c], zgc = zgv[c];
+    for (int k = 0; k < R; ++k) {
+      const int64_t x = k * n2 + c;
+      const T ga = gA[x], gzk = gZ[x], z = Z[x];
+      D[x] += ga;
+      zgc += z * ga;
+      gzc += a1[k] * gzk;
+      gA[x] = e * (ga + a1[k] * a2[c]);
+      gZ[x] = e * (gzk + z);
+    }
+    gz[c] = gzc;
+    zgv[c] = zgc;
+  }
+}
+
+// Sweep 3 of term_grads on R consecutive rows of token l's matrices (Z, D, cD, fZ point at the first; a1, b1 at
+// its entries): f(Z) moves on and, top-down, cD takes the row; the per-token accumulators (fz = f^T a1,
+// za = Z^T a1, zdv = <Z, D> by lanes, dd = D^T b1, cd = cD^T b1) are read and written once for all R rows.
+template <int R, bool Down, typename T>
+inline void sweep3_rows(int64_t n2, T ef, T ec, const T* __restrict a1, const T* __restrict b1, const T* __restrict Z,
+                        const T* __restrict D, T* __restrict cD, T* __restrict fZ, T* __restrict fz,
+                        T* __restrict za, T* __restrict zdv, T* __restrict dd, T* __restrict cd) {
+#pragma omp simd
+  for (int64_t c = 0; c < n2; ++c) {
+    T fzc = fz[c], zac = za[c], zdc = zdv[c], ddc = dd[c], cdc = cd[c];
+    for (int k = 0; k < R; ++k) {
+      const int64_t e = k * n2 + c;
+      const T z = Z[e], dl = D[e];
+      const T f = ef * fZ[e] + z;
+      fZ[e] = f;
+      fzc += a1[k] * f;
+      zac += a1[k] * z;
+      zdc += z * dl;
+      if (Down) {
+        ddc += b1[k] * dl;
+        const T x = ec * cD[e] + dl;
+        cD[e] = x;
+        cdc += b1[k] * x;
+      } else {
+        cdc += b1[k] * cD[e];
+      }
+    }
+    fz[c] = fzc;
+    za[c] = zac;
+    zdv[c] = zdc;
+    if (Down) dd[c] = ddc;
+    cd[c] = cdc;
+  }
+}
+
+// Everything of one term in two passes over the rows (top-down: the inclusive column halves F; bottom-up: the
+// exclusive halves G), each row in three sweeps. With Z = the column half of B (L B = L^H (F(B) + G(B))),
+// D = L^H A (row-local, two-sided) and its column half cD (L^T A = F(D) + G(D)):
+//   1 (left to right): in the top-down pass Z = F(B) takes row i; D = the forward half f(A) of the row product.
+//   2 (right to left): the backward halves g(A) (completing D) and g(Z) (contracted: the g share of L B).
+//   3 (left to right): the forward half f(Z) (contracted: the f share of L B); cD takes row i (contracted: its
+//      share of L^T A); bottom-up, Z and cD move on to row i - 1 afterwards.
+// The decay gradients (see the header) reduce to token-local products of what the contractions give:
+//   columns: sum_u sign(t-u) (G_tu + G_ut) = <D_t, Z_t> + <B_t, cD_t> (- 2 <B_t, D_t>, the diagonal, top-down)
+//            negated bottom-up, with <B_t, S> = b2_t . (S^T b1_t);
+//   rows:    <A_t, f_t(Z) - Z_t - g_t(Z)> + <Z_t, E_t>, E = f(A) - A - g(A) = D - 2 g(A) - A, so
+//            <Z_t, E_t> = <Z_t, D_t> - 2 <Z_t, g_t(A)> - a2_t . (Z_t^T a1_t): only <Z, g(A)> (sweep 2) and
+//            <Z, D> (sweep 3, shared with the column term) are products of two full matrices.
+template <typename T>
+void term_grads(const Grid<T>& g, const Term<T>& t, T* gcr, T* gcc, Scratch<T>& s) {
+  const Outer<T>& A = t.A;
+  const Outer<T>& B = t.B;
+  const int64_t H = g.H, W = g.W, n1 = A.n1, n2 = A.n2, m = A.size();
+  T* cB = s.row(0);  // Z: the column half of B, row i
+  T* cD = s.row(1);  // the column half of D, row i
+  T* D = s.row(2);   // D = L^H A, row i
+  T* gA = s.one(0);  // g_l(A)
+  T* gZ = s.one(1);  // g_l(Z)
+  T* fZ = s.one(2);  // f_l(Z)
+  T* gz = s.vec(0);  // g_l(Z)^T a1
+  T* fz = s.vec(1);  // f_l(Z)^T a1
+  T* za = s.vec(2);  // Z_l^T a1
+  T* dd = s.vec(3);  // D_l^T b1
+  T* cd = s.vec(4);  // cD_l^T b1
+  // The two full dot products are summed over rows lane by lane and reduced once per token: a scalar sum per
+  // row would be a serial chain through every lane of every row.
+  T* zgv = s.vec(5);  // <Z_l, g_l(A)> by lanes
+  T* zdv = s.vec(6);  // <Z_l, D_l> by lanes
+  T* zg = s.line();   // <Z_l, g_l(A)>
   for (int pass = 0; pass < 2; ++pass) {
     const bool down = pass == 0;
-    std::fill(colB, colB + W * m, T(0));
-    std::fill(colD, colD + W * m, T(0));
+    std::fill(cB, cB + W * m, T(0));
+    std::fill(cD, cD + W * m, T(0));
     for (int64_t step = 0; step < H; ++step) {
       const int64_t i = down ? step : H - 1 - step;
-      row_products(g, i, A, D, E, acc);
+      const T* ax = A.x + i * W * n1;
+      const T* ay = A.y + i * W * n2;
+      const T* bx = B.x + i * W * n1;
+      const T* by = B.y + i * W * n2;
+      const T* ea = g.ea + i * W;
+      const T* eb = g.eb + i * W;
+      // 1: F_i = eb_i F_{i-1} + B_i (top-down); f_l(A) = ea_l f_{l-1}(A) + A_l
+      for (int64_t l = 0; l < W; ++l) {
+        if (down) decay_add_outer(n1, n2, i == 0 ? T(0) : eb[l], bx + l * n1, by + l * n2, cB + l * m);
+        next_outer(n1, n2, ea[l], l == 0 ? nullptr : D + (l - 1) * m, ax + l * n1, ay + l * n2, D + l * m);
+      }
+      // 2: at l, gA and gZ hold g_l; then g_{l-1} = ea_l (g_l + X_l)
+      std::fill(gA, gA + m, T(0));
+      std::fill(gZ, gZ + m, T(0));
+      for (int64_t l = W - 1; l >= 0; --l) {
+        const T e = l > 0 ? ea[l] : T(0);  // g_{-1} is never read
+        const T* a1 = ax + l * n1;
+        const T* a2 = ay + l * n2;
+        std::fill(gz, gz + n2, T(0));
+        std::fill(zgv, zgv + n2, T(0));
+        if (t.da1)
+          for (int64_t r = 0; r < n1; ++r) t.da1[(i * W + l) * n1 + r] += dot(n2, gZ + r * n2, a2);
+        in_row_blocks(n1, [&](auto R, int64_t r) {
+          const int64_t o = l * m + r * n2;
+          sweep2_rows<R()>(n2, e, a1 + r, a2, cB + o, D + o, gA + r * n2, gZ + r * n2, gz, zgv);
+        });
+        zg[l] = sum(n2, zgv);
+        const int64_t p = i * W + l;
+        axpy(n2, T(1), gz, t.da2 + p * n2);
+        gcr[p] -= dot(n2, a2, gz);
+      }
+      // 3: f_l(Z) = ea_l f_{l-1}(Z) + Z_l; top-down cD_l = eb_l cD_l + D_l (F_i); bottom-up cD_l is G_i
       for (int64_t l = 0; l < W; ++l) {
         const int64_t p = i * W + l;
-        const T* bx = Bm.x + p * Bm.n1;
-        const T* by = Bm.y + p * Bm.n2;
-        T* cB = colB + l * m;
-        T* cD = colD + l * m;
-        const T* Dl = D + l * m;
-        if (down) {
-          const T e = i == 0 ? T(0) : g.eb[p];
-          decay_add_outer(Bm.n1, Bm.n2, e, bx, by, cB);
-          decay_add(m, e, Dl, cD);
-          // <D, F(B) - B> + <B, F(D) - D>
-          gcc[p] += dot(m, cB, Dl) + bilinear(Bm.n1, Bm.n2, cD, bx, by) - 2 * bilinear(Bm.n1, Bm.n2, Dl, bx, by);
-        } else {
-          gcc[p] -= dot(m, cB, Dl) + bilinear(Bm.n1, Bm.n2, cD, bx, by);  // <D, G(B)> + <B, G(D)>
+        const T ef = l == 0 ? T(0) : ea[l];
+        const T ec = down ? (i == 0 ? T(0) : eb[l]) : eb[l];
+        const bool move_up = !down && i > 0;
+        const T* a1 = ax + l * n1;
+        const T* a2 = ay + l * n2;
+        const T* b1 = bx + l * n1;
+        const T* b2 = by + l * n2;
+        if (l == 0) std::fill(fZ, fZ + m, T(0));
+        std::fill(fz, fz + n2, T(0));
+        std::fill(za, za + n2, T(0));
+        std::fill(dd, dd + n2, T(0));
+        std::fill(cd, cd + n2, T(0));
+        std::fill(zdv, zdv + n2, T(0));
+        in_row_blocks(n1, [&](auto R, int64_t r) {
+          const int64_t o = l * m + r * n2;
+          T* fZr = fZ + r * n2;
+          if (down)
+            sweep3_rows<R(), true>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZr, fz, za, zdv, dd, cd);
+          else
+            sweep3_rows<R(), false>(n2, ef, ec, a1 + r, b1 + r, cB + o, D + o, cD + o, fZr, fz, za, zdv, dd, cd);
+        });
+        // the n1-valued contractions (one dot product per row), then bottom-up the move to row i - 1
+        for (int64_t r = 0; r < n1; ++r) {
+          T* Zr = cB + l * m + r * n2;
+          const T* Dr = D + l * m + r * n2;
+          T* cDr = cD + l * m + r * n2;
+          const T b1r = b1[r];
+          if (t.db1) t.db1[p * n1 + r] += dot(n2, cDr, b2);  // top-down F_i, bottom-up G_i
+          if (t.da1) t.da1[p * n1 + r] += dot(n2, fZ + r * n2, a2);
+          if (move_up) {  // G_{i-1} = eb_i (G_i + X_i)
+#pragma omp simd
+            for (int64_t c = 0; c < n2; ++c) {
+              cDr[c] = ec * (cDr[c] + Dr[c]);
+              Zr[c] = ec * (Zr[c] + b1r * b2[c]);
+            }
+          }
         }
-      }
-      row_grads(g, i, A, colB, E, gcr, acc);
-      if (!down && i > 0) {
-        for (int64_t l = 0; l < W; ++l) {
-          const int64_t p = i * W + l;
-          add_outer_decay(Bm.n1, Bm.n2, g.eb[p], Bm.x + p * Bm.n1, Bm.y + p * Bm.n2, colB + l * m);
-          add_decay(m, g.eb[p], D + l * m, colD + l * m);
-        }
+        const T zd = sum(n2, zdv);  // <Z_l, D_l>
+        axpy(n2, T(1), fz, t.da2 + p * n2);
+        axpy(n2, T(1), cd, t.db2 + p * n2);
+        gcr[p] += dot(n2, a2, fz) - 2 * dot(n2, a2, za) + zd - 2 * zg[l];
+        if (down)
+          gcc[p] += zd - 2 * dot(n2, b2, dd) + dot(n2, b2, cd);
+        else
+          gcc[p] -= zd + dot(n2, b2, cd);
       }
     }
   }
@@ -350,11 +474,6 @@ at::Tensor heads_last(const at::Tensor& t, int64_t B, int64_t H, int64_t W, int6
   return t.view({B, G, H, W, t.size(-1)}).permute({0, 2, 3, 1, 4});
 }
 
-template <typename T>
-Scratch<T> make_scratch(int64_t W, int64_t m) {
-  return Scratch<T>{std::vector<T>(4 * W * m + 2 * m)};
-}
-
 std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                                  const at::Tensor& v, const at::Tensor& log_alpha,
                                                                  const at::Tensor& log_beta, bool normalize,
@@ -375,14 +494,12 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cpu(const at::Tenso
     const T *ead = ea.data_ptr<T>(), *ebd = eb.data_ptr<T>();
     T* nd = num.data_ptr<T>();
     parallel_tasks(
-        2 * BG, [&] { return make_scratch<T>(W, d * C); },
+        2 * BG, [&] { return Scratch<T>(W, d * C, C); },
         [&](int64_t task, Scratch<T>& s) {
           const int64_t dir = task % 2, bg = task / 2;
           const Grid<T> g{H, W, ead + bg * N, ebd + bg * N};
           const Outer<T> X{kd + bg * N * d, d, vd + bg * N * C, C};
-          Contract<T> c{d, C};
-          c.a = qd + bg * N * d;
-          c.out_a = nd + (dir * BG + bg) * N * C;
+          const Contract<T> c{d, C, qd + bg * N * d, nd + (dir * BG + bg) * N * C};
           // The loops above vectorise to the lane width with_lanes() picks (AVX + FMA where the CPU has them).
           with_lanes([&](auto) { masked_scan(g, X, dir == 1, c, s); });
         });
@@ -442,28 +559,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
       const T* vb = vd + bg * N * C;
       const T* do1 = dod + bg * N * C;         // V2H
       const T* do2 = dod + (BG + bg) * N * C;  // H2V
-      const Outer<T> KV{kb, d, vb, C};
-      // dq_p = T_L(k, v')_p dO'1_p + T_{L^T}(k, v')_p dO'2_p
-      for (int dir = 0; dir < 2; ++dir) {
-        Contract<T> c{d, C};
-        c.b = dir == 0 ? do1 : do2;
-        c.out_b = dqd + bg * N * d;
-        masked_scan(g, KV, dir == 1, c, s);
-      }
-      // dk_s = T_s v'_s and dv'_s = T_s^T k_s, T = T_{L^T}(q, dO'1) + T_L(q, dO'2)
-      for (int dir = 0; dir < 2; ++dir) {
-        Contract<T> c{d, C};
-        c.a = kb;
-        c.out_a = dvd + bg * N * C;
-        c.b = vb;
-        c.out_b = dkd + bg * N * d;
-        masked_scan(g, Outer<T>{qb, d, dir == 0 ? do1 : do2, C}, dir == 0, c, s);
-      }
-      mask_grads(g, Outer<T>{qb, d, do1, C}, KV, gcrd + bg * N, gccd + bg * N, s);
-      mask_grads(g, KV, Outer<T>{qb, d, do2, C}, gcrd + bg * N, gccd + bg * N, s);
+      T* dqb = dqd + bg * N * d;
+      T* dkb = dkd + bg * N * d;
+      T* dvb = dvd + bg * N * C;
+      // V2H: A = dO'1 ⊗ q, B = v' ⊗ k: L B gives dq, L^T A gives dk, dv'.
+      term_grads(g, Term<T>{{do1, C, qb, d}, {vb, C, kb, d}, dqb, nullptr, dkb, dvb}, gcrd + bg * N,
+                 gccd + bg * N, s);
+      // H2V: A = v' ⊗ k, B = dO'2 ⊗ q: L B gives dk, dv', L^T A gives dq.
+      term_grads(g, Term<T>{{vb, C, kb, d}, {do2, C, qb, d}, dkb, dvb, dqb, nullptr}, gcrd + bg * N,
+                 gccd + bg * N, s);
     };
     parallel_tasks(
-        BG, [&] { return make_scratch<T>(W, d * C); },
+        BG, [&] { return Scratch<T>(W, d * C, d); },
         [&](int64_t bg, Scratch<T>& s) { with_lanes([&](auto) { backward_task(bg, s); }); });
   });
   // Log-decay gradients: reverse cumsums of the prefix-sum gradients along rows / columns; index 0 gets 0.
