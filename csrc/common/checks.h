@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+
 namespace ppma {
 
 inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
@@ -67,6 +69,11 @@ inline void check_shape(const char* op, const char* name, const at::Tensor& t, a
   TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but the inputs are on ",
               ref.device());
   check_floating(op, name, t);
+}
+
+// The eps of polyline_linear_attention: finite and >= 0.
+inline void check_eps(const char* op, double eps) {
+  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
 }
 
 // Accumulation dtype: float64 for float64 inputs, float32 otherwise (docs/ops.md "Numerics").

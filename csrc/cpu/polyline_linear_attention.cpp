@@ -31,7 +31,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -469,6 +468,28 @@ at::Tensor decay_factors(const at::Tensor& log_decay, at::ScalarType acc) {
   return floored.exp().permute({0, 3, 1, 2}).contiguous().view({d.size(0) * d.size(3), -1});
 }
 
+// The inputs as both kernels read them (checked first): sizes, q, k [B * heads, N, d], v' [B * heads, N, C] (v with a
+// ones channel when normalising) and the decay multipliers [B * heads, N], in the accumulation dtype.
+struct Packed {
+  int64_t B, H, W, G, d, dv, N, BG, C;
+  at::ScalarType acc;
+  at::Tensor q, k, v, ea, eb;
+
+  Packed(const char* op, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+         const at::Tensor& log_alpha, const at::Tensor& log_beta, bool normalize) {
+    check_inputs(op, q_in, k_in, v_in, log_alpha, log_beta);
+    B = q_in.size(0), H = q_in.size(1), W = q_in.size(2), G = q_in.size(3), d = q_in.size(4), dv = v_in.size(4);
+    N = H * W, BG = B * G, C = dv + (normalize ? 1 : 0);
+    acc = acc_type(q_in);
+    q = heads_major(q_in, acc);
+    k = heads_major(k_in, acc);
+    v = heads_major(v_in, acc);
+    if (normalize) v = at::cat({v, at::ones({BG, N, 1}, v.options())}, -1);
+    ea = decay_factors(log_alpha, acc);
+    eb = decay_factors(log_beta, acc);
+  }
+};
+
 // [B * heads, N, n] -> [B, H, W, heads, n]
 at::Tensor heads_last(const at::Tensor& t, int64_t B, int64_t H, int64_t W, int64_t G) {
   return t.view({B, G, H, W, t.size(-1)}).permute({0, 2, 3, 1, 4});
@@ -478,17 +499,12 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cpu(const at::Tenso
                                                                  const at::Tensor& v, const at::Tensor& log_alpha,
                                                                  const at::Tensor& log_beta, bool normalize,
                                                                  double eps) {
-  check_inputs(kOp, q, k, v, log_alpha, log_beta);
-  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), kOp, ": eps must be finite and >= 0, got ", eps);
-  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
-  const int64_t N = H * W, BG = B * G, C = dv + (normalize ? 1 : 0);
-  const auto acc = acc_type(q);
-  const at::Tensor qp = heads_major(q, acc), kp = heads_major(k, acc);
-  at::Tensor vp = heads_major(v, acc);
-  if (normalize) vp = at::cat({vp, at::ones({BG, N, 1}, vp.options())}, -1);
-  const at::Tensor ea = decay_factors(log_alpha, acc), eb = decay_factors(log_beta, acc);
+  check_eps(kOp, eps);
+  const Packed in(kOp, q, k, v, log_alpha, log_beta, normalize);
+  const int64_t B = in.B, H = in.H, W = in.W, G = in.G, d = in.d, dv = in.dv, N = in.N, BG = in.BG, C = in.C;
+  const at::Tensor &qp = in.q, &kp = in.k, &vp = in.v, &ea = in.ea, &eb = in.eb;
   at::Tensor num = at::zeros({2, BG, N, C}, vp.options());  // [direction (V2H, H2V), BG, N, C]
-  AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_linear_attention_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(in.acc, "ppma_polyline_linear_attention_cpu", [&] {
     using T = scalar_t;
     const T *qd = qp.data_ptr<T>(), *kd = kp.data_ptr<T>(), *vd = vp.data_ptr<T>();
     const T *ead = ea.data_ptr<T>(), *ebd = eb.data_ptr<T>();
@@ -522,16 +538,12 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cpu(const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_linear_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& log_alpha, const at::Tensor& log_beta, const at::Tensor& stats, bool normalize, double eps) {
-  check_inputs(kOpBwd, q, k, v, log_alpha, log_beta);
+  const Packed in(kOpBwd, q, k, v, log_alpha, log_beta, normalize);
+  const int64_t B = in.B, H = in.H, W = in.W, G = in.G, d = in.d, dv = in.dv, N = in.N, BG = in.BG, C = in.C;
+  const at::ScalarType acc = in.acc;
   check_shape(kOpBwd, "grad_out", grad_out, v.sizes(), q);
-  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
-  const int64_t N = H * W, BG = B * G, C = dv + (normalize ? 1 : 0);
   check_shape(kOpBwd, "stats", stats, {B, H, W, G, 2, C}, q);
-  const auto acc = acc_type(q);
-  const at::Tensor qp = heads_major(q, acc), kp = heads_major(k, acc);
-  at::Tensor vp = heads_major(v, acc);
-  if (normalize) vp = at::cat({vp, at::ones({BG, N, 1}, vp.options())}, -1);
-  const at::Tensor ea = decay_factors(log_alpha, acc), eb = decay_factors(log_beta, acc);
+  const at::Tensor &qp = in.q, &kp = in.k, &vp = in.v, &ea = in.ea, &eb = in.eb;
   const at::Tensor go = heads_major(grad_out, acc);  // [BG, N, dv]
   // stats [B, H, W, heads, 2, C] -> [2, BG, N, C]
   const at::Tensor st = stats.to(acc).permute({4, 0, 3, 1, 2, 5}).reshape({2, BG, N, C});

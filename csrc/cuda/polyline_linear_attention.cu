@@ -9,7 +9,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <tuple>
 
 #include "cuda/launch_utils.h"
@@ -86,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cuda(const at::Tens
                                                                   double eps) {
   const char* op = "ppma::polyline_linear_attention";
   check_linear(op, q_in, k_in, v_in, log_alpha, log_beta);
-  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
+  check_eps(op, eps);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const LinearInputs in(q_in, k_in, v_in, log_alpha, log_beta, normalize);
   const GridSizes& sz = in.sz;

@@ -434,7 +434,8 @@ __global__ void __launch_bounds__(kLinearThreads) polyline_linear_attention_fwd_
 //   dk_s  += (Lm^T Y)_s v'_s, dv'_s += (Lm^T Y)_s^T k_s      (scan kernel, task 1)
 //   the prefix-sum gradients of sum L[p, s] <A_p, B_s>, (A, B) = (Y, X) for V2H and (X, Y) for H2V (mask kernel).
 // Two kernels rather than one with three tasks: each fits the register file without spills. State buffers of a
-// unit: [0, 2) task 0, [2, 4) task 1, [4, 8) the mask kernel.
+// unit: [0, 2) task 0, [2, 4) task 1; the mask kernel, which runs after the scan kernel on the same stream, reuses
+// [0, 4).
 template <typename acc_t>
 struct LinBwdUnit {
   LinBlock blk;
@@ -500,7 +501,7 @@ __global__ void __launch_bounds__(kLinearThreads, 1)
   const bool v2h = b.blk.dir == 0;  // (A, B) = (q ⊗ dO', k ⊗ v') for V2H, swapped for H2V
   const LinOuter<acc_t> A{v2h ? b.q : b.k, v2h ? b.dop : b.v, d, C, b.u.cw};
   const LinOuter<acc_t> B{v2h ? b.k : b.q, v2h ? b.v : b.dop, d, C, b.u.cw};
-  mask_grads(b.u, A, B, gcr, gcc, b.st + 4 * b.buf, b.st + 5 * b.buf, b.st + 6 * b.buf, b.st + 7 * b.buf);
+  mask_grads(b.u, A, B, gcr, gcc, b.st, b.st + b.buf, b.st + 2 * b.buf, b.st + 3 * b.buf);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -508,8 +509,8 @@ __global__ void __launch_bounds__(kLinearThreads, 1)
 // ---------------------------------------------------------------------------------------------
 
 // Lays the work buffers of w (sizes and C, cs set) out from base (nullptr: only counts) and returns their total
-// number of elements; the forward needs no dO' and no partial sums. State: 2 row buffers per unit (forward) or 8
-// (backward: 2 + 2 for the scan kernel's tasks, 4 for the mask kernel).
+// number of elements; the forward needs no dO' and no partial sums. State: 2 row buffers per unit (forward) or 4
+// (backward: 2 + 2 for the scan kernel's tasks, then the mask kernel's 4).
 template <typename acc_t>
 inline int64_t polyline_linear_attention_workspace(LinearAttnWork<acc_t>& w, bool backward, acc_t* base) {
   w.S = (w.C + w.cs - 1) / w.cs;
@@ -525,7 +526,7 @@ inline int64_t polyline_linear_attention_workspace(LinearAttnWork<acc_t>& w, boo
   w.v = take(BG * N * C);
   w.ea = take(BG * N);
   w.eb = take(BG * N);
-  w.state_stride = (backward ? 8 : 2) * int64_t(w.sz.W) * d * w.cs;
+  w.state_stride = (backward ? 4 : 2) * int64_t(w.sz.W) * d * w.cs;
   w.state = take(BG * 2 * w.S * w.state_stride);
   if (backward) {
     w.dop = take(2 * BG * N * C);

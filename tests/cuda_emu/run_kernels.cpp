@@ -184,6 +184,7 @@ void run(const Case& c, std::FILE* out) {
   const std::vector<T> q = stored<T>(c, c.q, c.d, sq), k = stored<T>(c, c.k, c.d, sk);
   const std::vector<T> v = convert<T>(c.v), go = convert<T>(c.go);
   std::vector<A> la(c.la.begin(), c.la.end()), lb(c.lb.begin(), c.lb.end());  // as the launchers: .to(acc)
+  if (c.op == 2) return run_linear<T>(c, sz, q, sq, k, sk, v, la, lb, go, out);  // no prefix sums
   std::vector<A> cr(rows), cc(rows);
   {
     PrefixParams<A> pp;
@@ -196,7 +197,6 @@ void run(const Case& c, std::FILE* out) {
     const int64_t n = BG * (c.H + c.W);
     launch_kernel(prefix_sums_kernel<A>, dim3(unsigned((n + 127) / 128)), dim3(128), 0, nullptr, pp);
   }
-  if (c.op == 2) return run_linear<T>(c, sz, q, sq, k, sk, v, la, lb, go, out);
   const int dp = padded(c.d > c.dv ? c.d : c.dv);
   std::vector<T> o(rows * c.dv), ov(rows * c.dv), dq(rows * c.d), dk(rows * c.d), dv(rows * c.dv);
   std::vector<A> lse(rows * 2), gla(rows), glb(rows);
