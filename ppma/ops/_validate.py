@@ -177,8 +177,25 @@ def fake_attention_grads(op, grad_out, q, k, v, log_alpha, log_beta, **saved):
     return tuple(t.new_empty(t.shape) for t in (q, k, v, log_alpha, log_beta))
 
 
-def input_grads(ctx, grads):
-    """Autograd results of an op whose tensor inputs are followed by one non-tensor argument: the gradients
-    autograd asked for, ``None`` for the others and for the trailing argument."""
+def decay_grad_where_defined(grad: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """The gradient of a log-decay input, zeroed where the log-decay is NaN or below ``LOG_DECAY_FLOOR``.
+
+    The reference floors the log-decays with ``clamp_min(LOG_DECAY_FLOOR)``, whose gradient is exactly 0 where
+    the input is below the floor or NaN (a comparison with NaN is false); the kernels' prefix-sum and scan
+    backward passes give ~0 (below the floor) or NaN (at a NaN) there instead. Applying the clamp's rule once,
+    here, to every backend's decay gradients makes them match the reference (docs/ops.md, "Edges")."""
+    return torch.where(log_decay >= LOG_DECAY_FLOOR, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def input_grads(ctx, grads, log_decays=(), trailing: int = 1):
+    """Autograd results of an op whose tensor inputs are followed by ``trailing`` non-tensor arguments: the
+    gradients autograd asked for, ``None`` for the others and for the trailing arguments.
+
+    ``log_decays`` are ``(index, tensor)`` pairs naming the log-decay inputs among ``grads``: their gradients
+    follow the reference's floor rule (:func:`decay_grad_where_defined`)."""
+    grads = list(grads)
+    for i, log_decay in log_decays:
+        if ctx.needs_input_grad[i]:
+            grads[i] = decay_grad_where_defined(grads[i], log_decay)
     n = len(grads)
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:n])) + (None,)
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:n])) + (None,) * trailing

@@ -74,7 +74,7 @@ def _backward(ctx, grad_out, grad_lse):
     no_double_backward(_OP)
     q, k, v, log_alpha, log_beta, lse = ctx.saved_tensors
     grads = torch.ops.ppma.criss_cross_attention_backward(grad_out, q, k, v, log_alpha, log_beta, lse, ctx.scale)
-    return input_grads(ctx, grads)
+    return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)))
 
 
 if _ext.has_ext():

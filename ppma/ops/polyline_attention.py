@@ -79,7 +79,7 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
     grads = torch.ops.ppma.polyline_attention_backward(
         grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, ctx.scale
     )
-    return input_grads(ctx, grads)
+    return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)))
 
 
 if _ext.has_ext():

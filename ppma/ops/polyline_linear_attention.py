@@ -16,6 +16,7 @@ from ppma.ops._validate import (
     check_linear_options,
     check_same_device,
     fake_attention_grads,
+    input_grads,
     is_empty,
     lse_dtype,
     no_double_backward,
@@ -84,8 +85,7 @@ def _backward(ctx, grad_out, grad_stats):
     grads = torch.ops.ppma.polyline_linear_attention_backward(
         grad_out, q, k, v, log_alpha, log_beta, stats, ctx.normalize, ctx.eps
     )
-    n = len(grads)
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:n])) + (None, None)
+    return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)), trailing=2)
 
 
 if _ext.has_ext():

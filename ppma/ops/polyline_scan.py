@@ -57,7 +57,7 @@ def _backward(ctx, grad_y):
     no_double_backward(_OP)
     x, log_alpha, log_beta = ctx.saved_tensors
     grads = torch.ops.ppma.polyline_scan_backward(grad_y, x, log_alpha, log_beta, ctx.transpose)
-    return input_grads(ctx, grads)
+    return input_grads(ctx, grads, log_decays=((1, log_alpha), (2, log_beta)))
 
 
 if _ext.has_ext():
