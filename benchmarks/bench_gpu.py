@@ -35,6 +35,9 @@ import ppma
 import ppma.ops as ops
 from ppma.ops import reference as ref
 
+# This benchmark measures the CUDA kernels, which are opt-in until they pass their tests on a GPU.
+ops.set_impl("fused", cuda_kernels=True)
+
 # (name, [B, H, W, heads, d]) per op; quick and CPU smoke sizes below
 PA_SHAPES = [(8, 32, 32, 4, 32), (8, 48, 48, 4, 32), (8, 64, 64, 4, 32)]
 CC_SHAPES = [(64, 56, 56, 4, 16), (64, 28, 28, 4, 32)]

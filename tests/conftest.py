@@ -4,7 +4,11 @@ import os
 
 import pytest
 
-from ppma._compat import ensure_torchvision
+# The CUDA kernels are opt-in until they pass on a GPU (ppma.ops.CUDA_KERNELS_VERIFIED); the CUDA tests are what
+# verifies them, so the test session opts in (before ppma is imported). CPU-only machines are unaffected.
+os.environ.setdefault("PPMA_CUDA_KERNELS", "1")
+
+from ppma._compat import ensure_torchvision  # noqa: E402
 
 # PyPI's torchvision is a CUDA build; beside a CPU torch its ops cannot load (see ppma._compat).
 ensure_torchvision()

@@ -100,3 +100,51 @@ def test_environment_variables():
     assert res.returncode == 0 and res.stdout.split() == ["reference", "True"], res.stderr[-2000:]
     res = _run("import ppma.ops", PPMA_IMPL="cuda")
     assert res.returncode != 0 and "impl must be one of" in res.stderr
+
+
+class _OnDevice:
+    """Stands in for a tensor on a device this machine may not have (run_fused reads only ``.device``)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+def test_cuda_kernels_are_opt_in(monkeypatch):
+    # Until the CUDA kernels have passed on a GPU (CUDA_KERNELS_VERIFIED), "fused" runs the reference on CUDA
+    # tensors with a one-time notice naming both ways to opt in; CPU tensors keep the CPU kernels.
+    from ppma.ops import _dispatch
+
+    assert ppma.ops.CUDA_KERNELS_VERIFIED is False
+    monkeypatch.setattr(_dispatch, "_FUSED_DEVICES", frozenset({"cpu", "meta", "cuda"}))
+    monkeypatch.setattr(_dispatch, "_cuda_kernels", False)
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
+    cuda = _OnDevice("cuda")
+    with pytest.warns(UserWarning, match=r"PPMA_CUDA_KERNELS=1.*set_impl\(\"fused\", cuda_kernels=True\)"):
+        assert not _dispatch.run_fused(cuda)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the notice is given once
+        assert not _dispatch.run_fused(cuda)
+        if ppma.has_ext():
+            assert _dispatch.run_fused(torch.zeros(1))  # the CPU kernels stay the default
+    try:
+        ppma.ops.set_impl("fused", cuda_kernels=True)
+        assert ppma.ops.cuda_kernels_enabled() and _dispatch.run_fused(cuda)
+        ppma.ops.set_impl("fused")  # None keeps the choice
+        assert ppma.ops.cuda_kernels_enabled()
+        ppma.ops.set_impl("reference")
+        assert not _dispatch.run_fused(cuda)
+    finally:
+        ppma.ops.set_impl("fused", cuda_kernels=False)
+    assert not _dispatch.run_fused(cuda)
+
+
+@pytest.mark.parametrize("value, expected", [(None, "False"), ("0", "False"), ("1", "True")])
+def test_cuda_kernels_env(value, expected):
+    env = {k: v for k, v in os.environ.items() if k != "PPMA_CUDA_KERNELS"}
+    if value is not None:
+        env["PPMA_CUDA_KERNELS"] = value
+    out = subprocess.run([sys.executable, "-c", "import ppma.ops; print(ppma.ops.cuda_kernels_enabled())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expected

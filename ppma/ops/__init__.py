@@ -9,7 +9,15 @@ The one fused/reference switch of the package lives here: ``set_impl("fused" | "
 ``set_check_decays(True)`` (or ``PPMA_CHECK_DECAYS=1``) makes every op reject positive log-decays.
 """
 
-from ppma.ops._dispatch import IMPLS, get_impl, set_check_decays, set_impl, use_impl
+from ppma.ops._dispatch import (
+    CUDA_KERNELS_VERIFIED,
+    IMPLS,
+    cuda_kernels_enabled,
+    get_impl,
+    set_check_decays,
+    set_impl,
+    use_impl,
+)
 from ppma.ops.criss_cross_attention import criss_cross_attention
 from ppma.ops.polyline_attention import polyline_attention
 from ppma.ops.polyline_linear_attention import polyline_linear_attention
@@ -24,6 +32,8 @@ __all__ = [
     "reference",
     "IMPLS",
     "set_impl",
+    "cuda_kernels_enabled",
+    "CUDA_KERNELS_VERIFIED",
     "get_impl",
     "use_impl",
     "set_check_decays",

@@ -13,6 +13,11 @@ One process-wide switch, owned here and read by the op wrappers at call time (no
 that never call Python of ours). ``"fused"`` runs the compiled kernels where ``ppma._C`` has them for the
 tensors' device and the reference elsewhere (one warning per device). Both give the same numbers.
 
+The CUDA kernels are opt-in until they have passed their tests on a GPU (``CUDA_KERNELS_VERIFIED``; the GPU run
+that passes them flips it): by default CUDA tensors run the reference, with a one-time notice saying how to opt
+in, ``PPMA_CUDA_KERNELS=1`` in the environment or ``ppma.ops.set_impl("fused", cuda_kernels=True)``. The CPU
+kernels are the default wherever they are built.
+
 Everything the wrappers read on their traced path is a plain module-level value decided at import, so
 ``torch.compile(fullgraph=True)`` traces them; dynamo guards on the values it reads (changing the switch
 recompiles, it never runs a stale graph). In particular the availability of the CUDA kernels is queried from
@@ -28,7 +33,16 @@ import torch
 
 from ppma import _ext
 
-__all__ = ["IMPLS", "set_impl", "get_impl", "use_impl", "set_check_decays", "fused_available"]
+__all__ = [
+    "IMPLS",
+    "CUDA_KERNELS_VERIFIED",
+    "set_impl",
+    "get_impl",
+    "use_impl",
+    "cuda_kernels_enabled",
+    "set_check_decays",
+    "fused_available",
+]
 
 IMPLS = ("fused", "reference")
 
@@ -46,8 +60,12 @@ def _env_flag(name: str) -> bool:
     return value in ("1", "true")
 
 
+# Whether the CUDA kernels have passed their tests on a GPU. Until then they run only when asked for.
+CUDA_KERNELS_VERIFIED = False
+
 _impl: str = _checked(os.environ.get("PPMA_IMPL", "fused"))
 _check_decays: bool = _env_flag("PPMA_CHECK_DECAYS")
+_cuda_kernels: bool = CUDA_KERNELS_VERIFIED or _env_flag("PPMA_CUDA_KERNELS")
 
 # Device types the compiled library serves. "meta" inputs run the registered fake kernels (shapes only).
 _FUSED_DEVICES: frozenset[str] = frozenset()
@@ -59,11 +77,22 @@ if _ext.has_ext():
 _WARNED: set[str] = set()
 
 
-def set_impl(impl: str) -> None:
+def set_impl(impl: str, *, cuda_kernels: bool | None = None) -> None:
     """Make every ``ppma.ops`` call run ``impl``: ``"fused"`` (the compiled kernels, falling back to the
-    reference where none is built for the device) or ``"reference"`` (``ppma.ops.reference``, pure PyTorch)."""
-    global _impl
+    reference where none is built for the device) or ``"reference"`` (``ppma.ops.reference``, pure PyTorch).
+
+    ``cuda_kernels=True`` opts in to the CUDA kernels, which are not the default on CUDA tensors until they have
+    passed their tests on a GPU (``CUDA_KERNELS_VERIFIED``; ``PPMA_CUDA_KERNELS=1`` does the same at import);
+    ``False`` opts out; ``None`` keeps the current choice."""
+    global _impl, _cuda_kernels
     _impl = _checked(impl)
+    if cuda_kernels is not None:
+        _cuda_kernels = bool(cuda_kernels)
+
+
+def cuda_kernels_enabled() -> bool:
+    """Whether ``"fused"`` runs the CUDA kernels on CUDA tensors (else the reference runs there)."""
+    return _cuda_kernels
 
 
 def get_impl() -> str:
@@ -117,9 +146,25 @@ def run_fused(t: torch.Tensor) -> bool:
     if _impl == "reference":
         return False
     if t.device.type in _FUSED_DEVICES:
+        if t.device.type == "cuda" and not _cuda_kernels:
+            _notice_cuda_opt_in()
+            return False
         return True
     _warn_fallback(t.device.type)
     return False
+
+
+def _notice_cuda_opt_in() -> None:
+    if "cuda-opt-in" in _WARNED:
+        return
+    _WARNED.add("cuda-opt-in")
+    warnings.warn(
+        "ppma: the CUDA kernels have not yet passed their tests on a GPU, so CUDA tensors run the pure-PyTorch "
+        "reference ops (same numbers, N x N masks). To run the CUDA kernels, set PPMA_CUDA_KERNELS=1 or call "
+        'ppma.ops.set_impl("fused", cuda_kernels=True).',
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _warn_fallback(device_type: str) -> None:
