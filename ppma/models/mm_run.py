@@ -5,7 +5,7 @@ install keeps them under ``<package>/.mim/tools/``), for the configs in ``config
 ``configs/detection``, plus one thing they cannot: under torch >= 2.6 ``torch.load`` is weights-only by default
 and MMEngine 0.10.x calls it without arguments, so resuming from, or testing, its own ``iter_*.pth`` /
 ``epoch_*.pth`` fails (they hold MMEngine ``HistoryBuffer`` logs and numpy values). ``ppma-mm`` runs the runner
-with exactly those types allowed (:func:`ppma.models.convert.checkpoint_safe_globals`), never with unrestricted
+with exactly those types allowed (:func:`ppma.checkpoint.checkpoint_safe_globals`), never with unrestricted
 unpickling (what ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` would do).
 
     ppma-mm train configs/segmentation/upernet_ppma_tiny_512x512_160k_ade20k.py
@@ -69,7 +69,7 @@ def build_runner(cfg):
 def main(argv=None) -> int:
     from mmengine.config import DictAction
 
-    from ppma.models.convert import allow_checkpoint_globals
+    from ppma.checkpoint import allow_checkpoint_globals
 
     parser = argparse.ArgumentParser(prog="ppma-mm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
