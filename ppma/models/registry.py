@@ -61,9 +61,12 @@ def create_model(
         from ppma.checkpoint.hub import download_official
 
         checkpoint_path = download_official(name, revision=revision)
-    model = PPMA(cfg)
-    if checkpoint_path is not None:
-        from ppma.checkpoint import load_checkpoint
+    checkpoint = None
+    if checkpoint_path is not None:  # read before building: a damaged or refused file fails fast
+        from ppma.checkpoint import load_weights, read_checkpoint
 
-        load_checkpoint(model, checkpoint_path, key=checkpoint_key, strict=True)
+        checkpoint = read_checkpoint(checkpoint_path)
+    model = PPMA(cfg)
+    if checkpoint is not None:
+        load_weights(model, checkpoint, key=checkpoint_key, strict=True, name=repr(os.fspath(checkpoint_path)))
     return model
