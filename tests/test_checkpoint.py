@@ -269,6 +269,29 @@ def test_mm_backbone_init_cfg(official):
     assert _rel_err(out, ref) < 1e-5
 
 
+def test_mmengine_loader_routed_through_the_reader(official, tmp_path):
+    """ppma-mm replaces MMEngine's local-file loader by the reader: load_from / resume / init_cfg of any module
+    read weights-only, also under torch < 2.6 where MMEngine's own torch.load would unpickle anything."""
+    pytest.importorskip("mmengine")
+    from mmengine.runner import CheckpointLoader
+    from mmengine.runner.checkpoint import _load_checkpoint
+
+    from ppma.checkpoint import route_mmengine_local_files
+
+    marker = tmp_path / "marker"
+    torch.save(dict(official["ckpt"], args=_System(f"touch {marker}")), tmp_path / "evil.pth")
+    before = dict(CheckpointLoader._schemes)
+    try:
+        route_mmengine_local_files()
+        assert _load_checkpoint(str(official["path"]))["args"].model == "PPMAViT_T"
+        with pytest.raises(RuntimeError, match="never falls back"):
+            _load_checkpoint(str(tmp_path / "evil.pth"))
+        assert not marker.exists()
+    finally:
+        CheckpointLoader._schemes.clear()
+        CheckpointLoader._schemes.update(before)
+
+
 # ------------------------------------------------------------------------------------------------ bad files
 
 

@@ -13,10 +13,16 @@
 
 Every entry point goes through this package: ``ppma.create_model(checkpoint_path=..., pretrained=True)``,
 ``timm.create_model("ppma_tiny", pretrained=True)``, ``ppma-eval``, ``ppma-train`` (``model.checkpoint_path`` and
-``--resume``), ``ppma-convert`` and the mm backbone's ``init_cfg=dict(type="Pretrained", ...)``.
+``--resume``), ``ppma-convert``, the mm backbone's ``init_cfg=dict(type="Pretrained", ...)`` and, for local
+files, MMEngine's own loader inside ``ppma-mm`` (:func:`route_mmengine_local_files`).
 """
 
-from ppma.checkpoint.io import allow_checkpoint_globals, checkpoint_safe_globals, read_checkpoint
+from ppma.checkpoint.io import (
+    allow_checkpoint_globals,
+    checkpoint_safe_globals,
+    read_checkpoint,
+    route_mmengine_local_files,
+)
 from ppma.checkpoint.load import convert_official_state_dict, load_checkpoint, load_weights
 from ppma.checkpoint.mm import convert_mm_checkpoint, is_mm_checkpoint
 from ppma.checkpoint.names import NAME_TABLE, official_to_ours, ours_to_official, to_official, to_ours
@@ -26,6 +32,7 @@ __all__ = [
     "read_checkpoint",
     "checkpoint_safe_globals",
     "allow_checkpoint_globals",
+    "route_mmengine_local_files",
     "select_state_dict",
     "select_weights",
     "EVAL_KEYS",

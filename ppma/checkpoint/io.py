@@ -17,7 +17,7 @@ import urllib.parse
 
 import torch
 
-__all__ = ["read_checkpoint", "checkpoint_safe_globals", "allow_checkpoint_globals"]
+__all__ = ["read_checkpoint", "checkpoint_safe_globals", "allow_checkpoint_globals", "route_mmengine_local_files"]
 
 _logger = logging.getLogger("ppma")
 
@@ -177,3 +177,17 @@ def read_checkpoint(source: str | os.PathLike, map_location="cpu") -> dict:
         except Exception as exc:  # safetensors' own error type for a damaged header or truncated data
             raise ValueError(f"read_checkpoint: {path!r} is not a readable safetensors file ({exc})") from exc
     return _torch_load(path, map_location)
+
+
+def _mmengine_local_loader(filename: str, map_location=None) -> dict:
+    return read_checkpoint(os.path.expanduser(filename), map_location=map_location)
+
+
+def route_mmengine_local_files() -> None:
+    """Make MMEngine's ``CheckpointLoader`` read local files with :func:`read_checkpoint` (replacing its
+    ``load_from_local``, which calls ``torch.load`` with torch's default: unrestricted before torch 2.6).
+    ``ppma-mm`` calls this, so that ``load_from``, ``resume`` and ``init_cfg`` of any module in a runner go through
+    the one reader too. Affects the whole process."""
+    from mmengine.runner import CheckpointLoader
+
+    CheckpointLoader.register_scheme(prefixes="", force=True)(_mmengine_local_loader)

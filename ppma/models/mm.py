@@ -81,7 +81,7 @@ class PPMABackbone(BaseModule):
 
         Only the expected differences are accepted: the classification head (``head.*``, official
         ``proj``/``norm``/``head``) and stages or out-norms this backbone does not build may be extra, the
-        out-norms (new in the dense-prediction backbone, spec §4.2) may be missing. Anything else, such as a
+        out-norms (new in the dense-prediction backbone) may be missing. Anything else, such as a
         PPMA-T checkpoint given to a PPMA-S config, raises instead of training a mostly random backbone.
         """
         cfg = self.init_cfg

@@ -1,7 +1,7 @@
 """Registration of ``ppma_tiny``, ``ppma_small`` and ``ppma_base`` with timm (imported by ``ppma.models``
 when timm is importable): ``timm.create_model("ppma_tiny", features_only=True)`` and friends.
 
-``pretrained=True`` loads the official ImageNet-1K weights (spec §5.2) through timm's Hugging Face hub support:
+``pretrained=True`` loads the official ImageNet-1K weights through timm's Hugging Face hub support:
 the pretrained configs name ``hf_hub_id="ZhongchenZhao/PPMA"`` and the ``hf_hub_filename`` of each ``best.pth``,
 so the file is downloaded once into the hub cache (``HF_HUB_CACHE``; ``HF_HUB_OFFLINE=1`` and ``HF_ENDPOINT``
 work as for any hub model). The configs set ``custom_load``: timm downloads the file (hub, URL) or takes the

@@ -140,6 +140,9 @@ def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_cl
         fc = convert_official_state_dict(ckpt, key=entry, verbose=False).get("head.fc.weight")
         num_classes = fc.shape[0] if fc is not None else 1000
     model = ppma.create_model(name, num_classes=num_classes)
-    load_weights(model, ckpt, key=entry, strict=True, drop_classifier=False, name=repr(path))
+    try:
+        load_weights(model, ckpt, key=entry, strict=True, drop_classifier=False, name=repr(path))
+    except RuntimeError as exc:  # say which flags choose the model
+        raise RuntimeError(f"{exc}. The model was {name} (--model) with {num_classes} classes (--num-classes)") from exc
     print(f"loaded checkpoint {path} (weights: {used or 'bare state dict'}) into {name}")
     return model, {"config": None, "key": used, "kind": "official"}
