@@ -107,10 +107,10 @@ def _torch_load(path: str, map_location) -> dict:
             refused = re.findall(r"GLOBAL ([\w.]+)", str(exc))
             what = f"refused to rebuild {', '.join(sorted(set(refused)))}" if refused else "refused an object"
             raise RuntimeError(
-                f"read_checkpoint: {path!r} is not a plain checkpoint: the weights-only load {what}, which could run "
-                f"code. Allowed besides tensors and plain containers: argparse.Namespace, numpy arrays, scalars and "
-                f"dtypes, mmengine's HistoryBuffer. ppma never falls back to unrestricted unpickling; extract the state "
-                f"dict in a trusted environment. Details: {exc}"
+                f"read_checkpoint: {path!r} is not a plain checkpoint: the weights-only load {what}, which could "
+                f"run code. Allowed besides tensors and plain containers: argparse.Namespace, numpy arrays, scalars "
+                f"and dtypes, mmengine's HistoryBuffer. ppma never falls back to unrestricted unpickling; extract the "
+                f"state dict in a trusted environment. Details: {exc}"
             ) from exc
         except (EOFError, RuntimeError) as exc:  # truncated or not a torch file
             raise ValueError(

@@ -101,7 +101,8 @@ def load_training_state(path: str, map_location="cpu") -> dict:
     if missing:
         raise ValueError(
             f"--resume {path}: not a ppma-train checkpoint (missing {missing}); to start a run from the weights of "
-            f"another checkpoint (e.g. an official best.pth) set model.checkpoint_path (--set model.checkpoint_path=...)"
+            f"another checkpoint (e.g. an official best.pth) set model.checkpoint_path "
+            f"(--set model.checkpoint_path=...)"
         )
     return ckpt
 
