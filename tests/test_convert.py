@@ -1,4 +1,4 @@
-"""Official checkpoint conversion and loading (spec §5)."""
+"""Official checkpoint conversion and loading (``ppma.checkpoint``; the old ``ppma.models`` names re-export it)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from ppma.models import (
     create_model,
     load_checkpoint,
 )
-from ppma.models.convert import select_state_dict
+from ppma.checkpoint import select_state_dict
 
 warnings.filterwarnings("ignore", message="ppma._C is not available")
 
-# spec §5.1: every official key matches one of these
+# every official key matches one of these (the official PPMAViT's parameter names)
 OFFICIAL_PATTERNS = [
     r"patch_embed\.proj\.(0|3|6|9)\.(weight|bias)",
     r"patch_embed\.proj\.(1|4|7|10)\.(weight|bias|running_mean|running_var|num_batches_tracked)",
@@ -39,6 +39,20 @@ OFFICIAL_PATTERNS = [
     r"(proj|head)\.(weight|bias)",
     r"norm\.(weight|bias|running_mean|running_var|num_batches_tracked)",
 ]
+
+
+def test_old_import_paths_are_the_checkpoint_package():
+    import ppma.checkpoint as C
+    import ppma.models.convert as old
+
+    for name in ("convert_official_state_dict", "convert_to_official_state_dict", "convert_mm_checkpoint",
+                 "read_checkpoint", "load_checkpoint", "select_state_dict", "checkpoint_safe_globals",
+                 "allow_checkpoint_globals", "EVAL_KEYS", "DOWNSTREAM_KEYS"):
+        assert getattr(old, name) is getattr(C, name), name
+    assert load_checkpoint is C.load_checkpoint and convert_official_state_dict is C.convert_official_state_dict
+    from ppma.checkpoint.command import main
+
+    assert old.main is main  # the ppma-convert console script
 
 
 def _meta_model(name: str) -> PPMA:
@@ -171,7 +185,7 @@ def test_read_checkpoint_allowlist(tmp_path):
 
     import numpy as np
 
-    from ppma.models.convert import read_checkpoint
+    from ppma.checkpoint import read_checkpoint
 
     model, official = _official_tiny()
     ckpt = {"models": official, "model_ema": official, "epoch": 299, "max_accuracy": 82.6,
@@ -182,7 +196,7 @@ def test_read_checkpoint_allowlist(tmp_path):
     m = create_model("ppma_tiny", checkpoint_path=tmp_path / "best.pth", **SMALL_KW)
     assert torch.equal(m.stem.conv1.weight, model.stem.conv1.weight)
 
-    from ppma.models.convert import allow_checkpoint_globals
+    from ppma.checkpoint import allow_checkpoint_globals
 
     with allow_checkpoint_globals():  # re-entrant: an inner read must not take the outer allowance away
         read_checkpoint(tmp_path / "best.pth")
@@ -224,8 +238,8 @@ def test_strict_loading_names_the_differences(tmp_path):
 
 
 def _mm_official(official: dict, outnorms=(64, 128, 256, 512)) -> dict:
-    """An mmseg 0.x-style checkpoint: backbone in the official naming (its classifier deleted, outnorms added,
-    spec §4.2), neck/heads, mmcv 1.x meta, optimiser."""
+    """An mmseg 0.x-style checkpoint: backbone in the official naming (its classifier deleted, outnorms added),
+    neck/heads, mmcv 1.x meta, optimiser."""
     sd = {"backbone." + k: v for k, v in official.items() if not k.startswith(("proj.", "norm.", "head."))}
     sd.update({f"backbone.outnorm{i}.{p}": torch.randn(c) for i, c in enumerate(outnorms) for p in ("weight", "bias")})
     sd["decode_head.lateral_convs.0.conv.weight"] = torch.randn(8, 32, 1, 1)
@@ -237,7 +251,7 @@ def _mm_official(official: dict, outnorms=(64, 128, 256, 512)) -> dict:
 
 
 def test_convert_mm_checkpoint(tmp_path):
-    from ppma.models import convert_mm_checkpoint
+    from ppma.checkpoint import convert_mm_checkpoint
 
     model, official = _official_tiny()
     src = _mm_official(official, outnorms=(32, 64, 96, 128))

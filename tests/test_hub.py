@@ -1,4 +1,4 @@
-"""``pretrained=True`` through the Hugging Face hub (``ppma.models.hub``, spec §5.2), without network: an
+"""``pretrained=True`` through the Hugging Face hub (``ppma.checkpoint.hub``), without network: an
 official-format ``best.pth`` (written from the official-like model, ``tests/official_like.py``) is placed in a local
 hub cache, and a fresh process with ``HF_HUB_OFFLINE=1`` builds the models from it."""
 
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import official_like  # noqa: E402
 from test_models_official import randomize_  # noqa: E402
 
-from ppma.models import hub  # noqa: E402
+from ppma.checkpoint import hub  # noqa: E402
 
 warnings.filterwarnings("ignore", message="ppma._C is not available")
 pytest.importorskip("huggingface_hub")
@@ -41,7 +41,7 @@ def write_hub_cache(cache: os.PathLike, filename: str, checkpoint, repo_id: str 
 
 
 def official_best_pth(model: torch.nn.Module, raw: dict) -> dict:
-    """The layout of the official ``best.pth`` (spec §5.2): raw weights under ``models``, EMA under
+    """The layout of the official ``best.pth``: raw weights under ``models``, EMA under
     ``model_ema``, with optimiser state, an ``argparse.Namespace`` and the accuracies beside them."""
     return {
         "models": raw,
@@ -117,6 +117,9 @@ def test_pretrained_from_offline_hub_cache(tmp_path, kw):
 
 
 def test_download_official_names_and_hf_uris(tmp_path, monkeypatch):
+    import ppma.models.hub
+
+    assert ppma.models.hub.download_official is hub.download_official  # the old import path keeps working
     calls = []
     monkeypatch.setattr(hub, "_hf_hub_download", lambda *a: calls.append(a) or "path")
     assert hub.download_official("ppma_base", revision="v1") == "path"

@@ -1,4 +1,5 @@
-"""PPMA-T/S/B backbones (spec §4), ``create_model``, checkpoint conversion (spec §5) and FLOP counting.
+"""PPMA-T/S/B backbones, ``create_model``, checkpoint loading (re-exported from :mod:`ppma.checkpoint`) and FLOP
+counting.
 
 When timm is importable, importing this package also registers ``ppma_tiny/small/base`` with timm
 (``ppma.models.timm``); set ``PPMA_NO_TIMM=1`` to skip that. mmengine registration lives in
@@ -10,7 +11,7 @@ import os as _os
 
 from ppma.models.ppma import MODEL_CONFIGS, PPMA, PPMAConfig, PPMAStage, ppma_base, ppma_small, ppma_tiny
 from ppma.models.registry import create_model, list_models
-from ppma.models.convert import (
+from ppma.checkpoint import (
     DOWNSTREAM_KEYS,
     EVAL_KEYS,
     convert_mm_checkpoint,

@@ -16,7 +16,7 @@ from mmengine.model import BaseModule
 from mmengine.registry import MODELS
 from torch import nn
 
-from ppma.models.convert import DOWNSTREAM_KEYS, load_checkpoint
+from ppma.checkpoint import DOWNSTREAM_KEYS, load_checkpoint
 from ppma.models.ppma import MODEL_CONFIGS, PPMA
 
 __all__ = ["PPMABackbone"]
@@ -40,7 +40,7 @@ class PPMABackbone(BaseModule):
             default ``("model", "models", "model_ema", "state_dict")``, mirroring the official backbones.
         init_cfg: mmengine init config; ``dict(type="Pretrained", checkpoint=...)`` loads an official
             classification checkpoint (``best.pth``), an mm checkpoint (its ``backbone.*``) or a ppma checkpoint
-            through :func:`ppma.models.load_checkpoint`: a local file, an ``http(s)://`` URL, ``hf://<repo>/<path>``
+            through :func:`ppma.checkpoint.load_checkpoint`: a local file, an ``http(s)://`` URL, ``hf://<repo>/<path>``
             or another mmengine ``CheckpointLoader`` scheme, always read with a weights-only ``torch.load``.
         **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, ...).
     """
@@ -81,7 +81,7 @@ class PPMABackbone(BaseModule):
 
         Only the expected differences are accepted: the classification head (``head.*``, official
         ``proj``/``norm``/``head``) and stages or out-norms this backbone does not build may be extra, the
-        out-norms (new in the dense-prediction backbone, spec §4.2) may be missing. Anything else, such as a
+        out-norms (new in the dense-prediction backbone) may be missing. Anything else, such as a
         PPMA-T checkpoint given to a PPMA-S config, raises instead of training a mostly random backbone.
         """
         cfg = self.init_cfg

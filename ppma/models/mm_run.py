@@ -5,7 +5,8 @@ install keeps them under ``<package>/.mim/tools/``), for the configs in ``config
 ``configs/detection``, plus one thing they cannot: under torch >= 2.6 ``torch.load`` is weights-only by default
 and MMEngine 0.10.x calls it without arguments, so resuming from, or testing, its own ``iter_*.pth`` /
 ``epoch_*.pth`` fails (they hold MMEngine ``HistoryBuffer`` logs and numpy values). ``ppma-mm`` runs the runner
-with exactly those types allowed (:func:`ppma.models.convert.checkpoint_safe_globals`), never with unrestricted
+with exactly those types allowed (:func:`ppma.checkpoint.checkpoint_safe_globals`; local files are read by
+:func:`ppma.checkpoint.read_checkpoint`, whatever the torch version), never with unrestricted
 unpickling (what ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` would do).
 
     ppma-mm train configs/segmentation/upernet_ppma_tiny_512x512_160k_ade20k.py
@@ -69,7 +70,7 @@ def build_runner(cfg):
 def main(argv=None) -> int:
     from mmengine.config import DictAction
 
-    from ppma.models.convert import allow_checkpoint_globals
+    from ppma.checkpoint import allow_checkpoint_globals, route_mmengine_local_files
 
     parser = argparse.ArgumentParser(prog="ppma-mm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.cfg_options, args.work_dir, args.launcher,
                       checkpoint=getattr(args, "checkpoint", None), tta=getattr(args, "tta", False),
                       resume=getattr(args, "resume", False), amp=getattr(args, "amp", False))
+    route_mmengine_local_files()  # local files: ppma's reader (weights-only whatever the torch version)
     with allow_checkpoint_globals():  # mmengine's own torch.load calls (weights-only by default in torch >= 2.6)
         runner = build_runner(cfg)
         if args.command == "train":

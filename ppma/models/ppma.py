@@ -263,6 +263,14 @@ class PPMA(nn.Module):
         self.num_classes = num_classes
         self.head.reset(num_classes)
 
+    @torch.jit.ignore
+    def load_pretrained(self, checkpoint_path: str, key: str | None = None) -> None:
+        """Load an official or ppma checkpoint through :func:`ppma.checkpoint.load_checkpoint` (strict; a classifier
+        of another size is dropped). timm calls this for ``pretrained=True`` (the configs set ``custom_load``)."""
+        from ppma.checkpoint import load_checkpoint
+
+        load_checkpoint(self, checkpoint_path, key=key, strict=True)
+
     # ------------------------------------------------------------------ forward
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, in_chans, H, W] -> [B, embed_dims[3], H/32, W/32]`` (sizes rounded up)."""

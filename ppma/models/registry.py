@@ -32,12 +32,12 @@ def create_model(
     Args:
         name: model name (see :func:`list_models`).
         pretrained: load the official ImageNet-1K weights: from ``checkpoint_path`` when given, otherwise from
-            the Hugging Face hub (``ZhongchenZhao/PPMA``, :mod:`ppma.models.hub`), downloaded once into the hub
+            the Hugging Face hub (``ZhongchenZhao/PPMA``, :mod:`ppma.checkpoint.hub`), downloaded once into the hub
             cache; ``HF_HUB_OFFLINE=1`` reads only that cache, ``HF_ENDPOINT`` selects a mirror.
         num_classes: classifier outputs; 0 for none. A 1000-class checkpoint head is dropped when it differs.
         drop_path_rate: stochastic depth; ``None`` keeps the variant default (0.1 / 0.15 / 0.4).
         checkpoint_path: an official or ppma checkpoint: a ``.pth``/``.safetensors`` file, a URL or
-            ``hf://<repo>/<path>`` (see :func:`~ppma.models.convert.read_checkpoint`); loading it implies
+            ``hf://<repo>/<path>`` (read by :func:`ppma.checkpoint.read_checkpoint`); loading it implies
             ``pretrained``.
         checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present: ``best.pth`` is
             saved when the EMA accuracy peaks and the paper reports EMA accuracy, spec §5.2).
@@ -58,12 +58,15 @@ def create_model(
     if drop_path_rate is not None:
         cfg = dataclasses.replace(cfg, drop_path_rate=drop_path_rate)
     if pretrained and checkpoint_path is None:  # before building: a missing file fails fast
-        from ppma.models.hub import download_official
+        from ppma.checkpoint.hub import download_official
 
         checkpoint_path = download_official(name, revision=revision)
-    model = PPMA(cfg)
-    if checkpoint_path is not None:
-        from ppma.models.convert import load_checkpoint
+    checkpoint = None
+    if checkpoint_path is not None:  # read before building: a damaged or refused file fails fast
+        from ppma.checkpoint import load_weights, read_checkpoint
 
-        load_checkpoint(model, checkpoint_path, key=checkpoint_key, strict=True)
+        checkpoint = read_checkpoint(checkpoint_path)
+    model = PPMA(cfg)
+    if checkpoint is not None:
+        load_weights(model, checkpoint, key=checkpoint_key, strict=True, name=repr(os.fspath(checkpoint_path)))
     return model

@@ -1,12 +1,15 @@
 """Registration of ``ppma_tiny``, ``ppma_small`` and ``ppma_base`` with timm (imported by ``ppma.models``
 when timm is importable): ``timm.create_model("ppma_tiny", features_only=True)`` and friends.
 
-``pretrained=True`` loads the official ImageNet-1K weights (spec §5.2) through timm's Hugging Face hub support:
+``pretrained=True`` loads the official ImageNet-1K weights through timm's Hugging Face hub support:
 the pretrained configs name ``hf_hub_id="ZhongchenZhao/PPMA"`` and the ``hf_hub_filename`` of each ``best.pth``,
 so the file is downloaded once into the hub cache (``HF_HUB_CACHE``; ``HF_HUB_OFFLINE=1`` and ``HF_ENDPOINT``
-work as for any hub model) and converted on the fly by :func:`checkpoint_filter_fn`. The EMA weights
+work as for any hub model). The configs set ``custom_load``: timm downloads the file (hub, URL) or takes the
+local one (``pretrained_cfg_overlay=dict(file="best.pth")``) and hands its path to ``PPMA.load_pretrained``, so
+it is read by ppma's one checkpoint reader (:func:`ppma.checkpoint.read_checkpoint`: weights-only, with the
+numpy values and ``argparse.Namespace`` the official ``best.pth`` holds) and loaded strictly. The EMA weights
 (``model_ema``) are loaded: ``best.pth`` is written when the EMA accuracy peaks and the paper reports EMA accuracy.
-A local file works too: ``pretrained_cfg_overlay=dict(file="best.pth")``.
+A state dict given as ``pretrained_cfg_overlay=dict(state_dict=...)`` goes through :func:`checkpoint_filter_fn`.
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ from __future__ import annotations
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from ppma.models.convert import EVAL_KEYS, convert_official_state_dict
-from ppma.models.hub import CLASSIFICATION_FILES, HF_REPO_ID
+from ppma.checkpoint import EVAL_KEYS, convert_official_state_dict
+from ppma.checkpoint.hub import CLASSIFICATION_FILES, HF_REPO_ID
 from ppma.models.ppma import MODEL_CONFIGS, PPMA
 
 __all__ = ["checkpoint_filter_fn", "default_cfgs"]
 
 
 def checkpoint_filter_fn(state_dict, model: PPMA):
-    """Convert an official checkpoint (or a dict holding one, spec §5.2) to our naming; from a ``best.pth``
+    """Convert an official checkpoint (or a dict holding one) to our naming; from a ``best.pth``
     holding both, the EMA weights (``model_ema``, :data:`~ppma.models.EVAL_KEYS` order)."""
     if isinstance(state_dict, dict) and any(k in state_dict for k in EVAL_KEYS):
         return convert_official_state_dict(state_dict)
@@ -44,6 +47,7 @@ def _cfg(**kwargs) -> dict:
         "paper_ids": "arXiv:2506.15940",
         "paper_name": "Polyline Path Masked Attention for Vision Transformer",
         "origin_url": "https://github.com/zhongchenzhao/PPMA",
+        "custom_load": "hf",  # files (hub, URL, local) go to PPMA.load_pretrained, i.e. ppma's checkpoint reader
         **kwargs,
     }
 
@@ -54,6 +58,11 @@ default_cfgs = generate_default_cfgs(
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> PPMA:
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    if overlay and any(overlay.get(k) for k in ("file", "url", "hf_hub_id")):
+        # timm clears custom_load when an overlay names another source; keep it, so that a local best.pth is
+        # read by ppma's reader too (timm's own weights-only load refuses the numpy values such files hold)
+        kwargs["pretrained_cfg_overlay"] = {"custom_load": "hf", **overlay}
     return build_model_with_cfg(
         PPMA,
         variant,

@@ -1,6 +1,7 @@
 """Atomic checkpoints with everything needed to resume a run exactly.
 
-A checkpoint is a dict of plain tensors/containers, loadable with ``torch.load(weights_only=True)``:
+A checkpoint is a dict of plain tensors/containers, loadable with a weights-only ``torch.load`` (and read
+back, as every checkpoint ppma reads, through :func:`ppma.checkpoint.read_checkpoint`):
 ``model``, ``model_ema`` (or None), ``optimizer``, ``scheduler``, ``scaler`` (or None), ``epoch`` (the
 last finished epoch), ``rng`` (python, numpy, torch CPU and CUDA generator states), ``config`` (the
 run's config dict), ``best`` (best accuracies so far) and ``version``.
@@ -14,8 +15,8 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_from_checkpoint", "get_rng_state", "set_rng_state",
-           "unwrap"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_training_state", "load_model_from_checkpoint", "get_rng_state",
+           "set_rng_state", "unwrap"]
 
 VERSION = 1
 
@@ -80,58 +81,69 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """Read a checkpoint (ours, or any other ppma reads) through :func:`ppma.checkpoint.read_checkpoint`: a
+    weights-only ``torch.load`` with the allowlist of harmless types, never unrestricted unpickling."""
+    from ppma.checkpoint import read_checkpoint
+
+    return read_checkpoint(path, map_location=map_location)
 
 
-def _pick_state(ckpt: dict, key: str, path: str):
-    if key == "auto":
-        for k in ("model_ema", "model", "models", "state_dict"):
-            if isinstance(ckpt.get(k), dict):
-                return k, ckpt[k]
-        return "<bare>", ckpt
-    if not isinstance(ckpt.get(key), dict):
-        keys = [k for k, v in ckpt.items() if isinstance(v, dict)]
-        raise KeyError(f"{path}: no weights under key {key!r}; dict-valued keys: {keys}")
-    return key, ckpt[key]
+#: The entries :func:`save_checkpoint` writes and ``--resume`` needs.
+TRAINING_STATE_KEYS = ("model", "optimizer", "scheduler", "epoch", "global_step", "best", "rng", "config", "version")
+
+
+def load_training_state(path: str, map_location="cpu") -> dict:
+    """Read a ``ppma-train`` checkpoint to resume from (:func:`load_checkpoint`), checking that it is one: an
+    official ``best.pth`` or converted weights cannot be resumed from (their optimiser state belongs to another
+    code base); they initialise a new run through ``model.checkpoint_path`` instead."""
+    ckpt = load_checkpoint(path, map_location=map_location)
+    missing = [k for k in TRAINING_STATE_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(
+            f"--resume {path}: not a ppma-train checkpoint (missing {missing}); to start a run from the weights of "
+            f"another checkpoint (e.g. an official best.pth) set model.checkpoint_path "
+            f"(--set model.checkpoint_path=...)"
+        )
+    return ckpt
 
 
 def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None):
     """Build the model for checkpoint ``path`` and load its weights: a ``ppma-train`` checkpoint carries its
-    config; an official PPMA checkpoint (spec §5.2) is converted by ``ppma.models.convert_official_state_dict``
-    into ``model_name`` (default ``ppma_tiny``) with ``num_classes`` (default 1000). ``key`` picks the weights
-    (``auto``: ``model_ema`` when present, then ``model``, ``models``, ``state_dict``).
+    config; any other checkpoint (an official ``best.pth``, ``ppma-convert`` output, a bare state dict) is loaded
+    into ``model_name`` (default ``ppma_tiny``) by :func:`ppma.checkpoint.load_weights`, strictly: a checkpoint of
+    another variant raises, naming the keys that do not fit. ``num_classes`` defaults to the checkpoint's
+    classifier. ``key`` picks the weights (``auto``: ``model_ema`` when present, then ``model``, ``models``,
+    ``state_dict``).
 
     Returns ``(model, info)``; ``info`` holds ``config`` (our :class:`~ppma.train.config.TrainConfig` or None),
     ``key`` (which weights were loaded), ``kind`` ("ppma-train" or "official")."""
+    from ppma.checkpoint import convert_official_state_dict, load_weights, select_state_dict
     from ppma.train.build import build_model
     from ppma.train.config import TrainConfig
 
     ckpt = load_checkpoint(path)
+    entry = None if key == "auto" else key
     if isinstance(ckpt, dict) and "config" in ckpt and "version" in ckpt:  # ours
         cfg = TrainConfig.from_dict(ckpt["config"], source=f"the config of checkpoint {path}")
         if model_name is not None and model_name != cfg.model.name:
             raise ValueError(f"--model {model_name!r} differs from the checkpoint's model {cfg.model.name!r}")
         cfg.model.checkpoint_path = None
         model = build_model(cfg.model, ckpt["num_classes"], ckpt["in_chans"])
-        used, state = _pick_state(ckpt, key, path)
+        state, used = select_state_dict(ckpt, entry)
         model.load_state_dict(state)
         return model, {"config": cfg, "key": used, "kind": "ppma-train"}
 
     import ppma
 
-    try:
-        from ppma.models import convert_official_state_dict
-    except ImportError as exc:  # the model package provides the converter
-        raise ImportError("official checkpoints need ppma.models.convert_official_state_dict") from exc
     name = model_name or "ppma_tiny"
-    model = ppma.create_model(name, num_classes=num_classes or 1000)
-    used, _ = _pick_state(ckpt, key, path)
-    state = convert_official_state_dict(ckpt, key=None if key == "auto" else key)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise KeyError(f"{path}: converted weights do not fit {name}: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    print(f"loaded official checkpoint {path} (weights: {used}) into {name}")
+    _, used = select_state_dict(ckpt, entry)
+    if num_classes is None:  # the checkpoint's classifier, else ImageNet's 1000
+        fc = convert_official_state_dict(ckpt, key=entry, verbose=False).get("head.fc.weight")
+        num_classes = fc.shape[0] if fc is not None else 1000
+    model = ppma.create_model(name, num_classes=num_classes)
+    try:
+        load_weights(model, ckpt, key=entry, strict=True, drop_classifier=False, name=repr(path))
+    except RuntimeError as exc:  # say which flags choose the model
+        raise RuntimeError(f"{exc}. The model was {name} (--model) with {num_classes} classes (--num-classes)") from exc
+    print(f"loaded checkpoint {path} (weights: {used or 'bare state dict'}) into {name}")
     return model, {"config": None, "key": used, "kind": "official"}

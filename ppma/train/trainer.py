@@ -24,7 +24,7 @@ import torch.nn as nn
 from ppma.train import distributed as D
 from ppma.train._common import amp_dtype as resolve_amp_dtype
 from ppma.train._common import log, resolve_device, seed_everything
-from ppma.train.checkpoint import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from ppma.train.checkpoint import get_rng_state, load_training_state, save_checkpoint, set_rng_state
 from ppma.train.config import TrainConfig
 
 __all__ = ["train", "setup", "build_loaders", "build_training", "resume", "run_epoch", "save_checkpoints", "finish",
@@ -193,7 +193,7 @@ def resume(cfg: TrainConfig, rt: Runtime, parts: Training) -> Progress:
         path = os.path.join(rt.out_dir, "checkpoint.pth")
         path = path if os.path.isfile(path) else None
     if path:
-        ckpt = load_checkpoint(path, map_location="cpu")
+        ckpt = load_training_state(path, map_location="cpu")
         parts.module.load_state_dict(ckpt["model"])
         if parts.ema is not None:
             if ckpt.get("model_ema") is None:

@@ -5,7 +5,9 @@ Our checkpoints (written by ``ppma-train``) carry their config, so only the data
     ppma-eval --checkpoint outputs/demo_digits/best.pth --data digits
     ppma-eval --checkpoint outputs/ppma_tiny_imagenet/best.pth --data /path/to/imagenet
 
-Official PPMA checkpoints (spec §5.2) are converted by ``ppma.models.convert_official_state_dict``::
+Official PPMA checkpoints (the ``best.pth`` of the official training script) are read by ppma's one checkpoint
+reader (``ppma.checkpoint``: weights-only, with the few harmless types such files hold) and converted to our
+names; a checkpoint of another variant than ``--model`` raises, naming the keys that do not fit::
 
     ppma-eval --checkpoint PPMA_T_202502251000/best.pth --model ppma_tiny --data /path/to/imagenet
 
@@ -30,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="model name for official checkpoints (ppma_tiny, ppma_small, ppma_base)")
     p.add_argument("--key", default="auto",
                    help="which weights: auto (model_ema if present, else model), model, model_ema, models, state_dict")
-    p.add_argument("--num-classes", type=int, help="classes of an official checkpoint (default 1000)")
+    p.add_argument("--num-classes", type=int, help="classes of an official checkpoint (default: its classifier's)")
     p.add_argument("--impl", choices=["fused", "reference"], help="attention implementation")
     p.add_argument("--img-size", type=int, help="default: the checkpoint's config, else 224")
     p.add_argument("--crop-pct", type=float, help="default: the checkpoint's config, else 0.875")
