@@ -224,3 +224,28 @@ def test_mmengine_backbone_options():
     outs = bb(torch.randn(1, 3, 45, 51))
     assert [o.shape[1] for o in outs] == [64, 128, 256, 512]
     assert outs[0].shape[-2:] == (12, 13)
+
+
+def test_flop_counting_of_monarch_and_fft():
+    """ppma.models.flops: MonarchLinear as its two bmm (b q (p + s) MACs per token), FFTs as 2.5 n log2 n FLOPs
+    per real transform, and the SAB / Monarch-FFN PPMA-T cheaper than the standard one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ppma.models.flops import count_macs, register_fft_flop_formulas
+
+    register_fft_flop_formulas()
+    register_fft_flop_formulas()  # idempotent
+    m = MonarchLinear(48, 144)
+    b, p, q, s = m.nblocks, m.in_block, m.mid_block, m.out_block
+    with FlopCounterMode(display=False) as counter:
+        m(torch.randn(10, 48))
+    assert counter.get_total_flops() == 2 * 10 * b * q * (p + s)
+    q_, k_, v_ = (torch.randn(2, 1024, 8) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        surrogate_mixing(q_, k_, v_)
+    assert counter.get_total_flops() == 3 * 2.5 * 1024 * 10 * 2 * 8  # rfft(q), rfft(k), irfft
+    with FlopCounterMode(display=False) as counter:
+        surrogate_mixing(*(torch.randn(1, 4, 8, 3) for _ in range(3)))
+    assert counter.get_total_flops() == 3 * 2.5 * 32 * 5 * 3
+    model = PPMA(**SMALL)
+    assert count_macs(PPMA(**SMALL, mixer="sab", mlp="monarch"), (1, 3, 64, 64)) < count_macs(model, (1, 3, 64, 64))
