@@ -179,7 +179,8 @@ def main(argv=None) -> int:
                     prev_n, prev_t = last_softmax[pass_name]
                     est = prev_t * (n / prev_n) ** 2
                     if est > a.max_seconds:
-                        row[key] = {"skipped": f"skipped (est. {est:.0f} s)"}
+                        why = f"est. {est:.0f} s" if est != float("inf") else "skipped at a smaller N"
+                        row[key] = {"skipped": f"skipped ({why})"}
                         print(f"N={n} {key}: {row[key]['skipped']}", flush=True)
                         continue
                 t = timed(build(method, n, a.heads, a.d, backward), a.repeats)
