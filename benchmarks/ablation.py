@@ -3,9 +3,9 @@ the digits demo.
 
 Trains the digits demo (``configs/classification/demo_digits.yaml``) once per mask, once with PADRe as the token
 mixer of every stage, once with the Surrogate Attention Block (``sab``: ``mixer="sab"``) and once with the Monarch
-FFN (``monarch-mlp``: ``mlp="monarch"``), all with the same seed, data split and budget, and writes one table: parameters and
-GMACs of PPMA-T at 224² with that mask or mixer (the paper's ablation columns), parameters of the digits model,
-its CPU inference and training speed, and its test accuracy.
+FFN (``monarch-mlp``: ``mlp="monarch"``), all with the same seed, data split and budget, and writes one table:
+parameters and GMACs of PPMA-T at 224² with that mask or mixer (the paper's ablation columns), parameters of the
+digits model, its CPU inference and training speed, and its test accuracy.
 
     python benchmarks/ablation.py                      # every variant, the demo's 6 epochs
     python benchmarks/ablation.py --epochs 3 --variants polyline none padre

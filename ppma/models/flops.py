@@ -77,7 +77,7 @@ def fft_flops(shape, dims, real: bool) -> int:
 
 
 def register_fft_flop_formulas() -> None:
-    """Register :func:`fft_flops` for ``aten._fft_r2c``, ``_fft_c2r`` and ``_fft_c2c`` (once; see the module docstring)."""
+    """Register :func:`fft_flops` for ``aten._fft_r2c``, ``_fft_c2r`` and ``_fft_c2c`` (once; module docstring)."""
     global _FFT_REGISTERED
     if _FFT_REGISTERED:
         return
