@@ -1,12 +1,15 @@
-"""The paper's mask ablation (spec §7.4) plus PADRe, as a small-data sanity run on the digits demo.
+"""The paper's mask ablation (spec §7.4) plus PADRe and the structured-matrix blocks, as a small-data sanity run on
+the digits demo.
 
-Trains the digits demo (``configs/classification/demo_digits.yaml``) once per mask and once with PADRe as the
-token mixer of every stage, all with the same seed, data split and budget, and writes one table: parameters and
-GMACs of PPMA-T at 224² with that mask or mixer (the paper's ablation columns), parameters of the digits model,
-its CPU inference and training speed, and its test accuracy.
+Trains the digits demo (``configs/classification/demo_digits.yaml``) once per mask, once with PADRe as the token
+mixer of every stage, once with the Surrogate Attention Block (``sab``: ``mixer="sab"``) and once with the Monarch
+FFN (``monarch-mlp``: ``mlp="monarch"``), all with the same seed, data split and budget, and writes one table:
+parameters and GMACs of PPMA-T at 224² with that mask or mixer (the paper's ablation columns), parameters of the
+digits model, its CPU inference and training speed, and its test accuracy.
 
     python benchmarks/ablation.py                      # every variant, the demo's 6 epochs
     python benchmarks/ablation.py --epochs 3 --variants polyline none padre
+    python benchmarks/ablation.py --variants sab monarch-mlp --append --note "..."   # add rows to the table
 
 The table goes to ``benchmarks/results/ablation_digits.md`` / ``.json`` and between the ``ablation`` markers of
 the README. It is a small-data sanity check that every variant trains, not the paper's ImageNet result.
@@ -24,7 +27,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("polyline", "none", "manhattan", "v2h", "shared", "cross_scan", "hilbert", "padre")
+VARIANTS = ("polyline", "none", "manhattan", "v2h", "shared", "cross_scan", "hilbert", "padre", "sab", "monarch-mlp")
+# Variants that change the block rather than the mask: their create_model keywords.
+BLOCK_VARIANTS = {"padre": {"mixer": "padre"}, "sab": {"mixer": "sab"}, "monarch-mlp": {"mlp": "monarch"}}
 # The paper's Table 4 (PPMA-T, ImageNet-1K 224²): params M / GFLOPs / top-1 %.
 PAPER = {
     "none": "14.33 / 2.65 / 82.28",
@@ -39,8 +44,8 @@ START, END = "<!-- ablation:start -->", "<!-- ablation:end -->"
 
 
 def overrides_of(variant: str) -> dict:
-    """The ``create_model`` keywords of a variant: a mask, or PADRe as the mixer of every stage."""
-    return {"mixer": "padre"} if variant == "padre" else {"mask": variant}
+    """The ``create_model`` keywords of a variant: a mask, or a mixer / FFN (:data:`BLOCK_VARIANTS`) in every stage."""
+    return dict(BLOCK_VARIANTS[variant]) if variant in BLOCK_VARIANTS else {"mask": variant}
 
 
 def paper_columns(variant: str) -> dict:
@@ -112,8 +117,25 @@ def update_readme(text: str, path: str) -> bool:
     return True
 
 
-def write_outputs(rows: list[dict], meta: dict, args, done: bool) -> str:
-    """Write the table (``.md``, ``.json``, the README) of the rows so far; a partial run says so."""
+def previous_rows(args, meta: dict) -> list[dict]:
+    """``--append``: the rows of the existing results file, which must have been measured with the same budget."""
+    path = args.results + ".json"
+    if not os.path.exists(path):
+        raise SystemExit(f"[ablation] --append: {path} does not exist")
+    with open(path) as f:
+        old = json.load(f)
+    keys = ("epochs", "seed", "threads", "batch", "img")
+    if any(old["meta"].get(k) != meta[k] for k in keys):
+        raise SystemExit(f"[ablation] --append: {path} was measured with "
+                         f"{ {k: old['meta'].get(k) for k in keys} }, this run with { {k: meta[k] for k in keys} }")
+    return old["rows"]
+
+
+def write_outputs(rows: list[dict], meta: dict, args, done: bool, keep: list[dict] | None = None) -> str:
+    """Write the table (``.md``, ``.json``, the README) of the rows so far; a partial run says so. ``keep``: rows
+    of an earlier run (``--append``) that this run did not measure again, in their order, before the new ones."""
+    new = {r["variant"] for r in rows}
+    rows = [r for r in (keep or []) if r["variant"] not in new] + rows
     text = table(rows, meta)
     if not done:
         missing = [v for v in args.variants if v not in {r["variant"] for r in rows}]
@@ -144,6 +166,9 @@ def main(argv=None) -> int:
                    help="table path without extension (.md and .json are written)")
     p.add_argument("--note", default="", help="a sentence appended to the table (e.g. the machine's load)")
     p.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="README to update ('' for none)")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows of the existing results file (same budget required) and add or replace the "
+                        "measured variants; --note then replaces the table's note, so say which rows it covers")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -153,13 +178,14 @@ def main(argv=None) -> int:
     meta = {"epochs": args.epochs, "seed": args.seed, "threads": args.threads, "batch": data.batch_size,
             "img": data.img_size, "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch "
                                             f"{torch.__version__}"}
+    keep = previous_rows(args, meta) if args.append else None
     rows = []
     for variant in args.variants:
         t0 = time.perf_counter()
         rows.append(run_variant(variant, args))
         print(f"[ablation] {variant}: {json.dumps(rows[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
         # after every variant, so that an interrupted run keeps what it measured
-        text = write_outputs(rows, meta, args, done=len(rows) == len(args.variants))
+        text = write_outputs(rows, meta, args, done=len(rows) == len(args.variants), keep=keep)
     print(text)
     return 0
 

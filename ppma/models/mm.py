@@ -42,7 +42,8 @@ class PPMABackbone(BaseModule):
             classification checkpoint (``best.pth``), an mm checkpoint (its ``backbone.*``) or a ppma checkpoint
             through :func:`ppma.checkpoint.load_checkpoint`: a local file, an ``http(s)://`` URL, ``hf://<repo>/<path>``
             or another mmengine ``CheckpointLoader`` scheme, always read with a weights-only ``torch.load``.
-        **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, ...).
+        **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, the token mixer
+            ``mixer="sab"`` and the FFN ``mlp="monarch"``, one string or one per stage, ...).
     """
 
     def __init__(

@@ -29,6 +29,7 @@ from ppma.nn import (
     ATTENTION_KINDS,
     MASKS,
     MIXERS,
+    MLPS,
     ClassifierHead,
     ConvStem,
     PatchMerging,
@@ -54,7 +55,9 @@ class PPMAConfig:
             official model). One string means every stage.
         mask: the mask every attention applies (``ppma.nn.MASKS``; ``"polyline"`` is the official model).
         mixer: per stage, the token mixer (``ppma.nn.MIXERS``; ``"attention"`` is the official model). One
-            string means every stage.
+            string means every stage. ``"sab"`` is the Surrogate Attention Block (``ppma.nn.SurrogateAttention``).
+        mlp: per stage, the FFN's two linear layers (``ppma.nn.MLPS``; ``"standard"`` is the official model,
+            ``"monarch"`` the Surrogate FFN Block's Monarch matrices). One string means every stage.
         init_values, heads_ranges: per stage, RMT's decay schedule ``log g_h = log(1 - 2^(-init_value -
             heads_range h / heads))``, used by ``mask="manhattan"`` only (the official factories' values, spec
             §4.1, which the official code does not use).
@@ -77,6 +80,7 @@ class PPMAConfig:
     attention: tuple[str, ...] = ("softmax",) * 4
     mask: str = "polyline"
     mixer: tuple[str, ...] = ("attention",) * 4
+    mlp: tuple[str, ...] = ("standard",) * 4
     init_values: tuple[float, ...] = (2.0, 2.0, 2.0, 2.0)
     heads_ranges: tuple[float, ...] = (4.0, 4.0, 6.0, 6.0)
     layer_init_values: float = 1e-6
@@ -87,11 +91,11 @@ class PPMAConfig:
     drop_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("attention", "mixer"):  # one string: every stage
+        for name in ("attention", "mixer", "mlp"):  # one string: every stage
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),) * 4)
         for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale", "attention",
-                     "mixer", "init_values", "heads_ranges"):
+                     "mixer", "mlp", "init_values", "heads_ranges"):
             value = tuple(getattr(self, name))
             object.__setattr__(self, name, value)
             if len(value) != 4:
@@ -101,7 +105,7 @@ class PPMAConfig:
                 raise ValueError(
                     f"PPMAConfig: stage {s} embed_dim {c} must be divisible by num_heads {h} into an even head_dim"
                 )
-        for name, allowed in (("attention", ATTENTION_KINDS), ("mixer", MIXERS)):
+        for name, allowed in (("attention", ATTENTION_KINDS), ("mixer", MIXERS), ("mlp", MLPS)):
             bad = [v for v in getattr(self, name) if v not in allowed]
             if bad:
                 raise ValueError(f"PPMAConfig.{name}: {bad[0]!r} is not one of {allowed}")
@@ -220,6 +224,7 @@ class PPMA(nn.Module):
                     mask=cfg.mask,
                     gamma=(cfg.init_values[s], cfg.heads_ranges[s]),
                     mixer=cfg.mixer[s],
+                    mlp=cfg.mlp[s],
                     layerscale=cfg.layerscale[s],
                     layer_init_values=cfg.layer_init_values,
                 )

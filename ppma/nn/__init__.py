@@ -1,6 +1,8 @@
 """PPMA modules: path decays, rotary embedding, attention, block and layers (spec §1.4, §3, §4)."""
 
-from ppma.nn.layers import ClassifierHead, ConvFFN, ConvStem, DropPath, DWConv2d, LayerScale, PatchMerging
+from ppma.nn.layers import MLPS, ClassifierHead, ConvFFN, ConvStem, DropPath, DWConv2d, LayerScale, PatchMerging
+from ppma.nn.monarch import MonarchLinear
+from ppma.nn.surrogate import SurrogateAttention, surrogate_mixing
 from ppma.nn.decay import PathDecay
 from ppma.nn.rope import RotaryEmbedding2D, apply_rotary, rotate_every_two
 from ppma.nn.attention import ATTENTION_KINDS, MASKS, MaskedAttentionOp, PPMAAttention
@@ -15,6 +17,10 @@ __all__ = [
     "ATTENTION_KINDS",
     "MASKS",
     "MIXERS",
+    "MLPS",
+    "MonarchLinear",
+    "SurrogateAttention",
+    "surrogate_mixing",
     "ConvStem",
     "PatchMerging",
     "ClassifierHead",

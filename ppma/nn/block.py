@@ -8,12 +8,14 @@ from torch import nn
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
-from ppma.nn.layers import ConvFFN, DropPath, DWConv2d, LayerScale
+from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale
+from ppma.nn.surrogate import SurrogateAttention
 
 __all__ = ["PPMABlock", "MIXERS"]
 
-# The token mixer of a block: "attention" is PPMAAttention (spec §3), "padre" PADRe's polynomial mixer.
-MIXERS = ("attention", "padre")
+# The token mixer of a block: "attention" is PPMAAttention (spec §3), "padre" PADRe's polynomial mixer, "sab" the
+# Surrogate Attention Block (FFT long convolution with Monarch projections, ppma.nn.surrogate).
+MIXERS = ("attention", "padre", "sab")
 
 
 class PPMABlock(nn.Module):
@@ -30,7 +32,10 @@ class PPMABlock(nn.Module):
             ``mask="manhattan"`` (see :class:`PPMAAttention`).
         mixer: the token mixer, one of :data:`MIXERS` (``"attention"``: :class:`PPMAAttention`; ``"padre"``:
             :class:`ppma.nn.padre.PADReMixer`, which ignores ``mode``, ``attention``, ``mask`` and ``gamma``);
-            it is the ``attn`` child whichever it is.
+            it is the ``attn`` child whichever it is; ``"sab"``: :class:`ppma.nn.surrogate.SurrogateAttention`,
+            which ignores them too.
+        mlp: the FFN's two linear layers, one of :data:`ppma.nn.layers.MLPS` (``"standard"``: ``nn.Linear``;
+            ``"monarch"``: the Surrogate FFN Block's :class:`ppma.nn.MonarchLinear`), see :class:`ConvFFN`.
         drop_path: stochastic depth rate of this block.
         layerscale: whether to use layer scale; ``layer_init_values`` is its initial value.
 
@@ -48,6 +53,7 @@ class PPMABlock(nn.Module):
         mask: str = "polyline",
         gamma: tuple[float, float] = RMT_GAMMA,
         mixer: str = "attention",
+        mlp: str = "standard",
         drop_path: float = 0.0,
         layerscale: bool = False,
         layer_init_values: float = 1e-6,
@@ -57,14 +63,18 @@ class PPMABlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         if mixer not in MIXERS:
             raise ValueError(f"PPMABlock: mixer must be one of {MIXERS}, got {mixer!r}")
+        if mlp not in MLPS:
+            raise ValueError(f"PPMABlock: mlp must be one of {MLPS}, got {mlp!r}")
         if mixer == "padre":
             self.attn = PADReMixer(dim)
+        elif mixer == "sab":
+            self.attn = SurrogateAttention(dim, num_heads)
         else:
             self.attn = PPMAAttention(dim, num_heads, mode=mode, attention=attention, mask=mask, gamma=gamma)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = ConvFFN(dim, int(mlp_ratio * dim))
+        self.mlp = ConvFFN(dim, int(mlp_ratio * dim), mlp=mlp)
         self.ls2 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 

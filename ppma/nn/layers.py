@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead"]
+from ppma.nn.monarch import MonarchLinear
+
+__all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS"]
+
+# The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
+# Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
+MLPS = ("standard", "monarch")
 
 
 class DWConv2d(nn.Module):
@@ -62,15 +68,21 @@ class LayerScale(nn.Module):
 class ConvFFN(nn.Module):
     """``fc2(h + dwconv3x3(h))`` with ``h = GELU(fc1(x))`` (spec §4, the official ``FeedForwardNetwork``).
 
-    ``[B, H, W, C] -> [B, H, W, C]``; hidden width ``hidden_dim``.
+    ``[B, H, W, C] -> [B, H, W, C]``; hidden width ``hidden_dim``. ``mlp`` (one of :data:`MLPS`) chooses ``fc1``
+    and ``fc2``: ``"standard"`` dense ``nn.Linear`` layers, ``"monarch"`` the Surrogate FFN Block's
+    ``Y = GELU(X M^1) M^2`` with :class:`ppma.nn.MonarchLinear` ``M^1, M^2`` (seed paper "... via Structured
+    Matrix", §4.2, Eq. 5; the depthwise conv between them is kept).
     """
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, mlp: str = "standard") -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
+        if mlp not in MLPS:
+            raise ValueError(f"ConvFFN: mlp must be one of {MLPS}, got {mlp!r}")
+        linear = MonarchLinear if mlp == "monarch" else nn.Linear
+        self.fc1 = linear(dim, hidden_dim)
         self.act = nn.GELU()
         self.dwconv = DWConv2d(hidden_dim, 3)
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc2 = linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act(self.fc1(x))
