@@ -1,4 +1,4 @@
-"""Benchmark of the 3-D polyline ops (paper appendix C.2; docs/ops.md "3-D polyline ops") against their dense
+"""Benchmark of the 3-D polyline ops (paper appendix C.2; docs/video.md) against their dense
 references at video token grids (T x H x W = 8 x 32 x 32 and 16 x 64 x 64 by default), batch 1, one head.
 
 Every (op, grid, implementation, pass) runs in a fresh subprocess that builds the inputs, runs the pass once to warm

@@ -48,7 +48,7 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"
       " -> (Tensor grad_x, Tensor grad_log_alpha, Tensor grad_log_beta)");
-  // 3-D ops (paper appendix C.2; docs/ops.md "3-D polyline ops"): q, k [B, T, H, W, heads, d], v [..., dv],
+  // 3-D ops (paper appendix C.2; docs/video.md): q, k [B, T, H, W, heads, d], v [..., dv],
   // log_alpha (along W), log_beta (along H), log_gamma (along T): [B, T, H, W, heads].
   m.def(
       "polyline_attention_3d(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, Tensor log_gamma,"

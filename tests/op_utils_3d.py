@@ -1,4 +1,4 @@
-"""What the 3-D op tests share (paper appendix C.2; docs/ops.md "3-D polyline ops"): input builders for the
+"""What the 3-D op tests share (paper appendix C.2; docs/video.md): input builders for the
 ``[B, T, H, W, heads, c]`` layout, a literal pair-by-pair construction of the 3-D mask from its definition, and the
 generic 3-D op tests as a base class that ``tests/test_polyline_*_3d.py`` subclass. The comparisons, tolerances and
 thread/determinism helpers are those of ``op_utils`` (the 2-D ``OpTests`` index decays as ``[B, H, W, heads]`` and

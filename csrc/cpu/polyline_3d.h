@@ -1,4 +1,4 @@
-// What the three 3-D polyline CPU operators share (paper appendix C.2, Eq. 40; docs/ops.md "3-D polyline ops"):
+// What the three 3-D polyline CPU operators share (paper appendix C.2, Eq. 40; docs/video.md):
 // argument checks, the [B, T, H, W, heads, c] geometry of the lines along T, H and W, the 1-D linear-time scans
 // of one line and the 3-D Algorithm 1 built from them, and the per-line prefix sums of the log-decays.
 //

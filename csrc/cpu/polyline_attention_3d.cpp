@@ -1,5 +1,5 @@
 // CPU kernels of ppma::polyline_attention_3d (softmax attention under the 3-D polyline mask, paper appendix C.2,
-// Eq. 40; docs/ops.md "3-D polyline ops") and its backward. The structure of the 2-D kernel
+// Eq. 40; docs/video.md) and its backward. The structure of the 2-D kernel
 // (csrc/cpu/polyline_attention.cpp): per (batch, head) and tile of TQ queries, the logits against all N = T H W keys
 // are computed once by BLAS into per-thread scratch (TQ x N, linear in N) and shared by two exact softmaxes, one with
 // the V2H bias M[p, s] and one with M'[p, s] = M[s, p]; the biases come from per-line prefix sums on the fly:

@@ -1,5 +1,5 @@
 // CPU kernels of ppma::polyline_linear_attention_3d (3-D PPMLA; paper appendix C.2 with the scan form of paper §4,
-// Theorem 3; docs/ops.md "3-D polyline ops") and its backward.
+// Theorem 3; docs/video.md) and its backward.
 //
 // Per (batch, head), with v' = [v, 1] (C = dv + 1 channels; C = dv without normalisation) and X_s = k_s (x) v'_s
 // (d x C per token): ((A*L) v')_p = q_p^T (L X)_p, and L X = exp(M) X is the 3-D Algorithm 1 on the d*C channels

@@ -1,4 +1,4 @@
-// CPU kernels of ppma::polyline_scan_3d (the 3-D Algorithm 1, paper appendix C.2; docs/ops.md "3-D polyline ops")
+// CPU kernels of ppma::polyline_scan_3d (the 3-D Algorithm 1, paper appendix C.2; docs/video.md)
 // and its backward: y = exp(M) x as three 1-D linear-time scans, along T (log_gamma), H (log_beta) and W
 // (log_alpha) in that order; transpose=True applies exp(M)^T (W, H, T). Tensors keep their
 // [B, T, H, W, heads, c] layout and lines are walked with strides (csrc/cpu/polyline_3d.h). Accumulation in fp32

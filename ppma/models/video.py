@@ -182,6 +182,8 @@ def register_timm() -> None:
 
     def ppma_video_tiny(pretrained: bool = False, **kwargs) -> PPMAVideo:
         """PPMA video tiny (3-D polyline attention; no pretrained weights)."""
+        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's loader arguments
+            kwargs.pop(key, None)
         return create_video_model("ppma_video_tiny", pretrained, **kwargs)
 
     ppma_video_tiny.__module__ = __name__

@@ -1,4 +1,4 @@
-"""3-D PPMA attention for video tokens (paper appendix C.2, Eq. 40; docs/ops.md "3-D polyline ops").
+"""3-D PPMA attention for video tokens (paper appendix C.2, Eq. 40; docs/video.md).
 
 The 2-D modules of ``ppma.nn`` with a time axis: ``x: [B, T, H, W, C]``. Per-token decays along W, H and T
 (:class:`PathDecay3D`, the Δ/A parametrisation of :class:`ppma.nn.PathDecay` with a third direction), RoPE over the

@@ -1,4 +1,4 @@
-"""Input validation of the 3-D polyline ops (paper appendix C.2; docs/ops.md "3-D polyline ops").
+"""Input validation of the 3-D polyline ops (paper appendix C.2; docs/video.md).
 
 The 3-D layout is the 2-D one with a leading time axis: ``q, k: [B, T, H, W, heads, d]``,
 ``v: [B, T, H, W, heads, dv]``, ``log_alpha, log_beta, log_gamma: [B, T, H, W, heads]``. Errors name the

@@ -1,5 +1,5 @@
 """``ppma.ops.polyline_attention_3d``: softmax attention under the 3-D polyline mask (paper appendix C.2, Eq. 40;
-docs/ops.md "3-D polyline ops").
+docs/video.md).
 
 The fused kernel is ``torch.ops.ppma.polyline_attention_3d``; its fake (meta) kernel and autograd formula are
 registered here, next to the wrapper.

@@ -1,5 +1,5 @@
 """``ppma.ops.polyline_linear_attention_3d``: 3-D PPMLA, linear attention under the 3-D polyline mask in linear time
-and memory (paper appendix C.2 with the scan form of §4, Theorem 3; docs/ops.md "3-D polyline ops").
+and memory (paper appendix C.2 with the scan form of §4, Theorem 3; docs/video.md).
 
 The fused kernel is ``torch.ops.ppma.polyline_linear_attention_3d``; its fake (meta) kernel and autograd formula
 are registered here, next to the wrapper.

@@ -1,5 +1,5 @@
 """``ppma.ops.polyline_scan_3d``: the linear-time 3-D polyline product ``exp(M) x`` (paper appendix C.2 with
-Algorithm 1; docs/ops.md "3-D polyline ops").
+Algorithm 1; docs/video.md).
 
 The fused kernel is ``torch.ops.ppma.polyline_scan_3d``; its fake (meta) kernel and autograd formula are
 registered here, next to the wrapper.

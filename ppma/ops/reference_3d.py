@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the 3-D polyline ops (paper appendix C.2, Eq. 40; docs/ops.md "3-D polyline ops"):
+"""Pure-PyTorch reference of the 3-D polyline ops (paper appendix C.2, Eq. 40; docs/video.md):
 the test oracle, the documentation and the fallback of ``ppma.ops.polyline_*_3d``.
 
 Layout: ``q, k: [B, T, H, W, heads, d]``, ``v: [B, T, H, W, heads, dv]``, log-decays
