@@ -124,6 +124,13 @@ class Op3DTests:
         self.decay_grads_zero_at_line_starts(grads)
 
     @needs_ext
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+    def test_low_precision(self, dtype, variant):
+        """16-bit features (fp32 decays), computed in fp32 as the reference does, within the 16-bit tolerance."""
+        inputs = self.inputs((2, 3, 4, 5, 2, 16, 16), dtype)
+        check_against_reference(self.fn, self.ref, inputs, self.extra(variant), names=self.grad_names, dtype=dtype)
+
+    @needs_ext
     def test_gradcheck(self, variant):
         for shape in self.gradcheck_shapes:
             inputs = self.inputs(shape, torch.float64)
