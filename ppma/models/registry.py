@@ -13,10 +13,9 @@ _OVERRIDES = {f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} - 
 
 
 def list_models() -> list[str]:
-    """Names accepted by :func:`create_model`."""
-    from ppma.models.video import VIDEO_MODEL_CONFIGS
-
-    return sorted(MODEL_CONFIGS) + sorted(VIDEO_MODEL_CONFIGS)
+    """Names of the image models accepted by :func:`create_model` (the video models, ``ppma_video_tiny``, are
+    listed by ``ppma.models.video.VIDEO_MODEL_CONFIGS``)."""
+    return sorted(MODEL_CONFIGS)
 
 
 def create_model(
