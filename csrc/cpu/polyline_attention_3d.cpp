@@ -159,6 +159,34 @@ void forward_kernel(const PA3<T>& D, T* out, T* out_v2h, T* lse) {
       });
 }
 
+// a[l] += s * g[l], b[l] -= s * g[l] for l < n (a and b distinct rows).
+template <typename T>
+inline void row_pair_update(int64_t n, T s, const T* __restrict g, T* __restrict a, T* __restrict b) {
+#pragma omp simd
+  for (int64_t l = 0; l < n; ++l) {
+    a[l] += s * g[l];
+    b[l] -= s * g[l];
+  }
+}
+
+// r[l] -= sl * g[l] with sl = line_bias's sign of key l against query j (-1 for l > j, else +1); returns
+// sum_l sl * g[l], the gradient of the prefix sum at the query's own index j.
+template <typename T>
+inline T signed_row_update(int64_t n, int64_t j, const T* __restrict g, T* __restrict r) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t l = 0; l <= j; ++l) {
+    r[l] -= g[l];
+    acc += g[l];
+  }
+#pragma omp simd reduction(+ : acc)
+  for (int64_t l = j + 1; l < n; ++l) {
+    r[l] += g[l];
+    acc -= g[l];
+  }
+  return acc;
+}
+
 // Prefix-sum gradients of one query p = (t, i, j) against all keys: g1 = dS1 (to M), g2 = dS2 (to M'), both [N].
 // The derivative of sign * (c[a] - c[b]) is +sign at a and -sign at b (common/math.h line_bias / sgn_diff).
 template <typename T>
@@ -179,22 +207,16 @@ void bias_grads_query(const PA3<T>& D, int64_t p, const T* g1, const T* g2, T* g
       T* gcbTk = gcb + t * HW + k * W;
       T* gcaTI = gca + t * HW + i * W;
       T* gcaUk = gca + u * HW + k * W;
-      T s2 = 0, sl1 = 0, sl2 = 0;
-      for (int64_t l = 0; l < W; ++l) {
-        const T sl = l > j ? T(-1) : T(1);
-        const T x1 = a1[l], x2 = a2[l];
-        // M: gamma on line (k, l) at t / u; beta on line (t, l) at i / k; alpha on row (t, i) at j / l
-        gcgTk[l] += sg * x1;
-        gcgUk[l] -= sg * x1;
-        gcbTi[l] += sk * x1;
-        gcbTk[l] -= sk * x1;
-        gcaTI[l] -= sl * x1;
-        sl1 += sl * x1;
-        // M': alpha on row (u, k) at j / l
-        gcaUk[l] -= sl * x2;
-        sl2 += sl * x2;
-        s2 += x2;
-      }
+      // M: gamma on line (k, l) at t / u (cancels when u == t); beta on line (t, l) at i / k (cancels when k == i);
+      // alpha on row (t, i) at j / l. M': alpha on row (u, k) at j / l. One loop per target pair of rows, so that
+      // no two pointers of a loop alias and every loop vectorises.
+      if (u != t) row_pair_update(W, sg, a1, gcgTk, gcgUk);
+      if (k != i) row_pair_update(W, sk, a1, gcbTi, gcbTk);
+      const T sl1 = signed_row_update(W, j, a1, gcaTI);
+      const T sl2 = signed_row_update(W, j, a2, gcaUk);
+      T s2 = 0;
+#pragma omp simd reduction(+ : s2)
+      for (int64_t l = 0; l < W; ++l) s2 += a2[l];
       sa_q += sl1;
       gcaUk[j] += sl2;
       // M': beta on line (u, j) at i / k
