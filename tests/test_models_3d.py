@@ -125,3 +125,23 @@ def test_moving_digits_deterministic_and_labelled_by_motion():
         assert di * want[0] + dj * want[1] > 10 and abs(di * want[1]) + abs(dj * want[0]) < 1e-3
     with pytest.raises(ValueError, match="does not fit"):
         MovingDigits(torch.zeros(2, 40, 40), 1)
+
+
+@needs_ext
+def test_demo_config_builds_data_and_model():
+    """configs/video/demo_moving_digits.yaml: the dataset and the model the training CLI builds from it."""
+    pytest.importorskip("sklearn")
+    import os
+
+    from ppma.train.build import build_model
+    from ppma.train.config import load_config
+    from ppma.train.data import build_datasets
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "video",
+                        "demo_moving_digits.yaml")
+    cfg = load_config(path)
+    train, val, batch_transform = build_datasets(cfg)
+    assert batch_transform is None and len(train) == 4311 and len(val) == 720
+    model = build_model(cfg.model, cfg.data.num_classes, train[0][0].shape[0])
+    x = torch.stack([val[i][0] for i in range(2)])
+    assert model(x).shape == (2, 4)
