@@ -48,4 +48,26 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"
       " -> (Tensor grad_x, Tensor grad_log_alpha, Tensor grad_log_beta)");
+  // 3-D ops (paper appendix C.2; docs/video.md): q, k [B, T, H, W, heads, d], v [..., dv],
+  // log_alpha (along W), log_beta (along H), log_gamma (along T): [B, T, H, W, heads].
+  m.def(
+      "polyline_attention_3d(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, Tensor log_gamma,"
+      " float scale) -> (Tensor out, Tensor out_v2h, Tensor lse)");
+  m.def(
+      "polyline_attention_3d_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
+      " Tensor log_beta, Tensor log_gamma, Tensor out, Tensor out_v2h, Tensor lse, float scale)"
+      " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta,"
+      " Tensor grad_log_gamma)");
+  m.def(
+      "polyline_linear_attention_3d(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta,"
+      " Tensor log_gamma, bool normalize, float eps) -> (Tensor out, Tensor stats)");
+  m.def(
+      "polyline_linear_attention_3d_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
+      " Tensor log_beta, Tensor log_gamma, Tensor stats, bool normalize, float eps)"
+      " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta,"
+      " Tensor grad_log_gamma)");
+  m.def("polyline_scan_3d(Tensor x, Tensor log_alpha, Tensor log_beta, Tensor log_gamma, bool transpose) -> Tensor");
+  m.def(
+      "polyline_scan_3d_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, Tensor log_gamma,"
+      " bool transpose) -> (Tensor grad_x, Tensor grad_log_alpha, Tensor grad_log_beta, Tensor grad_log_gamma)");
 }

@@ -21,6 +21,7 @@ from ppma.checkpoint import (
     read_checkpoint,
 )
 from ppma.models.flops import count_macs, register_flop_formulas
+from ppma.models.video import PPMAVideo, VideoConfig, create_video_model
 
 __all__ = [
     "PPMA",
@@ -42,6 +43,9 @@ __all__ = [
     "count_macs",
     "register_flop_formulas",
     "TIMM_REGISTERED",
+    "PPMAVideo",
+    "VideoConfig",
+    "create_video_model",
 ]
 
 register_flop_formulas()
@@ -53,6 +57,9 @@ if _os.environ.get("PPMA_NO_TIMM", "0") != "1" and _util.find_spec("timm") is no
 
         _ensure_torchvision()  # timm imports torchvision, whose PyPI build may not load beside a CPU torch
         from ppma.models import timm as _timm  # noqa: F401
+        from ppma.models.video import register_timm as _register_video_timm
+
+        _register_video_timm()
 
         TIMM_REGISTERED = True
     except Exception as _exc:  # timm (or its torchvision) fails to import: ppma works without it

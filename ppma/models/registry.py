@@ -13,7 +13,8 @@ _OVERRIDES = {f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} - 
 
 
 def list_models() -> list[str]:
-    """Names accepted by :func:`create_model`."""
+    """Names of the image models accepted by :func:`create_model` (the video models, ``ppma_video_tiny``, are
+    listed by ``ppma.models.video.VIDEO_MODEL_CONFIGS``)."""
     return sorted(MODEL_CONFIGS)
 
 
@@ -48,6 +49,11 @@ def create_model(
             ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is
             ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """
+    from ppma.models.video import VIDEO_MODEL_CONFIGS, create_video_model
+
+    if name in VIDEO_MODEL_CONFIGS:  # the 3-D video backbones (ppma.models.video)
+        return create_video_model(name, pretrained, num_classes=num_classes, drop_path_rate=drop_path_rate,
+                                  checkpoint_path=checkpoint_path, **overrides)
     if name not in MODEL_CONFIGS:
         raise ValueError(f"create_model: unknown model {name!r}; available: {list_models()}")
     unknown = set(overrides) - _OVERRIDES

@@ -7,6 +7,7 @@ from ppma.nn.decay import PathDecay
 from ppma.nn.rope import RotaryEmbedding2D, apply_rotary, rotate_every_two
 from ppma.nn.attention import ATTENTION_KINDS, MASKS, MaskedAttentionOp, PPMAAttention
 from ppma.nn.block import MIXERS, PPMABlock
+from ppma.nn.attention_3d import PathDecay3D, PPMAAttention3D
 
 __all__ = [
     "PathDecay",
@@ -14,6 +15,8 @@ __all__ = [
     "PPMAAttention",
     "MaskedAttentionOp",
     "PPMABlock",
+    "PathDecay3D",
+    "PPMAAttention3D",
     "ATTENTION_KINDS",
     "MASKS",
     "MIXERS",

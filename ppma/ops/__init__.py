@@ -22,14 +22,21 @@ from ppma.ops.criss_cross_attention import criss_cross_attention
 from ppma.ops.polyline_attention import polyline_attention
 from ppma.ops.polyline_linear_attention import polyline_linear_attention
 from ppma.ops.polyline_scan import polyline_scan
-from ppma.ops import reference
+from ppma.ops.polyline_attention_3d import polyline_attention_3d
+from ppma.ops.polyline_linear_attention_3d import polyline_linear_attention_3d
+from ppma.ops.polyline_scan_3d import polyline_scan_3d
+from ppma.ops import reference, reference_3d
 
 __all__ = [
     "polyline_attention",
     "criss_cross_attention",
     "polyline_linear_attention",
     "polyline_scan",
+    "polyline_attention_3d",
+    "polyline_linear_attention_3d",
+    "polyline_scan_3d",
     "reference",
+    "reference_3d",
     "IMPLS",
     "set_impl",
     "cuda_kernels_enabled",

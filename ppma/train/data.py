@@ -179,6 +179,11 @@ def build_datasets(cfg, need_train: bool = True):
         fill = -train.norm[0] / train.norm[1]  # a blank (0) pixel after normalisation
         aug = BatchAffine(a.affine_degrees, a.affine_translate, a.affine_scale, a.affine_shear, fill=fill)
         return (train if need_train else None), val, (aug if aug.active else None)
+    if kind == "moving_digits":  # video clips of moving digits, labelled by direction (ppma/train/data_video.py)
+        from ppma.train.data_video import build_moving_digits
+
+        train, val = build_moving_digits(d.img_size, d.digits_test_size, d.digits_split_seed)
+        return (train if need_train else None), val, None
     if kind == "synthetic":
         train, val = build_synthetic(
             d.num_classes, d.img_size, d.in_chans, d.synthetic_train_size, d.synthetic_val_size, seed=0
@@ -206,4 +211,4 @@ def build_datasets(cfg, need_train: bool = True):
                     f"train/ and val/ have different class folders ({len(train.classes)} vs {len(val.classes)})"
                 )
         return train, val, None
-    raise ValueError(f"data.dataset must be 'imagefolder', 'digits' or 'synthetic', got {kind!r}")
+    raise ValueError(f"data.dataset must be 'imagefolder', 'digits', 'moving_digits' or 'synthetic', got {kind!r}")
