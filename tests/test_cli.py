@@ -13,6 +13,7 @@ ensure_torchvision()  # timm imports torchvision (see ppma._compat)
 pytest.importorskip("timm")
 
 from test_train import _one_thread, tiny_args  # noqa: E402, F401 (_one_thread: an autouse fixture)
+from test_train import write_image_folder as _write_image_folder  # noqa: E402
 
 from ppma.train.cli.train import config_from_args, parse_args  # noqa: E402
 from ppma.train.trainer import train  # noqa: E402
@@ -23,18 +24,6 @@ def tiny_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     train(config_from_args(parse_args(tiny_args(out, epochs=1))))
     return out / "checkpoint.pth"
-
-
-def _write_image_folder(root, classes=4, per_class=3, size=20, split="val"):
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for c in range(classes):
-        d = root / split / f"class_{c}"
-        d.mkdir(parents=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(d / f"{i}.png")
-    return classes * per_class
 
 
 def _expected_top1(model, root, img_size, mean, std) -> float:
