@@ -288,13 +288,15 @@ def run_op_case(cls: type, spec: dict, threads: int, runs: int = 1) -> list[list
     return res
 
 
-def run_op_case_in_child(cls: type, spec: dict, env: dict, tmp_path) -> dict[int, list[list[torch.Tensor]]]:
+def run_op_case_in_child(cls: type, spec: dict, env: dict, tmp_path) -> dict[tuple[str, int], list[list[torch.Tensor]]]:
     """:func:`run_op_case` in a fresh Python process with the extra environment ``env`` (a SIMD path of
-    :func:`cpu_paths`), twice on each of ``THREAD_COUNTS`` threads; returns ``{threads: runs}``."""
+    :func:`cpu_paths`), for each dtype name of ``spec["dtypes"]``, twice on each of ``THREAD_COUNTS`` threads;
+    returns ``{(dtype name, threads): runs}``."""
     out = tmp_path / f"child-{uuid.uuid4().hex}.pt"
     code = ("import json, sys, importlib, torch; sys.path.insert(0, sys.argv[1]); import op_utils; "
             "spec = json.loads(sys.argv[2]); cls = getattr(importlib.import_module(spec['module']), spec['cls']); "
-            "torch.save({n: op_utils.run_op_case(cls, spec, n, runs=2) for n in op_utils.THREAD_COUNTS}, sys.argv[3])")
+            "torch.save({(dt, n): op_utils.run_op_case(cls, {**spec, 'dtype': dt}, n, runs=2) "
+            "for dt in spec['dtypes'] for n in op_utils.THREAD_COUNTS}, sys.argv[3])")
     full = {**spec, "module": cls.__module__, "cls": cls.__name__}
     child_env = {**os.environ, **env}
     child_env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(_TESTS_DIR), os.environ.get("PYTHONPATH", "")])
@@ -373,7 +375,9 @@ class OpTests:
     sets ``op`` (the name under ``torch.ops.ppma`` and ``ppma.ops``), ``fn`` and ``ref`` (the public wrapper and
     its reference, as ``staticmethod``), ``grad_names`` (its tensor inputs, the two log-decays last),
     ``gradcheck_shapes``, and implements ``inputs`` (the builder), ``extra`` (the trailing non-tensor
-    arguments, from the ``variant`` fixture) and ``backward_args``."""
+    arguments, from the ``variant`` fixture) and ``backward_args``. ``inputs`` must accept ``seed`` and
+    ``decay_scale``: the determinism and SIMD-path tests rebuild the same inputs from a seed in a child process
+    (``determinism_shape``: their input shape, overridable for another layout, e.g. a 3-D op's)."""
 
     op: str
     fn = None
@@ -494,20 +498,25 @@ class OpTests:
     # ---------------------------------------------------------------- bitwise reproducibility, SIMD paths (CPU)
     determinism_shape = (2, 9, 7, 2, 16, 16)  # B * heads = 4 units of the thread pool, split unevenly by 3
 
+    determinism_dtypes = ("float32", "float64", "bfloat16")
+
     def determinism_spec(self, variant) -> dict:
-        return dict(shape=list(self.determinism_shape), dtype="float32", variant=variant, seed=3)
+        return dict(shape=list(self.determinism_shape), dtypes=list(self.determinism_dtypes), variant=variant, seed=3)
 
     @needs_ext
     def test_bitwise_reproducible_across_threads_runs_and_processes(self, variant, tmp_path):
-        """README "Determinism": the CPU kernels give bit-identical outputs and gradients on 1 and 3 threads,
-        from run to run, and in another process from the same seeded inputs (default SIMD path)."""
+        """README "Tests": the CPU kernels give bit-identical outputs and gradients on 1 and 3 threads, from run
+        to run, and in another process from the same seeded inputs (default SIMD path), in each dtype."""
         spec = self.determinism_spec(variant)
-        here = {n: run_op_case(type(self), spec, n, runs=2) for n in THREAD_COUNTS}
-        assert_runs_equal(here[1], self.grad_names, "run to run, 1 thread")
-        assert_runs_equal([here[1][0], *here[THREAD_COUNTS[1]]], self.grad_names, f"1 vs {THREAD_COUNTS[1]} threads")
         child = run_op_case_in_child(type(self), spec, {}, tmp_path)
-        for n in THREAD_COUNTS:
-            assert_runs_equal([here[1][0], *child[n]], self.grad_names, f"this process vs a child process, {n} threads")
+        for dt in spec["dtypes"]:
+            here = {n: run_op_case(type(self), {**spec, "dtype": dt}, n, runs=2) for n in THREAD_COUNTS}
+            assert_runs_equal(here[1], self.grad_names, f"{dt}: run to run, 1 thread")
+            assert_runs_equal([here[1][0], *here[THREAD_COUNTS[1]]], self.grad_names,
+                              f"{dt}: 1 vs {THREAD_COUNTS[1]} threads")
+            for n in THREAD_COUNTS:
+                assert_runs_equal([here[1][0], *child[dt, n]], self.grad_names,
+                                  f"{dt}: this process vs a child process, {n} threads")
 
     @needs_ext
     @pytest.mark.parametrize("path", cpu_paths()[1:], ids=path_id)
@@ -517,19 +526,22 @@ class OpTests:
         of the default path and of the float64 reference."""
         spec = self.determinism_spec(variant)
         child = run_op_case_in_child(type(self), spec, path, tmp_path)
-        runs = [r for n in THREAD_COUNTS for r in child[n]]
-        assert_runs_equal(runs, self.grad_names, f"{path_id(path)}: threads and runs")
-        default = run_op_case(type(self), spec, 1)[0]
         shape = tuple(spec["shape"])
-        inputs = [t.detach().double().requires_grad_() for t in self.inputs(shape, torch.float32, seed=spec["seed"],
-                                                                            decay_scale=1.0)]
-        want = self.ref(*inputs, *self.extra(shape, variant))
-        go = torch.randn(want.shape, generator=torch.Generator().manual_seed(spec["seed"] + 1)).to(want)
-        truth = [want.detach(), *torch.autograd.grad(want, inputs, go)]
-        for i, name in enumerate(("out", *self.grad_names)):
-            assert_close(runs[0][i], default[i], torch.float32, f"{name}: {path_id(path)} vs default path", grad=i > 0)
-            assert_close(runs[0][i], truth[i], torch.float32, f"{name}: {path_id(path)} vs float64 reference",
-                         grad=i > 0)
+        for dt in spec["dtypes"]:
+            dtype = getattr(torch, dt)
+            runs = [r for n in THREAD_COUNTS for r in child[dt, n]]
+            assert_runs_equal(runs, self.grad_names, f"{path_id(path)}, {dt}: threads and runs")
+            default = run_op_case(type(self), {**spec, "dtype": dt}, 1)[0]
+            inputs = [t.detach().double().requires_grad_()
+                      for t in self.inputs(shape, dtype, seed=spec["seed"], decay_scale=1.0)]
+            want = self.ref(*inputs, *self.extra(shape, variant))
+            go = torch.randn(want.shape, generator=torch.Generator().manual_seed(spec["seed"] + 1)).to(want)
+            truth = [want.detach(), *torch.autograd.grad(want, inputs, go)]
+            for i, name in enumerate(("out", *self.grad_names)):
+                assert_close(runs[0][i], default[i], dtype, f"{name}: {path_id(path)} vs default path ({dt})",
+                             grad=i > 0)
+                assert_close(runs[0][i], truth[i], dtype, f"{name}: {path_id(path)} vs float64 reference ({dt})",
+                             grad=i > 0)
 
     @needs_ext
     @pytest.mark.parametrize("device", DEVICES)
