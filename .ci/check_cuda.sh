@@ -5,12 +5,22 @@
 #     (-Xptxas -v): registers, spills and shared memory of every kernel are printed, and a register spill in a
 #     tensor-core, packed or linear-attention kernel (the kernels written to fit the register file) fails the check;
 #  2. the host launchers csrc/cuda/*.cu against the installed torch's headers (sm_90 only).
-# Exits 0 with a note when nvcc is missing; non-zero on any compile error or unexpected spill.
+# Non-zero on any compile error or unexpected spill. A check that cannot run is reported as SKIPPED, never as
+# passed ("CUDA compile check: SKIPPED (nvcc missing)"), and appended to the file $PPMA_CI_SKIPS when set (.ci/run
+# prints those at the end); under CI=true a missing nvcc fails unless PPMA_ALLOW_NO_CUDA=1.
 # PPMA_CHECK_CUDA_ONLY=<glob> restricts step 1 to matching headers (e.g. 'polyline_attention_tc*') and skips step 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+skipped() {  # skipped <what> <why>: report a check that could not run
+  echo "$1: SKIPPED ($2)"
+  if [ -n "${PPMA_CI_SKIPS:-}" ]; then echo "$1: SKIPPED ($2)" >>"$PPMA_CI_SKIPS"; fi
+}
 if ! command -v nvcc >/dev/null 2>&1; then
-  echo "check_cuda: nvcc not on PATH; CUDA compile check skipped"
+  skipped "CUDA compile check" "nvcc missing"
+  if [ "${CI:-}" = true ] && [ "${PPMA_ALLOW_NO_CUDA:-0}" != 1 ]; then
+    echo "check_cuda: CI=true and nvcc is missing: failing (set PPMA_ALLOW_NO_CUDA=1 on a CI machine without CUDA)"
+    exit 1
+  fi
   exit 0
 fi
 TMP=$(mktemp -d)
@@ -104,13 +114,13 @@ done
 # shared-library export macro), so the launchers are compiled against the real headers.
 TORCH_INC=$(python -c "import torch.utils.cpp_extension as c; print(' '.join(c.include_paths()))" 2>/dev/null)
 if [ -n "${PPMA_CHECK_CUDA_ONLY:-}" ]; then
-  echo "check_cuda: PPMA_CHECK_CUDA_ONLY set; launcher check skipped"
+  skipped "CUDA launcher compile check" "PPMA_CHECK_CUDA_ONLY set"
 elif [ -z "$TORCH_INC" ]; then
-  echo "check_cuda: torch not importable; launcher check skipped"
+  skipped "CUDA launcher compile check" "torch not importable"
 else
   first=${TORCH_INC%% *}
   if [ ! -f "$first/c10/cuda/CUDAGuard.h" ] || [ ! -f "$first/ATen/Dispatch.h" ]; then
-    echo "check_cuda: torch's headers have no c10/cuda (CPU-only headers); launcher check skipped"
+    skipped "CUDA launcher compile check" "torch's headers have no c10/cuda"
   else
     INC=(-Icsrc)
     if [ ! -f "$first/c10/cuda/impl/cuda_cmake_macros.h" ]; then
@@ -190,4 +200,5 @@ for n in "${names[@]}"; do
   esac
 done
 echo "check_cuda: $(( $(date +%s) - start )) s"
+if [ "$fail" = 0 ]; then echo "CUDA compile check: passed"; else echo "CUDA compile check: FAILED"; fi
 exit $fail

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
+import os
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -210,13 +215,16 @@ def nan_at(t: torch.Tensor, index) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+THREAD_COUNTS = (1, 3)  # the determinism tests' thread counts: 3 does not divide their B * heads = 4 units
+
+
 def assert_thread_invariant(fn, inputs) -> None:
-    """``fn(*inputs)`` and its gradients w.r.t. every input are bit-identical on 1 and on several CPU threads
-    (the CPU kernels own fixed slices and summation orders)."""
+    """``fn(*inputs)`` and its gradients w.r.t. every input are bit-identical on each of ``THREAD_COUNTS`` CPU
+    threads (the CPU kernels own fixed slices and summation orders)."""
     n = torch.get_num_threads()
     res = []
     try:
-        for threads in (1, max(2, n)):
+        for threads in THREAD_COUNTS:
             torch.set_num_threads(threads)
             out = fn(*inputs)
             res.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
@@ -225,6 +233,84 @@ def assert_thread_invariant(fn, inputs) -> None:
     assert torch.equal(res[0][0], res[1][0])
     for a, b in zip(res[0][1], res[1][1]):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU SIMD paths and results computed in another process
+# ------------------------------------------------------------------------------------------------
+
+# The CPU capabilities, lowest first, that PPMA_CPU_CAPABILITY selects where ppma.backends.cpu_capability exists.
+CPU_CAPABILITIES = ("default", "avx2", "avx512")
+
+
+def cpu_paths() -> list[dict[str, str]]:
+    """The environment settings that select each SIMD path of the CPU kernels on this machine, the default
+    (the best the CPU runs) first: every op's determinism and path tests run once per entry, in a fresh
+    process (the kernels read the setting once).
+
+    With ``ppma.backends.cpu_capability()``: ``{}`` plus ``PPMA_CPU_CAPABILITY=c`` for each capability below the
+    one in use. Without it: ``{}`` and ``PPMA_CPU_BASELINE=1`` (the 4-lane baseline beside the AVX+FMA code,
+    README "Install")."""
+    try:
+        from ppma.backends import cpu_capability
+    except ImportError:
+        return [{}, {"PPMA_CPU_BASELINE": "1"}]
+    best = str(cpu_capability()).lower()
+    if best not in CPU_CAPABILITIES:
+        raise AssertionError(f"ppma.backends.cpu_capability() returned {best!r}, not one of {CPU_CAPABILITIES}")
+    return [{}] + [{"PPMA_CPU_CAPABILITY": c} for c in CPU_CAPABILITIES[: CPU_CAPABILITIES.index(best)]]
+
+
+def path_id(env: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in env.items()) or "default"
+
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_op_case(cls: type, spec: dict, threads: int, runs: int = 1) -> list[list[torch.Tensor]]:
+    """Evaluate ``cls``'s op on the case ``spec`` (``shape``, ``dtype`` name, ``variant``, ``seed``) in this
+    process on ``threads`` CPU threads, ``runs`` times: each run is ``[out, *gradients]`` for the upstream
+    gradient ``randn(seed + 1)``, the inputs built by ``cls.inputs`` from ``seed``."""
+    t = cls()
+    shape, dtype = tuple(spec["shape"]), getattr(torch, spec["dtype"])
+    n = torch.get_num_threads()
+    res = []
+    try:
+        torch.set_num_threads(threads)
+        for _ in range(runs):
+            inputs = t.inputs(shape, dtype, "cpu", seed=spec["seed"], decay_scale=1.0)
+            out = t.fn(*inputs, *t.extra(shape, spec["variant"]))
+            go = torch.randn(out.shape, generator=torch.Generator().manual_seed(spec["seed"] + 1)).to(out)
+            res.append([out.detach(), *torch.autograd.grad(out, inputs, go)])
+    finally:
+        torch.set_num_threads(n)
+    return res
+
+
+def run_op_case_in_child(cls: type, spec: dict, env: dict, tmp_path) -> dict[tuple[str, int], list[list[torch.Tensor]]]:
+    """:func:`run_op_case` in a fresh Python process with the extra environment ``env`` (a SIMD path of
+    :func:`cpu_paths`), for each dtype name of ``spec["dtypes"]``, twice on each of ``THREAD_COUNTS`` threads;
+    returns ``{(dtype name, threads): runs}``."""
+    out = tmp_path / f"child-{uuid.uuid4().hex}.pt"
+    code = ("import json, sys, importlib, torch; sys.path.insert(0, sys.argv[1]); import op_utils; "
+            "spec = json.loads(sys.argv[2]); cls = getattr(importlib.import_module(spec['module']), spec['cls']); "
+            "torch.save({(dt, n): op_utils.run_op_case(cls, {**spec, 'dtype': dt}, n, runs=2) "
+            "for dt in spec['dtypes'] for n in op_utils.THREAD_COUNTS}, sys.argv[3])")
+    full = {**spec, "module": cls.__module__, "cls": cls.__name__}
+    child_env = {**os.environ, **env}
+    child_env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(_TESTS_DIR), os.environ.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code, _TESTS_DIR, json.dumps(full), str(out)], env=child_env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"child process on the {path_id(env)} path failed:\n{res.stderr[-3000:]}"
+    return torch.load(out)
+
+
+def assert_runs_equal(runs: list[list[torch.Tensor]], names, what: str) -> None:
+    """Every run of ``runs`` bit-identical to the first (forward and each gradient)."""
+    for i, run in enumerate(runs[1:], 1):
+        for name, a, b in zip(("out", *names), runs[0], run):
+            assert torch.equal(a, b), f"{what}: {name} of run {i} differs bitwise from run 0"
 
 
 def attention_shape_cases(q, k, v, la, lb) -> list:
@@ -289,7 +375,9 @@ class OpTests:
     sets ``op`` (the name under ``torch.ops.ppma`` and ``ppma.ops``), ``fn`` and ``ref`` (the public wrapper and
     its reference, as ``staticmethod``), ``grad_names`` (its tensor inputs, the two log-decays last),
     ``gradcheck_shapes``, and implements ``inputs`` (the builder), ``extra`` (the trailing non-tensor
-    arguments, from the ``variant`` fixture) and ``backward_args``."""
+    arguments, from the ``variant`` fixture) and ``backward_args``. ``inputs`` must accept ``seed`` and
+    ``decay_scale``: the determinism and SIMD-path tests rebuild the same inputs from a seed in a child process
+    (``determinism_shape``: their input shape, overridable for another layout, e.g. a 3-D op's)."""
 
     op: str
     fn = None
@@ -406,6 +494,54 @@ class OpTests:
             assert torch.equal(a, b), "backward is not deterministic"
         for t, b in zip(inputs, before):
             assert torch.equal(t.detach(), b)
+
+    # ---------------------------------------------------------------- bitwise reproducibility, SIMD paths (CPU)
+    determinism_shape = (2, 9, 7, 2, 16, 16)  # B * heads = 4 units of the thread pool, split unevenly by 3
+
+    determinism_dtypes = ("float32", "float64", "bfloat16")
+
+    def determinism_spec(self, variant) -> dict:
+        return dict(shape=list(self.determinism_shape), dtypes=list(self.determinism_dtypes), variant=variant, seed=3)
+
+    @needs_ext
+    def test_bitwise_reproducible_across_threads_runs_and_processes(self, variant, tmp_path):
+        """README "Tests": the CPU kernels give bit-identical outputs and gradients on 1 and 3 threads, from run
+        to run, and in another process from the same seeded inputs (default SIMD path), in each dtype."""
+        spec = self.determinism_spec(variant)
+        child = run_op_case_in_child(type(self), spec, {}, tmp_path)
+        for dt in spec["dtypes"]:
+            here = {n: run_op_case(type(self), {**spec, "dtype": dt}, n, runs=2) for n in THREAD_COUNTS}
+            assert_runs_equal(here[1], self.grad_names, f"{dt}: run to run, 1 thread")
+            assert_runs_equal([here[1][0], *here[THREAD_COUNTS[1]]], self.grad_names,
+                              f"{dt}: 1 vs {THREAD_COUNTS[1]} threads")
+            for n in THREAD_COUNTS:
+                assert_runs_equal([here[1][0], *child[dt, n]], self.grad_names,
+                                  f"{dt}: this process vs a child process, {n} threads")
+
+    @needs_ext
+    @pytest.mark.parametrize("path", cpu_paths()[1:], ids=path_id)
+    def test_lower_cpu_path(self, path, variant, tmp_path):
+        """Each lower SIMD path of :func:`cpu_paths` (what CPUs without the best instruction set run), in a
+        fresh process: bit-identical across threads and runs on that path, and within the float32 tolerance
+        of the default path and of the float64 reference."""
+        spec = self.determinism_spec(variant)
+        child = run_op_case_in_child(type(self), spec, path, tmp_path)
+        shape = tuple(spec["shape"])
+        for dt in spec["dtypes"]:
+            dtype = getattr(torch, dt)
+            runs = [r for n in THREAD_COUNTS for r in child[dt, n]]
+            assert_runs_equal(runs, self.grad_names, f"{path_id(path)}, {dt}: threads and runs")
+            default = run_op_case(type(self), {**spec, "dtype": dt}, 1)[0]
+            inputs = [t.detach().double().requires_grad_()
+                      for t in self.inputs(shape, dtype, seed=spec["seed"], decay_scale=1.0)]
+            want = self.ref(*inputs, *self.extra(shape, variant))
+            go = torch.randn(want.shape, generator=torch.Generator().manual_seed(spec["seed"] + 1)).to(want)
+            truth = [want.detach(), *torch.autograd.grad(want, inputs, go)]
+            for i, name in enumerate(("out", *self.grad_names)):
+                assert_close(runs[0][i], default[i], dtype, f"{name}: {path_id(path)} vs default path ({dt})",
+                             grad=i > 0)
+                assert_close(runs[0][i], truth[i], dtype, f"{name}: {path_id(path)} vs float64 reference ({dt})",
+                             grad=i > 0)
 
     @needs_ext
     @pytest.mark.parametrize("device", DEVICES)

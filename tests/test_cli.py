@@ -13,6 +13,7 @@ ensure_torchvision()  # timm imports torchvision (see ppma._compat)
 pytest.importorskip("timm")
 
 from test_train import _one_thread, tiny_args  # noqa: E402, F401 (_one_thread: an autouse fixture)
+from test_train import write_image_folder as _write_image_folder  # noqa: E402
 
 from ppma.train.cli.train import config_from_args, parse_args  # noqa: E402
 from ppma.train.trainer import train  # noqa: E402
@@ -25,16 +26,25 @@ def tiny_checkpoint(tmp_path_factory):
     return out / "checkpoint.pth"
 
 
-def _write_image_folder(root, classes=4, per_class=3, size=20, split="val"):
+def _expected_top1(model, root, img_size, mean, std) -> float:
+    """The top-1 accuracy (%) of ``model`` on the square images of ``root/val/class_<c>/*.png`` (label ``c``),
+    computed here without the CLI's loader or transforms: PIL bicubic resize of each square image to
+    ``img_size`` (with crop_pct 1.0 the eval pipeline's resize + centre crop is exactly that), ``/ 255``,
+    ``(x - mean) / std``."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
-    for c in range(classes):
-        d = root / split / f"class_{c}"
-        d.mkdir(parents=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(d / f"{i}.png")
-    return classes * per_class
+    xs, ys = [], []
+    for cdir in sorted((root / "val").iterdir()):
+        for f in sorted(cdir.glob("*.png")):
+            img = Image.open(f).convert("RGB")
+            assert img.size[0] == img.size[1], "square images only"
+            a = np.asarray(img.resize((img_size, img_size), Image.BICUBIC), dtype=np.float32) / 255.0
+            xs.append((torch.from_numpy(a).permute(2, 0, 1) - torch.tensor(mean)[:, None, None])
+                      / torch.tensor(std)[:, None, None])
+            ys.append(int(cdir.name.split("_")[1]))
+    with torch.no_grad():
+        pred = model.eval()(torch.stack(xs)).argmax(1)
+    return 100.0 * (pred == torch.tensor(ys)).float().mean().item()
 
 
 def test_eval_cli_on_image_folder(tmp_path, tiny_checkpoint):
@@ -48,20 +58,12 @@ def test_eval_cli_on_image_folder(tmp_path, tiny_checkpoint):
     res = json.loads(out.read_text())
     assert res["images"] == n and res["weights"] == "model_ema" and res["kind"] == "ppma-train"
     assert 0.0 <= res["top1"] <= res["top5"] <= 100.0
-    # the same numbers as evaluating the loaded model directly on the same tensors
-    from torchvision.datasets import ImageFolder
-
-    from ppma.train.data import build_eval_transform
-
+    # the same number as the loaded model on images decoded, resized and normalised here
     model, info = load_model_from_checkpoint(str(tiny_checkpoint))
     cfg = info["config"]
-    ds = ImageFolder(str(tmp_path / "data" / "val"),
-                     build_eval_transform(cfg.data.img_size, 1.0, cfg.data.interpolation, cfg.data.mean, cfg.data.std))
-    x = torch.stack([ds[i][0] for i in range(len(ds))])
-    y = torch.tensor(ds.targets)
-    with torch.no_grad():
-        top1 = 100.0 * (model.eval()(x).argmax(1) == y).float().mean().item()
-    assert res["top1"] == pytest.approx(top1)
+    assert cfg.data.interpolation == "bicubic"
+    assert res["top1"] == pytest.approx(_expected_top1(model, tmp_path / "data", cfg.data.img_size, cfg.data.mean,
+                                                       cfg.data.std))
 
 
 def test_train_imagefolder_with_the_imagenet_recipe(tmp_path):
@@ -112,16 +114,8 @@ def test_eval_cli_official_checkpoint(tmp_path):
                  "--device", "cpu", "--output", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["kind"] == "official" and res["weights"] == "model_ema" and res["images"] == n
-    from torchvision.datasets import ImageFolder
-
-    from ppma.train.data import build_eval_transform
-
-    ds = ImageFolder(str(tmp_path / "data" / "val"),
-                     build_eval_transform(32, 1.0, "bicubic", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
-    x, y = torch.stack([ds[i][0] for i in range(len(ds))]), torch.tensor(ds.targets)
-    with torch.no_grad():
-        top1 = 100.0 * (ema.eval()(x).argmax(1) == y).float().mean().item()
-    assert res["top1"] == pytest.approx(top1)
+    assert res["top1"] == pytest.approx(_expected_top1(ema, tmp_path / "data", 32, (0.485, 0.456, 0.406),
+                                                       (0.229, 0.224, 0.225)))
 
 
 def test_benchmark_cli_quick(tmp_path):
@@ -188,7 +182,34 @@ def test_attention_row_is_the_models_attention():
                                     lb[None, :, :, None])
     torch.testing.assert_close(got.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
     assert got.sum().item() == pytest.approx(1.0)
-    assert polyline_attention_ref is not None
+    # full attention: the weights reproduce polyline_attention_ref's output for any v
+    full = attention_row(q, k, la, lb, query, criss_cross=False)
+    out = polyline_attention_ref(q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
+                                 lb[None, :, :, None])
+    torch.testing.assert_close(full.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
+
+
+def scan_mask_row(log_decay, seq, query):
+    """``exp(M[query, t])`` for every token ``t`` of the 1-D mask along the token sequence ``seq`` (docs/ops.md,
+    "Masks"): the product of the decays of the tokens after the earlier of the two up to the later one."""
+    H, W = log_decay.shape
+    pos = {tok: n for n, tok in enumerate(seq)}
+    row = torch.empty(H, W, dtype=log_decay.dtype)
+    for tok in seq:
+        lo, hi = sorted((pos[query], pos[tok]))
+        prod = torch.ones((), dtype=log_decay.dtype)
+        for n in range(lo + 1, hi + 1):
+            prod = prod * log_decay[seq[n]].exp()
+        row[tok] = prod
+    return row
+
+
+def assert_hilbert_like(seq, H, W):
+    """A generalised Hilbert curve as ppma.nn.masks.hilbert_order documents it: every token once, from (0, 0),
+    4-neighbour steps except at most one diagonal one."""
+    assert sorted(seq) == [(i, j) for i in range(H) for j in range(W)] and seq[0] == (0, 0)
+    steps = [(abs(a[0] - b[0]), abs(a[1] - b[1])) for a, b in zip(seq, seq[1:])]
+    assert set(steps) <= {(0, 1), (1, 0), (1, 1)} and steps.count((1, 1)) <= 1, steps
 
 
 @pytest.mark.parametrize("mask", ["none", "manhattan", "v2h", "shared", "cross_scan", "hilbert"])
@@ -196,7 +217,7 @@ def test_visualize_ablation_masks(mask):
     """For every ablation mask: the attention row is the row of the mask's own attention (one-hot values through
     ppma.nn.masks.masked_attention, in both modes) and sums to 1; the mask rows are the dense definition's
     (docs/ops.md "Masks")."""
-    from ppma.nn.masks import masked_attention, order_log_mask, scan_orders
+    from ppma.nn.masks import hilbert_order, masked_attention
     from ppma.ops.reference import polyline_mask
     from ppma.train.visualize import attention_row, mask_rows
 
@@ -219,9 +240,17 @@ def test_visualize_ablation_masks(mask):
     m_a, m_b, names = mask_rows(mask, la, lb, query)
     assert len(names) == 3
     if mask in ("cross_scan", "hilbert"):
-        order_a, order_b = scan_orders(mask, H, W, la.device)
-        expect_a = order_log_mask(la[None, :, :, None], order_a)[0, 0, p].exp()
-        expect_b = order_log_mask(lb[None, :, :, None], order_b)[0, 0, p].exp()
+        # the token sequences of the two scans as (i, j) lists, then the 1-D masks by explicit sums
+        if mask == "cross_scan":
+            seq_a = [(i, j) for i in range(H) for j in range(W)]  # row-major
+            seq_b = [(i, j) for j in range(W) for i in range(H)]  # column-major
+        else:
+            seq_a = [divmod(int(t), W) for t in hilbert_order(H, W)]
+            seq_b = [divmod(int(t), H)[::-1] for t in hilbert_order(W, H)]  # the transposed map's curve
+            for seq in (seq_a, seq_b):
+                assert_hilbert_like(seq, H, W)
+        expect_a = scan_mask_row(la, seq_a, query).reshape(-1)
+        expect_b = scan_mask_row(lb, seq_b, query).reshape(-1)
     else:
         L = polyline_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]
         expect_a, expect_b = L[p], (L[p] if mask == "v2h" else L[:, p])

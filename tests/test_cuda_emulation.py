@@ -9,7 +9,8 @@ fp32 / fp64 / fp16 / bf16 and the head-dim paths. It cannot check what only a GP
 reorder, the inline PTX itself (compile-checked by ``.ci/check_cuda.sh``), speed. Those are checked by
 ``tests/test_cuda_paths.py`` and the CUDA cases of ``tests/test_<op>.py`` on a GPU.
 
-Skipped without a host C++ compiler or the CUDA toolkit's headers (cuda_fp16.h). ``PPMA_TEST_FULL=1`` widens the
+Skipped without a host C++ compiler or the CUDA toolkit's headers (cuda_fp16.h), and reported as such; under CI
+(``CI=true``) that fails unless ``PPMA_ALLOW_NO_CUDA=1`` (tests/conftest.py). ``PPMA_TEST_FULL=1`` widens the
 sweep.
 """
 
@@ -29,11 +30,11 @@ import pytest
 import torch
 
 from ppma.ops import reference as ref
+from conftest import FULL, skip_without_cuda_toolchain
 from op_utils import TOLERANCES, rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU = ROOT / "tests" / "cuda_emu"
-FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
 DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
@@ -57,7 +58,8 @@ def _build(name: str) -> Path:
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     inc = _cuda_include()
     if cxx is None or inc is None:
-        pytest.skip("needs a host C++ compiler and the CUDA toolkit's headers")
+        missing = "a host C++ compiler" if cxx is None else "the CUDA toolkit's headers (cuda_fp16.h)"
+        skip_without_cuda_toolchain(f"CUDA emulator: SKIPPED ({missing} missing)")
     sources = sorted(EMU.glob("*")) + sorted((ROOT / "csrc" / "kernels").glob("*")) + [ROOT / "csrc/common/math.h"]
     h = hashlib.sha256()
     for s in sources:

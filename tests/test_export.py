@@ -61,12 +61,12 @@ def _onnx_check(model, tmp_path, size):
         assert err < 1e-5, f"batch {batch}: relative error {err:.2e}"
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_onnx_small_config(tmp_path):
     _onnx_check(_model(**SMALL_KW), tmp_path, 64)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_onnx_and_torch_export_ppma_tiny_224(tmp_path):
     """PPMA-T at 224² (about a minute on 2 cores for the ONNX export)."""
     model = _model()

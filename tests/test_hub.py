@@ -86,7 +86,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # the full PPMA-T (slow on 2 cores), or PPMA-T's file holding a smaller model of the same family: the hub
 # mechanism is the same, and create_model's overrides describe the smaller model
 SMALL_KW = dict(embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4))
-CASES = [pytest.param({}, marks=pytest.mark.slow, id="ppma_tiny"), pytest.param(SMALL_KW, id="small_config")]
+CASES = [pytest.param({}, marks=pytest.mark.full, id="ppma_tiny"), pytest.param(SMALL_KW, id="small_config")]
 
 
 @pytest.mark.parametrize("kw", CASES)

@@ -14,10 +14,10 @@ from mmengine import Config  # noqa: E402
 from mmengine.registry import MODELS  # noqa: E402
 
 import ppma.models.mm  # noqa: E402,F401
+from conftest import FULL  # noqa: E402
 from ppma.models import PPMA, convert_to_official_state_dict  # noqa: E402
 from ppma.models.mm import PPMABackbone  # noqa: E402
 
-FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "segmentation", "*.py"))) + sorted(
     glob.glob(os.path.join(ROOT, "configs", "detection", "*.py"))

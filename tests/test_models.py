@@ -3,7 +3,6 @@ fused vs reference (spec §4, design §3)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -13,7 +12,6 @@ import ppma
 from ppma.models import MODEL_CONFIGS, PPMA, count_macs, create_model, list_models
 from ppma.nn import LayerScale
 
-FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
 warnings.filterwarnings("ignore", message="ppma._C is not available")
 
 TINY_KW = dict(embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4))
@@ -233,7 +231,7 @@ def test_double_and_state_dict_roundtrip():
 
 
 @pytest.mark.parametrize(
-    "impl", ["fused", pytest.param("reference", marks=pytest.mark.skipif(not FULL, reason="PPMA_TEST_FULL=1"))]
+    "impl", ["fused", pytest.param("reference", marks=pytest.mark.full)]
 )
 def test_compile_fullgraph_dynamic_no_recompile(impl):
     # Sizes whose stage-4 map is at least 3x3: dynamic shapes specialise sizes 0 and 1 (the decay
@@ -254,7 +252,7 @@ def test_compile_fullgraph_dynamic_no_recompile(impl):
     assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs"
 
 
-@pytest.mark.skipif(not FULL, reason="inductor compile of the whole model is slow on CPU (PPMA_TEST_FULL=1)")
+@pytest.mark.full  # inductor compile of the whole model is slow on CPU
 @pytest.mark.parametrize(
     "train",
     [
@@ -293,15 +291,30 @@ def test_flop_formulas_of_fused_ops_match_reference():
 
 
 def test_low_precision_model_keeps_fp32_rope():
+    """A bf16 model computes its rotary tables in fp32 (raster positions reach thousands: bf16 phases would put
+    the sin tables off by up to 0.27): every stage's (sin, cos) is fp32 and within 1e-3 of the fp64 tables."""
+    from ppma.nn import RotaryEmbedding2D
+    from ppma.nn.rope import rotary_angle, rotary_sin_cos
+
     model = small_model().eval()
     x = torch.randn(1, 3, 64, 64)
     y32 = model(x)
+    tables = []
+    hooks = [m.register_forward_hook(lambda m, args, out: tables.append((m.head_dim, args, out)))
+             for m in model.modules() if isinstance(m, RotaryEmbedding2D)]
     y16 = model.bfloat16()(x.bfloat16())
+    for h in hooks:
+        h.remove()
     assert y16.dtype == torch.bfloat16
     assert ((y16.float() - y32).norm() / y32.norm()) < 0.1
+    assert len(tables) == 4
+    for head_dim, (H, W), (sin, cos) in tables:
+        assert sin.dtype == cos.dtype == torch.float32, f"rotary tables in {sin.dtype}"
+        want_sin, want_cos = rotary_sin_cos(rotary_angle(head_dim).double(), H, W)
+        assert (sin.double() - want_sin).abs().max() < 1e-3 and (cos.double() - want_cos).abs().max() < 1e-3
 
 
-@pytest.mark.skipif(not FULL, reason="AOT-autograd tracing of the training graph is slow on CPU (PPMA_TEST_FULL=1)")
+@pytest.mark.full  # AOT-autograd tracing of the training graph is slow on CPU
 def test_compile_aot_eager_dynamic_training_no_recompile():
     torch._dynamo.reset()
     model = small_model(depths=(1, 1, 1, 1)).train()

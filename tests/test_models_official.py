@@ -14,11 +14,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import official_like  # noqa: E402
+from conftest import FULL  # noqa: E402
 
 import ppma.ops  # noqa: E402
 from ppma.models import PPMA, MODEL_CONFIGS, convert_official_state_dict  # noqa: E402
 
-FULL = os.environ.get("PPMA_TEST_FULL", "0") == "1"
 warnings.filterwarnings("ignore", message="ppma._C is not available")
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_utils import assert_trains_one_step
 from ppma.models.ppma import PPMA
 from ppma.nn import PPMABlock
 from ppma.nn.padre import PADReMixer
@@ -96,7 +97,8 @@ def test_padre_bad_arguments_named():
 
 
 def test_padre_as_mixer_in_block_and_model():
-    """mixer="padre" puts PADReMixer in the block's ``attn`` slot (any stage); the model trains one step."""
+    """mixer="padre" puts PADReMixer in the block's ``attn`` slot (any stage); the model trains one step (every
+    parameter gets a gradient and moves, the loss goes down)."""
     block = PPMABlock(16, 2, mixer="padre")
     assert isinstance(block.attn, PADReMixer)
     assert block(torch.randn(2, 5, 4, 16)).shape == (2, 5, 4, 16)
@@ -104,8 +106,7 @@ def test_padre_as_mixer_in_block_and_model():
                  num_classes=3, mixer=("padre", "attention", "padre", "attention"))
     kinds = [type(s.blocks[0].attn).__name__ for s in model.stages]
     assert kinds == ["PADReMixer", "PPMAAttention", "PADReMixer", "PPMAAttention"]
-    loss = model(torch.randn(2, 3, 40, 36)).logsumexp(-1).mean()
-    loss.backward()
+    assert_trains_one_step(model, torch.randn(2, 3, 40, 36), num_classes=3)
     assert model.stages[0].blocks[0].attn.channel_in[0].weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="mixer"):
         PPMABlock(16, 2, mixer="mlp")

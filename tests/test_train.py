@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -236,6 +237,73 @@ def test_resume_is_bit_exact(tmp_path):
     assert [r["test_acc1"] for r in fa] == [r["test_acc1"] for r in fb]
 
 
+def write_image_folder(root, classes=4, per_class=3, size=20, split="val", seed=0):
+    """``root/<split>/class_<c>/<i>.png``: random RGB images, ``classes * per_class`` of them (returned)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = root / split / f"class_{c}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    return classes * per_class
+
+
+def assert_same_state(a, b, what: str) -> None:
+    """Nested checkpoint entries (dicts, lists, tensors, numbers) equal, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{what} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{what}: keys differ"
+        for k in a:
+            assert_same_state(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+def imagenet_recipe_args(data, out, epochs=3) -> list[str]:
+    """The ImageNet config (mixup 0.8, cutmix 1.0, RandAugment, random erasing, repeated augmentation x3, EMA,
+    AdamW) on a tiny ImageFolder with a tiny model, two loader workers, fp32."""
+    return ["--config", os.path.join(ROOT, "configs", "classification", "ppma_tiny_imagenet.yaml"),
+            "--data", str(data), "--epochs", str(epochs), "--batch-size", "4", "--amp", "none", "--device", "cpu",
+            "--num-workers", "2", "--output", str(out), "--no-progress",
+            "--set", "data.img_size=24", "--set", "data.repeated_aug_round=4", "--set", "sched.warmup_epochs=1",
+            "--set", "ema.decay=0.9", "--set", "train.num_threads=1", *model_args()]
+
+
+def test_resume_is_bit_exact_under_the_imagenet_recipe(tmp_path):
+    """README "Training": --resume continues bit for bit, under the real recipe: mixup 0.8 / cutmix 1.0,
+    repeated augmentation x3, two loader workers, ``--resume auto``. Three epochs in one go == one epoch, stop,
+    ``--resume auto`` for the other two: model, EMA, optimizer, scheduler and the logged losses identical."""
+    from ppma.train.cli.train import main
+
+    data = tmp_path / "data"
+    write_image_folder(data, classes=4, per_class=4, size=28, split="train")
+    write_image_folder(data, classes=4, per_class=2, size=28, split="val", seed=1)
+    cfg = config_from_args(parse_args(imagenet_recipe_args(data, tmp_path / "x")))
+    assert (cfg.aug.mixup, cfg.aug.cutmix, cfg.data.repeated_aug, cfg.data.num_workers) == (0.8, 1.0, 3, 2)
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(imagenet_recipe_args(data, full)) == 0
+    assert main(imagenet_recipe_args(data, part) + ["--set", "train.stop_after_epoch=0"]) == 0
+    assert load_checkpoint(str(part / "checkpoint.pth"))["epoch"] == 0
+    assert main(imagenet_recipe_args(data, part) + ["--resume", "auto"]) == 0
+    a, b = load_checkpoint(str(full / "checkpoint.pth")), load_checkpoint(str(part / "checkpoint.pth"))
+    assert a["epoch"] == b["epoch"] == 2
+    for key in ("model", "model_ema", "optimizer", "scheduler", "global_step", "best"):
+        assert_same_state(a[key], b[key], key)
+    fa = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    fb = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in fb] == [0, 1, 2]
+    assert [r["train_loss"] for r in fa] == [r["train_loss"] for r in fb]
+    assert [r["test_ema_acc1"] for r in fa] == [r["test_ema_acc1"] for r in fb]
+
+
 def _kill_run(proc, run_id: str) -> None:
     """Kill torchrun (its process group) and every worker of this run: torchrun starts each worker in a
     session of its own, so they are found by ``PPMA_TEST_RUN_ID`` in their environment (Linux /proc)."""
@@ -286,6 +354,67 @@ def test_ddp_two_cpu_processes(tmp_path):
     _, val, _ = build_datasets(cfg, need_train=False)
     ev = evaluate(model, val, torch.device("cpu"), batch_size=5)
     assert ev["acc1"] == pytest.approx(records[-1]["test_acc1"])
+
+
+def _torchrun(args, timeout=150, kill_when=None):
+    """``torchrun --nproc_per_node=2 -m ppma.train *args`` (gloo, CPU); ``kill_when``: a callable polled every
+    50 ms, True: SIGKILL the launcher and both workers (then the return code is None). Returns (rc, output)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    run_id = uuid.uuid4().hex
+    env["PPMA_TEST_RUN_ID"] = run_id  # inherited by the workers, to find them
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ppma.train",
+           *args]
+    log = open(os.path.join(os.path.dirname(args[args.index("--output") + 1]), f"torchrun-{run_id}.log"), "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    killed = False
+    try:
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                _kill_run(proc, run_id)
+                log.seek(0)
+                pytest.fail("2-process run timed out:\n" + log.read()[-4000:])
+            if kill_when is not None and kill_when():
+                _kill_run(proc, run_id)
+                killed = True
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=30)
+    finally:
+        _kill_run(proc, run_id)  # never leave a worker behind
+    log.seek(0)
+    out = log.read()
+    log.close()
+    return (None if killed else proc.returncode), out
+
+
+def test_ddp_killed_and_resumed_is_bit_exact(tmp_path):
+    """Two gloo processes killed (SIGKILL, launcher and workers) once an epoch's checkpoint exists, then
+    ``--resume auto``: the final model, EMA, optimizer and logged losses equal those of an uninterrupted run."""
+    epochs = 3
+    full, part = tmp_path / "full", tmp_path / "part"
+    extra = ["--device", "cpu", "--set", "data.synthetic_train_size=96"]
+    rc, out = _torchrun(tiny_args(full, epochs=epochs, extra=extra))
+    assert rc == 0, out[-4000:]
+    ckpt = part / "checkpoint.pth"
+    rc, out = _torchrun(tiny_args(part, epochs=epochs, extra=extra), kill_when=ckpt.is_file)
+    assert rc is None, "the run ended before it could be killed:\n" + out[-2000:]
+    killed_at = load_checkpoint(str(ckpt))["epoch"]
+    assert killed_at < epochs - 1, f"killed after the last epoch ({killed_at}): nothing left to resume"
+    rc, out = _torchrun(tiny_args(part, epochs=epochs, extra=[*extra, "--resume", "auto"]))
+    assert rc == 0, out[-4000:]
+    assert f"at epoch {killed_at + 1}" in out and "resumed from" in out, out[-2000:]
+    a, b = load_checkpoint(str(full / "checkpoint.pth")), load_checkpoint(str(ckpt))
+    assert a["epoch"] == b["epoch"] == epochs - 1
+    for key in ("model", "model_ema", "optimizer", "scheduler", "global_step", "rng"):
+        assert_same_state(a[key], b[key], key)
+    fa = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    fb = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in fb] == list(range(epochs))
+    assert [r["train_loss"] for r in fa] == [r["train_loss"] for r in fb]
+    assert [r["test_acc1"] for r in fa] == [r["test_acc1"] for r in fb]
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -155,6 +155,9 @@ class RunConfig:
     progress: bool = True
     max_steps_per_epoch: Optional[int] = None  # cut epochs short (smoke tests)
     stop_after_epoch: Optional[int] = None  # end the run after this epoch (the schedule still spans sched.epochs)
+    # The bar of a run that must reach an accuracy (the demos: README "Training"): when the schedule's last
+    # epoch ends with a test acc1 (%) below it, train() raises AccuracyBelowBar and the CLI exits non-zero.
+    min_test_acc1: Optional[float] = None
     compile: bool = False
 
 

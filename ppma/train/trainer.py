@@ -305,9 +305,27 @@ def finish(cfg: TrainConfig, rt: Runtime, parts: Training, progress: Progress, l
     return summary
 
 
+class AccuracyBelowBar(RuntimeError):
+    """The run ended its schedule below ``train.min_test_acc1``; the message gives the accuracy and the bar."""
+
+
+def check_accuracy_bar(cfg: TrainConfig, last: dict) -> None:
+    """Raise :class:`AccuracyBelowBar` when ``train.min_test_acc1`` is set, the schedule's last epoch ran
+    (``last``: its metrics) and its test acc1 is below the bar (or was not measured)."""
+    bar = cfg.train.min_test_acc1
+    if bar is None or not last or last.get("epoch") != cfg.sched.epochs - 1:
+        return  # no bar, or a run stopped early (train.stop_after_epoch) to be resumed
+    acc = last.get("test_acc1")
+    if acc is None or acc < bar:
+        got = "was not measured" if acc is None else f"is {acc:.2f}%"
+        raise AccuracyBelowBar(f"test acc1 after the last epoch ({last['epoch']}) {got}, below the bar "
+                               f"train.min_test_acc1 = {bar:.2f}%")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run the training described by ``cfg``; returns a summary dict with ``best_acc1``, ``best_ema_acc1``,
-    ``best_epoch``, ``wall_time`` and ``last`` (the last epoch's metrics)."""
+    ``best_epoch``, ``wall_time`` and ``last`` (the last epoch's metrics). Raises :class:`AccuracyBelowBar`
+    when the last epoch's test acc1 is below ``train.min_test_acc1``."""
     rt = setup(cfg)
     data = build_loaders(cfg, rt)
     parts = build_training(cfg, rt, data)
@@ -322,7 +340,9 @@ def train(cfg: TrainConfig) -> dict:
         D.barrier()
         if epoch == cfg.train.stop_after_epoch:
             break
-    return finish(cfg, rt, parts, progress, last)
+    summary = finish(cfg, rt, parts, progress, last)
+    check_accuracy_bar(cfg, last)
+    return summary
 
 
 # ----------------------------------------------------------------------------------------------- helpers

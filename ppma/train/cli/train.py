@@ -21,7 +21,7 @@ import sys
 
 import ppma.ops
 from ppma.train.config import TrainConfig, load_config
-from ppma.train.trainer import train
+from ppma.train.trainer import AccuracyBelowBar, train
 
 __all__ = ["main", "parse_args", "config_from_args"]
 
@@ -75,7 +75,10 @@ def main(argv=None) -> int:
     except (KeyError, TypeError, ValueError) as exc:  # a bad config: its message, not a traceback
         raise SystemExit(f"ppma-train: error: {exc.args[0]}") from None
     with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
-        train(cfg)
+        try:
+            train(cfg)
+        except AccuracyBelowBar as exc:
+            raise SystemExit(f"ppma-train: error: {exc}") from None
     return 0
 
 
