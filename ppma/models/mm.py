@@ -42,7 +42,9 @@ class PPMABackbone(BaseModule):
             classification checkpoint (``best.pth``), an mm checkpoint (its ``backbone.*``) or a ppma checkpoint
             through :func:`ppma.models.load_checkpoint`: a local file, an ``http(s)://`` URL, ``hf://<repo>/<path>``
             or another mmengine ``CheckpointLoader`` scheme, always read with a weights-only ``torch.load``.
-        **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, ...).
+        **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, ``mixer``,
+            ``mask``, ...; the deprecated ``criss_cross`` / ``attention`` are translated into ``mixer`` with a
+            ``FutureWarning``).
     """
 
     def __init__(

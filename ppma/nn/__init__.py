@@ -3,8 +3,8 @@
 from ppma.nn.layers import ClassifierHead, ConvFFN, ConvStem, DropPath, DWConv2d, LayerScale, PatchMerging
 from ppma.nn.decay import PathDecay
 from ppma.nn.rope import RotaryEmbedding2D, apply_rotary, rotate_every_two
-from ppma.nn.attention import ATTENTION_KINDS, MASKS, MaskedAttentionOp, PPMAAttention
-from ppma.nn.block import MIXERS, PPMABlock
+from ppma.nn.attention import ATTENTION_MIXERS, MASKS, SOFTMAX_MIXERS, MaskedAttentionOp, PPMAAttention
+from ppma.nn.block import MIXER_FACTORIES, MIXERS, PPMABlock
 
 __all__ = [
     "PathDecay",
@@ -12,9 +12,11 @@ __all__ = [
     "PPMAAttention",
     "MaskedAttentionOp",
     "PPMABlock",
-    "ATTENTION_KINDS",
     "MASKS",
     "MIXERS",
+    "MIXER_FACTORIES",
+    "ATTENTION_MIXERS",
+    "SOFTMAX_MIXERS",
     "ConvStem",
     "PatchMerging",
     "ClassifierHead",

@@ -10,10 +10,30 @@ from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
 from ppma.nn.layers import ConvFFN, DropPath, DWConv2d, LayerScale
 
-__all__ = ["PPMABlock", "MIXERS"]
+__all__ = ["PPMABlock", "MIXERS", "MIXER_FACTORIES"]
 
-# The token mixer of a block: "attention" is PPMAAttention (spec §3), "padre" PADRe's polynomial mixer.
-MIXERS = ("attention", "padre")
+
+def _attention(mixer: str):
+    def build(dim: int, num_heads: int, *, mask: str, gamma: tuple[float, float]) -> nn.Module:
+        return PPMAAttention(dim, num_heads, mixer, mask=mask, gamma=gamma)
+
+    return build
+
+
+# What mixes the tokens of a block (its ``attn`` child), by name; docs/ops.md, "Glossary". Each entry builds the
+# module from ``(dim, num_heads, *, mask, gamma)`` (a mixer that has no mask ignores ``mask`` and ``gamma``); a
+# new mixer is one more entry here.
+MIXER_FACTORIES = {
+    # polyline-masked softmax attention within each row and each column (official "chunk" mode)
+    "criss_cross": _attention("criss_cross"),
+    # polyline-masked softmax attention over all tokens (official "whole" mode)
+    "full": _attention("full"),
+    # polyline masked linear attention (PPMLA), O(N) over all tokens
+    "linear": _attention("linear"),
+    # PADRe's polynomial mixer (no attention, no mask)
+    "padre": lambda dim, num_heads, *, mask, gamma: PADReMixer(dim),
+}
+MIXERS = tuple(MIXER_FACTORIES)
 
 
 class PPMABlock(nn.Module):
@@ -25,12 +45,11 @@ class PPMABlock(nn.Module):
     Args:
         dim, num_heads: channels and heads.
         mlp_ratio: FFN hidden width is ``int(mlp_ratio * dim)``.
-        mode: attention mode, ``"full"`` or ``"criss_cross"``.
-        attention, mask, gamma: what the attention computes, which mask it applies and RMT's decay schedule of
-            ``mask="manhattan"`` (see :class:`PPMAAttention`).
-        mixer: the token mixer, one of :data:`MIXERS` (``"attention"``: :class:`PPMAAttention`; ``"padre"``:
-            :class:`ppma.nn.padre.PADReMixer`, which ignores ``mode``, ``attention``, ``mask`` and ``gamma``);
-            it is the ``attn`` child whichever it is.
+        mixer: what mixes the tokens, one of :data:`MIXERS`: ``"criss_cross"``, ``"full"`` or ``"linear"``
+            (:class:`PPMAAttention`) or ``"padre"`` (:class:`ppma.nn.padre.PADReMixer`, which ignores ``mask`` and
+            ``gamma``); it is the ``attn`` child whichever it is.
+        mask, gamma: which mask the attention applies and RMT's decay schedule of ``mask="manhattan"`` (see
+            :class:`PPMAAttention`).
         drop_path: stochastic depth rate of this block.
         layerscale: whether to use layer scale; ``layer_init_values`` is its initial value.
 
@@ -43,11 +62,9 @@ class PPMABlock(nn.Module):
         num_heads: int,
         *,
         mlp_ratio: float = 3.0,
-        mode: str = "full",
-        attention: str = "softmax",
+        mixer: str = "full",
         mask: str = "polyline",
         gamma: tuple[float, float] = RMT_GAMMA,
-        mixer: str = "attention",
         drop_path: float = 0.0,
         layerscale: bool = False,
         layer_init_values: float = 1e-6,
@@ -55,12 +72,9 @@ class PPMABlock(nn.Module):
         super().__init__()
         self.cpe = DWConv2d(dim, 3)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        if mixer not in MIXERS:
+        if mixer not in MIXER_FACTORIES:
             raise ValueError(f"PPMABlock: mixer must be one of {MIXERS}, got {mixer!r}")
-        if mixer == "padre":
-            self.attn = PADReMixer(dim)
-        else:
-            self.attn = PPMAAttention(dim, num_heads, mode=mode, attention=attention, mask=mask, gamma=gamma)
+        self.attn = MIXER_FACTORIES[mixer](dim, num_heads, mask=mask, gamma=gamma)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
