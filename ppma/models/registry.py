@@ -47,8 +47,8 @@ def create_model(
             ``mlp_ratios``, ``mixer`` (per stage, or one string: ``"criss_cross"``, ``"full"``, ``"linear"``,
             ``"padre"``; docs/ops.md, "Glossary"), ``layerscale`` (4 bools), ``mask``, ``layer_init_values``,
             ``in_chans``, ``head_hidden_dim``, ``drop_rate``. The deprecated ``criss_cross`` (4 bools) and
-            ``attention`` (``"softmax"`` / ``"linear"``) still work with a ``FutureWarning``. (Fused kernels or the reference: that is
-            ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
+            ``attention`` (``"softmax"`` / ``"linear"``) still work with a ``FutureWarning``. (Fused kernels or
+            the reference: that is ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """
     if name not in MODEL_CONFIGS:
         raise ValueError(f"create_model: unknown model {name!r}; available: {list_models()}")

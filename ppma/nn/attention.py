@@ -48,7 +48,8 @@ class MaskedAttentionOp(nn.Module):
         return _SOFTMAX_OPS[self.mixer](q, k, v, log_alpha, log_beta, self.scale)
 
     def extra_repr(self) -> str:
-        return f"mixer={self.mixer!r}, scale={self.scale}" + ("" if self.mask == "polyline" else f", mask={self.mask!r}")
+        extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"
+        return f"mixer={self.mixer!r}, scale={self.scale}{extra}"
 
 
 class LinearAttentionOp(nn.Module):
