@@ -31,8 +31,6 @@ def mask_row(log_alpha: torch.Tensor, log_beta: torch.Tensor, query: tuple[int, 
 
     H, W = log_alpha.shape
     i, j = query
-    if mixer not in ("full", "criss_cross"):
-        raise ValueError(f"attention_row: mixer must be 'full' or 'criss_cross', got {mixer!r}")
     if not (0 <= i < H and 0 <= j < W):
         raise ValueError(f"query {query} is outside the {H}x{W} token grid")
     e = torch.zeros(1, H, W, 1, 1, dtype=log_alpha.dtype, device=log_alpha.device)
@@ -46,11 +44,12 @@ def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], mixer: str,
     """Attention weights of query token ``(i, j)`` over all keys, ``[H, W]`` (they sum to 1).
 
     ``q, k: [H, W, d]`` and ``log_alpha, log_beta: [H, W]`` of one head (``q``, ``k`` as the operator
-    receives them); ``mixer``: the layer's softmax attention, ``"full"`` or ``"criss_cross"``. The weights are read off the operators applied to one-hot values (``v = I``), so they
-    are exactly what the model uses: ``out_p = sum_s P[p, s] v_s``: the reference operators for the
-    polyline mask, :func:`ppma.nn.masks.masked_attention` of ``mask`` for the ablation masks (docs/ops.md,
-    "Masks"); in criss-cross stages ``P`` is the two-step composition (row then column attention, and the
-    reverse), whose row still sums to 1."""
+    receives them); ``mixer`` is the layer's softmax attention, ``"full"`` or ``"criss_cross"``. The weights are
+    read off the operators applied to one-hot values (``v = I``), so they are exactly what the model uses:
+    ``out_p = sum_s P[p, s] v_s``: the reference operators for the polyline mask,
+    :func:`ppma.nn.masks.masked_attention` of ``mask`` for the ablation masks (docs/ops.md, "Masks"); in
+    criss-cross stages ``P`` is the two-step composition (row then column attention, and the reverse), whose row
+    still sums to 1."""
     from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref
 
     H, W, d = q.shape
@@ -83,9 +82,7 @@ def mask_rows(mask: str, log_alpha: torch.Tensor, log_beta: torch.Tensor, query:
         from ppma.nn.masks import scan_orders, order_log_mask
 
         i, j = query
-        if mixer not in ("full", "criss_cross"):
-        raise ValueError(f"attention_row: mixer must be 'full' or 'criss_cross', got {mixer!r}")
-    if not (0 <= i < H and 0 <= j < W):
+        if not (0 <= i < H and 0 <= j < W):
             raise ValueError(f"query {query} is outside the {H}x{W} token grid")
         order_a, order_b = scan_orders(mask, H, W, log_alpha.device)
         rows = [order_log_mask(t[None, :, :, None], order)[0, 0, i * W + j].reshape(H, W).exp()
