@@ -380,3 +380,39 @@ def test_compile_aot_eager_dynamic_training_no_recompile():
     # the first step compiles (its frame count depends on how dynamo splits the training step); the other
     # image sizes must reuse those graphs
     assert counts[0] >= 1 and counts == [counts[0]] * 3, counts
+
+
+def test_config_files_use_the_current_names_and_old_files_still_build():
+    """The shipped training configs name the token mixer with ``mixer`` (no FutureWarning when built); a config
+    file on disk with the old ``criss_cross`` / ``attention`` keys still builds the same model, with the warning."""
+    import glob
+
+    from ppma.train.build import build_model
+    from ppma.train.config import load_config
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "classification")
+    demos = sorted(glob.glob(os.path.join(root, "demo_*.yaml")))
+    assert demos
+    for path in sorted(glob.glob(os.path.join(root, "*.yaml"))):
+        overrides = load_config(path).model.overrides
+        assert not set(overrides) & {"criss_cross", "attention"}, path
+        assert all(m in MIXERS for m in ([overrides["mixer"]] if isinstance(overrides.get("mixer", []), str)
+                                         else overrides.get("mixer", []))), path
+    for path in demos:
+        cfg = load_config(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            torch.manual_seed(0)
+            new = build_model(cfg.model, num_classes=10, in_chans=1)
+        old_overrides = {k: v for k, v in cfg.model.overrides.items() if k != "mixer"}
+        mixer = new.cfg.mixer
+        if set(mixer) == {"linear"}:
+            old_overrides.update(attention="linear")
+        else:
+            old_overrides.update(criss_cross=[m == "criss_cross" for m in mixer])
+        cfg.model.overrides = old_overrides
+        torch.manual_seed(0)
+        with pytest.warns(FutureWarning, match="deprecated"):
+            old = build_model(cfg.model, num_classes=10, in_chans=1)
+        assert old.cfg == new.cfg
+        assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
