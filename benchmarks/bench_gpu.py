@@ -4,7 +4,8 @@ For each case, on the same inputs and in one process: the eager reference (``ppm
 under ``torch.compile``, FlexAttention with the same bias as a ``score_mod`` (``polyline_attention`` only: two
 compiled passes, one per softmax), and ppma's fused op (for ``polyline_attention`` on CUDA also with its tensor-core
 kernels switched off, ``PPMA_CUDA_TENSOR_CORES=0``). Forward and forward + backward (every input gradient);
-median time after warm-up (CUDA events) and peak memory above the inputs; ratios reference / fused.
+median time after warm-up (``ppma.timing.measure_time``, on ``torch.utils.benchmark``) and peak memory above the
+inputs; ratios reference / fused.
 
 Cases: ``polyline_attention`` bf16, batch 8, 4 heads, head dim 32, at 32x32, 48x48 and 64x64 tokens (1024-4096);
 ``criss_cross_attention`` bf16 at the PPMA-T stage 1 and 2 shapes with batch 64 (56x56, 4 heads of 16; 28x28,
@@ -25,8 +26,6 @@ import json
 import os
 import platform
 import re
-import statistics
-import time
 from contextlib import contextmanager
 
 import torch
@@ -34,6 +33,7 @@ import torch
 import ppma
 import ppma.ops as ops
 from ppma.ops import reference as ref
+from ppma.timing import measure_time
 
 # This benchmark measures the CUDA kernels, which are opt-in until they pass their tests on a GPU.
 ops.set_impl("fused", cuda_kernels=True)
@@ -47,36 +47,11 @@ CPU_CC_SHAPES = [(2, 7, 7, 2, 16)]
 CPU_LA_SHAPES = [(1, 6, 7, 2, 16)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def bench(fn, device: torch.device, warmup: int, reps: int):
-    """Median milliseconds of fn() and its peak memory (MiB) above what was allocated before (CUDA only)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    mem = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize(device)
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    if device.type == "cuda":
-        mem = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    return statistics.median(times), mem
+    """Median milliseconds of fn() and its peak memory (MiB) above what was allocated before (CUDA only), by
+    ``ppma.timing.measure_time``."""
+    t = measure_time(fn, repeat=reps, warmup=warmup, device=device, track_memory=True)
+    return t.median_ms, t.peak_mib
 
 
 def make_inputs(shape, dtype, device, grad: bool, seed: int = 0, nonneg_qk: bool = False):

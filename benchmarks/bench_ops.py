@@ -7,7 +7,8 @@ Two levels, at the real stage shapes of PPMA-T/S/B (spec §4.1):
 * ``layer``: ``ppma.nn.PPMAAttention`` (q/k/v projections, RoPE, LePE 5x5 depthwise conv, decay module,
   output projection) with ``impl="fused"`` vs ``impl="reference"``, same weights and inputs.
 
-Times: median over repeats after warm-up, both implementations timed in this process on the same inputs.
+Times: ``ppma.timing.measure_time`` (``torch.utils.benchmark.Timer``): median over about ``--repeat`` passes after
+a warm-up, both implementations timed in this process on the same inputs.
 Peak memory: every (case, implementation, pass) is run once more in a fresh subprocess, which builds the
 inputs, runs a tiny warm-up, resets its resident-set high-water mark (``/proc/self/clear_refs``), runs the
 pass once, and reports ``VmHWM - VmRSS(before)``, the increase of the peak resident set size. That is the extra memory the pass needed (activations, saved
@@ -35,10 +36,8 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -47,13 +46,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import ppma  # noqa: E402
+from ppma.models import MODEL_CONFIGS  # noqa: E402
 from ppma.ops import reference  # noqa: E402
+from ppma.timing import measure_time  # noqa: E402
 
-# Spec §4.1: (channels, heads) per stage and the criss-cross flag per stage.
+# Spec §4.1: (channels, heads) per stage and the mixer per stage.
 VARIANTS = {
-    "T": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), chunk=(True, True, False, False)),
-    "S": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), chunk=(True, True, True, False)),
-    "B": dict(dims=(80, 160, 320, 512), heads=(5, 5, 10, 16), chunk=(True, True, True, False)),
+    "T": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), mixer=MODEL_CONFIGS["ppma_tiny"].mixer),
+    "S": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), mixer=MODEL_CONFIGS["ppma_small"].mixer),
+    "B": dict(dims=(80, 160, 320, 512), heads=(5, 5, 10, 16), mixer=MODEL_CONFIGS["ppma_base"].mixer),
 }
 # Input sizes (H, W): stem /4 by two stride-2 convs, then a stride-2 conv per stage (ceil halving).
 RESOLUTIONS = {"224": (224, 224), "512": (512, 512), "1333x800": (800, 1344)}  # COCO padded to 32
@@ -74,7 +75,7 @@ def op_cases(batch: int):
     for res, (h, w) in RESOLUTIONS.items():
         for vname, cfg in VARIANTS.items():
             for s, (H, W) in enumerate(stage_grids(h, w)):
-                op = "criss_cross_attention" if cfg["chunk"][s] else "polyline_attention"
+                op = "criss_cross_attention" if cfg["mixer"][s] == "criss_cross" else "polyline_attention"
                 G = cfg["heads"][s]
                 d = cfg["dims"][s] // G
                 key = (op, H, W, G, d)
@@ -88,16 +89,16 @@ def op_cases(batch: int):
 def layer_cases(quick: bool):
     # The two target cases first (see the README of benchmarks/), then more stages.
     cases = [
-        dict(level="layer", mode="full", B=2, H=32, W=32, C=256, G=8, where="T3@512"),
-        dict(level="layer", mode="criss_cross", B=4, H=56, W=56, C=64, G=4, where="T1@224"),
+        dict(level="layer", mixer="full", B=2, H=32, W=32, C=256, G=8, where="T3@512"),
+        dict(level="layer", mixer="criss_cross", B=4, H=56, W=56, C=64, G=4, where="T1@224"),
     ]
     if not quick:
         cases += [
-            dict(level="layer", mode="full", B=8, H=14, W=14, C=256, G=8, where="T3@224"),
-            dict(level="layer", mode="full", B=8, H=7, W=7, C=512, G=16, where="T4@224"),
-            dict(level="layer", mode="criss_cross", B=4, H=28, W=28, C=128, G=4, where="T2@224"),
-            dict(level="layer", mode="criss_cross", B=2, H=128, W=128, C=64, G=4, where="T1@512"),
-            dict(level="layer", mode="full", B=1, H=50, W=84, C=256, G=8, where="T3@1333x800"),
+            dict(level="layer", mixer="full", B=8, H=14, W=14, C=256, G=8, where="T3@224"),
+            dict(level="layer", mixer="full", B=8, H=7, W=7, C=512, G=16, where="T4@224"),
+            dict(level="layer", mixer="criss_cross", B=4, H=28, W=28, C=128, G=4, where="T2@224"),
+            dict(level="layer", mixer="criss_cross", B=2, H=128, W=128, C=64, G=4, where="T1@512"),
+            dict(level="layer", mixer="full", B=1, H=50, W=84, C=256, G=8, where="T3@1333x800"),
         ]
     return cases
 
@@ -108,12 +109,12 @@ LINEAR_IMPLS = {
     "full": lambda *a: ppma.ops.polyline_attention(*a),
     "dense": lambda *a: reference.polyline_linear_attention_ref(*a),
 }
-# Model level: (attention per stage, ppma.ops implementation). "standard" is PPMA-T on our fused kernels, "official"
+# Model level: (mixer per stage, ppma.ops implementation). "standard" is PPMA-T on our fused kernels, "official"
 # the same model in the official formulation (the reference ops, which build the N x N masks).
 MODEL_IMPLS = {
-    "linear34": (("softmax", "softmax", "linear", "linear"), "fused"),
-    "standard": (("softmax",) * 4, "fused"),
-    "official": (("softmax",) * 4, "reference"),
+    "linear34": (("criss_cross", "criss_cross", "linear", "linear"), "fused"),
+    "standard": (("criss_cross", "criss_cross", "full", "full"), "fused"),
+    "official": (("criss_cross", "criss_cross", "full", "full"), "reference"),
 }
 
 
@@ -190,7 +191,7 @@ def ref_bytes(case) -> int:
     """Rough peak of the dense reference for fwd+bwd: ~8 live fp32 score-sized tensors."""
     B, H, W = case["B"], case["H"], case["W"]
     G = case["G"]
-    full = case.get("op") == "polyline_attention" or case.get("mode") == "full"
+    full = case.get("op") == "polyline_attention" or case.get("mixer") == "full"
     per_head = (H * W) ** 2 if full else H * W * W + W * H * H
     return 8 * 4 * B * G * per_head
 
@@ -200,7 +201,7 @@ def label(case) -> str:
         return f"{case['level']} {case['where']}"
     if case["level"] == "op":
         return f"{case['op']} {case['where']} B{case['B']} {case['H']}x{case['W']} h{case['G']} d{case['d']}"
-    return f"layer {case['mode']} {case['where']} B{case['B']} {case['H']}x{case['W']} C{case['C']} h{case['G']}"
+    return f"layer {case['mixer']} {case['where']} B{case['B']} {case['H']}x{case['W']} C{case['C']} h{case['G']}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,8 +223,8 @@ def build(case, impl: str, backward: bool):
         run = lambda: fn(*args)  # noqa: E731
     elif case["level"] == "model":
         torch.manual_seed(0)
-        attention, ops_impl = MODEL_IMPLS[impl]
-        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, attention=attention).eval()
+        mixer, ops_impl = MODEL_IMPLS[impl]
+        model = ppma.create_model("ppma_tiny", num_classes=1000, drop_path_rate=0.0, mixer=mixer).eval()
         x = torch.randn(B, 3, H, W, generator=g)
         args = list(model.parameters())
         if not backward:
@@ -244,7 +245,7 @@ def build(case, impl: str, backward: bool):
         from ppma.nn import PPMAAttention
 
         torch.manual_seed(0)
-        layer = PPMAAttention(case["C"], G, mode=case["mode"])
+        layer = PPMAAttention(case["C"], G, mixer=case["mixer"])
         x = torch.randn(B, H, W, case["C"], generator=g).requires_grad_(backward)
         args = [x]
 
@@ -272,15 +273,9 @@ def build(case, impl: str, backward: bool):
 
 
 def time_case(case, impl, backward, warmup, repeat):
-    f = build(case, impl, backward)
-    for _ in range(warmup):
-        f()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+    """Median and minimum seconds per pass (``ppma.timing.measure_time``)."""
+    t = measure_time(build(case, impl, backward), repeat=repeat, warmup=warmup)
+    return t.median, t.min
 
 
 def child_peak(case, impl, backward, cap_gib: float | None = None) -> float | str | None:
@@ -462,7 +457,7 @@ def markdown(info, rows, repeat):
         "# ppma CPU benchmark: fused ops vs the reference (official formulation)",
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads); torch {info['torch']}, "
-        f"Python {info['python']}; {info['date']}. Median of {repeat} runs after a warm-up, fp32.",
+        f"Python {info['python']}; {info['date']}. Median of about {repeat} runs after a warm-up (ppma.timing), fp32.",
         "",
         "Peak memory = increase of the peak resident set size of a fresh process running the pass once "
         "(after building the inputs), i.e. the extra memory the pass needs. Ratios: reference / fused.",

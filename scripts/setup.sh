@@ -17,8 +17,11 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] 
   pip_install "torch==$TORCH_VERSION"
 fi
 echo "[setup] installing build, test and training dependencies"
+# onnx / onnxscript / onnxruntime: the ONNX export check of the test suite (torch 2.13's dynamo exporter;
+# the three wheels are about 38 MB for CPython 3.11 on x86-64 Linux)
 pip_install "setuptools>=64" wheel ninja numpy pyyaml tqdm pillow \
   pytest expecttest hypothesis \
+  "onnx==1.23.2" "onnxscript==0.7.2" "onnxruntime==1.32.0" \
   "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" timm scikit-learn safetensors matplotlib \
   "omegaconf>=2.3,<3" \
   "mmengine>=0.10"

@@ -122,7 +122,7 @@ def test_benchmark_cli_quick(tmp_path):
     from ppma.train.cli.benchmark import main
 
     extra = ["--override", "embed_dims=[8, 16, 16, 16]", "--override", "depths=[1, 1, 1, 1]",
-             "--override", "num_heads=[1, 2, 2, 2]", "--override", "criss_cross=[true, true, false, false]"]
+             "--override", "num_heads=[1, 2, 2, 2]", "--override", "mixer=[criss_cross, criss_cross, full, full]"]
     out = tmp_path / "bench"
     assert main(["--batch-size", "2", "--img-size", "32", "--warmup", "1", "--iters", "2", "--device", "cpu",
                  "--num-classes", "10", "--output", str(out), *extra]) == 0
@@ -173,17 +173,17 @@ def test_attention_row_is_the_models_attention():
     M = polyline_log_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]
     S = (q.reshape(-1, d) @ k.reshape(-1, d).T) * d**-0.5
     expect = 0.5 * torch.softmax(S[p] + M[p], -1) + 0.5 * torch.softmax(S[p] + M[:, p], -1)
-    got = attention_row(q, k, la, lb, query, criss_cross=False)
+    got = attention_row(q, k, la, lb, query, mixer="full")
     torch.testing.assert_close(got.reshape(-1), expect)
     # criss-cross: weights reproduce the operator's output for any v, and sum to 1
-    got = attention_row(q, k, la, lb, query, criss_cross=True)
+    got = attention_row(q, k, la, lb, query, mixer="criss_cross")
     v = torch.randn(1, H, W, 1, 3, generator=g, dtype=torch.float64)
     out = criss_cross_attention_ref(q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
                                     lb[None, :, :, None])
     torch.testing.assert_close(got.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
     assert got.sum().item() == pytest.approx(1.0)
     # full attention: the weights reproduce polyline_attention_ref's output for any v
-    full = attention_row(q, k, la, lb, query, criss_cross=False)
+    full = attention_row(q, k, la, lb, query, mixer="full")
     out = polyline_attention_ref(q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
                                  lb[None, :, :, None])
     torch.testing.assert_close(full.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
@@ -232,7 +232,7 @@ def test_visualize_ablation_masks(mask):
     p = query[0] * W + query[1]
     v = torch.randn(1, H, W, 1, 3, generator=g, dtype=torch.float64)
     for mode in ("full", "criss_cross"):
-        row = attention_row(q, k, la, lb, query, criss_cross=mode == "criss_cross", mask=mask)
+        row = attention_row(q, k, la, lb, query, mixer=mode, mask=mask)
         out = masked_attention(mask, mode, q[None, :, :, None], k[None, :, :, None], v, la[None, :, :, None],
                                lb[None, :, :, None], d**-0.5)
         torch.testing.assert_close(row.reshape(-1) @ v.reshape(-1, 3), out[0, query[0], query[1], 0])
@@ -286,7 +286,7 @@ def test_capture_attention_hooks_every_layer(impl):
     ops = [m for m in model.modules() if isinstance(m, MaskedAttentionOp)]
     with torch.no_grad(), ppma.ops.use_impl(impl), capture_attention(model) as rec:
         model(torch.randn(1, 3, 40, 56))
-    assert [c["kind"] for c in rec["calls"]] == [m.mode for m in ops] == ["criss_cross"] * 3 + ["full"] * 2
+    assert [c["kind"] for c in rec["calls"]] == [m.mixer for m in ops] == ["criss_cross"] * 3 + ["full"] * 2
     assert [c["q"].shape[1:3] for c in rec["calls"]] == [(10, 14)] + [(5, 7)] * 2 + [(3, 4), (2, 2)]
     assert all(c["scale"] == 1.0 for c in rec["calls"]) and len(rec["decays"]) == 5
     assert not any(m._forward_hooks for m in model.modules())

@@ -237,7 +237,7 @@ def test_bad_mask_named():
 
 def test_mask_and_mixer_through_create_model_and_timm():
     """``mask`` and ``mixer`` reach every block from ``ppma.create_model`` and from timm's registry."""
-    kw = dict(depths=(1, 1, 1, 1), mask="cross_scan", mixer=("attention", "padre", "attention", "attention"))
+    kw = dict(depths=(1, 1, 1, 1), mask="cross_scan", mixer=("criss_cross", "padre", "full", "full"))
     models = [ppma.create_model("ppma_tiny", **kw)]
     timm = pytest.importorskip("timm")
     models.append(timm.create_model("ppma_tiny", **kw))

@@ -3,14 +3,18 @@ fused vs reference (spec §4, design §3)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import warnings
 
 import pytest
 import torch
 
 import ppma
-from ppma.models import MODEL_CONFIGS, PPMA, count_macs, create_model, list_models
-from ppma.nn import LayerScale
+from ppma.models import MODEL_CONFIGS, PPMA, PPMAConfig, count_macs, create_model, list_models
+from ppma.models.ppma import DEFAULT_MIXER
+from ppma.nn import MIXERS, LayerScale
 
 warnings.filterwarnings("ignore", message="ppma._C is not available")
 
@@ -44,14 +48,14 @@ def test_param_count_and_gmacs(name):
 
 def test_variant_settings():
     t, s, b = (MODEL_CONFIGS[n] for n in ("ppma_tiny", "ppma_small", "ppma_base"))
-    assert t.criss_cross == (True, True, False, False)
-    assert s.criss_cross == b.criss_cross == (True, True, True, False)
+    assert t.mixer == ("criss_cross", "criss_cross", "full", "full")
+    assert s.mixer == b.mixer == ("criss_cross", "criss_cross", "criss_cross", "full")
     assert t.layerscale == s.layerscale == (False,) * 4 and b.layerscale == (False, False, True, True)
     assert (t.drop_path_rate, s.drop_path_rate, b.drop_path_rate) == (0.1, 0.15, 0.4)
     with torch.device("meta"):
         model = create_model("ppma_base", num_classes=0)
-    modes = [blk.attn.mode for st in model.stages for blk in st.blocks[:1]]
-    assert modes == ["criss_cross", "criss_cross", "criss_cross", "full"]
+    mixers = [blk.attn.mixer for st in model.stages for blk in st.blocks[:1]]
+    assert mixers == ["criss_cross", "criss_cross", "criss_cross", "full"]
     ls = model.stages[2].blocks[0].ls1
     assert isinstance(ls, LayerScale) and ls.gamma.shape == (320,)
     assert torch.all(LayerScale(4, 1e-6).gamma == 1e-6)
@@ -76,9 +80,9 @@ def test_init():
 
 
 def test_create_model_overrides_and_errors():
-    model = small_model(criss_cross=(False, True, False, True), layerscale=(True,) * 4, layer_init_values=0.5,
-                        in_chans=1, mlp_ratios=(2, 2, 2, 2))
-    assert model.stages[0].blocks[0].attn.mode == "full" and model.stages[1].blocks[0].attn.mode == "criss_cross"
+    model = small_model(mixer=("full", "criss_cross", "full", "criss_cross"), layerscale=(True,) * 4,
+                        layer_init_values=0.5, in_chans=1, mlp_ratios=(2, 2, 2, 2))
+    assert model.stages[0].blocks[0].attn.mixer == "full" and model.stages[1].blocks[0].attn.mixer == "criss_cross"
     assert torch.all(model.stages[3].blocks[0].ls2.gamma == 0.5)
     assert model(torch.randn(1, 1, 40, 40)).shape == (1, 10)
     assert create_model("ppma_tiny", drop_path_rate=0.3, **TINY_KW).cfg.drop_path_rate == 0.3
@@ -95,22 +99,83 @@ def test_create_model_overrides_and_errors():
 
 
 def test_mixer_options_broadcast_and_errors():
-    """``attention`` / ``mixer`` take one string for every stage or one entry per stage; unknown names raise."""
-    cfg = create_model("ppma_tiny", attention="softmax", mixer=("attention",) * 4, **TINY_KW).cfg
-    assert cfg.attention == ("softmax",) * 4 and cfg.mixer == ("attention",) * 4 and cfg.mask == "polyline"
-    with pytest.raises(ValueError, match="attention: 'quadratic'"):
-        create_model("ppma_tiny", attention="quadratic")
+    """``mixer`` takes one string for every stage or one entry per stage; unknown names raise."""
+    cfg = create_model("ppma_tiny", mixer="full", **TINY_KW).cfg
+    assert cfg.mixer == ("full",) * 4 and cfg.mask == "polyline"
+    assert MIXERS == ("criss_cross", "full", "linear", "padre")
+    assert "criss_cross" not in {f.name for f in dataclasses.fields(cfg)}  # deprecated: translated, not stored
     with pytest.raises(ValueError, match="mixer: 'mlp'"):
-        create_model("ppma_tiny", mixer=("attention", "attention", "mlp", "attention"))
+        create_model("ppma_tiny", mixer=("full", "full", "mlp", "full"))
     with pytest.raises(ValueError, match="mask: 'diagonal'"):
         create_model("ppma_tiny", mask="diagonal")
     with pytest.raises(ValueError, match="4 entries"):
-        create_model("ppma_tiny", attention=("softmax",) * 3)
-    with pytest.raises(ValueError, match=r"attention='linear' \(stage 2\) supports mask='polyline' only"):
-        create_model("ppma_tiny", attention=("softmax", "softmax", "linear", "linear"), mask="manhattan")
-    # a stage whose mixer is PADRe has no attention: its attention kind does not constrain the mask
-    create_model("ppma_tiny", attention=("softmax", "softmax", "linear", "softmax"), mask="manhattan",
-                 mixer=("attention", "attention", "padre", "attention"), **TINY_KW)
+        create_model("ppma_tiny", mixer=("full",) * 3)
+    with pytest.raises(ValueError, match=r"mixer='linear' \(stage 2\) supports mask='polyline' only"):
+        create_model("ppma_tiny", mixer=("full", "full", "linear", "linear"), mask="manhattan")
+    # a stage whose mixer is PADRe has no attention: it does not constrain the mask
+    create_model("ppma_tiny", mixer=("criss_cross", "full", "padre", "full"), mask="manhattan", **TINY_KW)
+
+
+LEGACY_CASES = [  # (deprecated keywords, the mixer they mean on ppma_small, whose mixer is (cc, cc, cc, full))
+    (dict(criss_cross=(False, True, False, True)), ("full", "criss_cross", "full", "criss_cross")),
+    (dict(criss_cross=[True, True, False, False]), ("criss_cross", "criss_cross", "full", "full")),
+    (dict(attention="linear"), ("linear",) * 4),
+    (dict(attention=("softmax", "softmax", "linear", "linear")), ("criss_cross", "criss_cross", "linear", "linear")),
+    (dict(mixer="attention"), ("criss_cross", "criss_cross", "criss_cross", "full")),
+    (dict(mixer=("attention", "padre", "attention", "attention"), attention=("softmax", "softmax", "linear", "softmax"),
+          criss_cross=(False, True, True, True)), ("full", "padre", "linear", "criss_cross")),
+    (dict(mixer="full", criss_cross=False), ("full",) * 4),  # agreeing old and new: accepted, with the warning
+]
+
+
+@pytest.mark.parametrize("legacy, expected", LEGACY_CASES)
+def test_deprecated_mixer_spellings(legacy, expected):
+    """``criss_cross=``, ``attention=`` and ``mixer="attention"`` still build the same model as the ``mixer`` they
+    mean, through ``create_model``, ``PPMA(cfg, **overrides)``, timm and the mmengine backbone, with a
+    ``FutureWarning`` that names the replacement."""
+    kw = dict(TINY_KW, drop_path_rate=0.0)
+    with pytest.warns(FutureWarning, match=re.escape(f"use mixer={expected!r}")):
+        model = create_model("ppma_small", **legacy, **kw)
+    assert model.cfg.mixer == expected
+    assert [st.blocks[0].attn.mixer if hasattr(st.blocks[0].attn, "mixer") else "padre"
+            for st in model.stages] == list(expected)
+    torch.manual_seed(0)
+    new = create_model("ppma_small", mixer=expected, **kw)
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning, match="deprecated"):
+        old = PPMA(MODEL_CONFIGS["ppma_small"], **legacy, **kw)
+    assert old.cfg == new.cfg
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(old.eval()(x), new.eval()(x), rtol=0, atol=0)
+
+
+def test_deprecated_mixer_spellings_in_config_and_frontends():
+    """The dataclass itself, timm's ``create_model`` and the mmengine backbone translate the old names too; old and
+    new that disagree raise naming both."""
+    with pytest.warns(FutureWarning, match=re.escape("use mixer=('full', 'full', 'full', 'criss_cross')")):
+        assert PPMAConfig(criss_cross=(False, False, False, True)).mixer == ("full", "full", "full", "criss_cross")
+    with pytest.warns(FutureWarning):
+        assert PPMAConfig(mixer="attention").mixer == PPMAConfig().mixer == DEFAULT_MIXER
+    with pytest.raises(ValueError, match=r"mixer='full' conflicts with the deprecated criss_cross=\(True"):
+        create_model("ppma_tiny", mixer="full", criss_cross=(True, True, False, False))
+    with pytest.raises(ValueError, match="mixer='linear' conflicts with the deprecated attention='softmax'"):
+        PPMAConfig(mixer="linear", attention="softmax")
+    with pytest.raises(ValueError, match="criss_cross"):
+        create_model("ppma_tiny", criss_cross=("yes",) * 4)
+    with pytest.raises(ValueError, match="attention"):
+        create_model("ppma_tiny", attention="quadratic")
+    timm = pytest.importorskip("timm")
+    with pytest.warns(FutureWarning, match="deprecated"):
+        m = timm.create_model("ppma_tiny", attention=["softmax", "softmax", "linear", "linear"], **TINY_KW)
+    assert m.cfg.mixer == ("criss_cross", "criss_cross", "linear", "linear")
+    mm = pytest.importorskip("mmengine")
+    from mmengine.registry import MODELS
+
+    import ppma.models.mm  # noqa: F401
+
+    with pytest.warns(FutureWarning, match="deprecated"):
+        bb = MODELS.build(dict(type="PPMA", arch="tiny", criss_cross=[False] * 4, **TINY_KW))
+    assert bb.cfg.mixer == ("full",) * 4
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
@@ -175,7 +240,7 @@ def test_timm_api():
 
 
 def test_fused_matches_reference():
-    model = small_model(criss_cross=(True, False, True, False)).eval()
+    model = small_model(mixer=("criss_cross", "full", "criss_cross", "full")).eval()
     x = torch.randn(2, 3, 72, 88)
     y_fused = model(x)
     with ppma.ops.use_impl("reference"):
@@ -284,7 +349,7 @@ def test_compile_inductor_dynamic(train):
 
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
 def test_flop_formulas_of_fused_ops_match_reference():
-    model = small_model(criss_cross=(True, False, True, False)).eval()
+    model = small_model(mixer=("criss_cross", "full", "criss_cross", "full")).eval()
     fused = count_macs(model, (1, 3, 96, 72))
     with ppma.ops.use_impl("reference"):
         assert fused == count_macs(model, (1, 3, 96, 72))
@@ -329,3 +394,39 @@ def test_compile_aot_eager_dynamic_training_no_recompile():
     # the first step compiles (its frame count depends on how dynamo splits the training step); the other
     # image sizes must reuse those graphs
     assert counts[0] >= 1 and counts == [counts[0]] * 3, counts
+
+
+def test_config_files_use_the_current_names_and_old_files_still_build():
+    """The shipped training configs name the token mixer with ``mixer`` (no FutureWarning when built); a config
+    file on disk with the old ``criss_cross`` / ``attention`` keys still builds the same model, with the warning."""
+    import glob
+
+    from ppma.train.build import build_model
+    from ppma.train.config import load_config
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "classification")
+    demos = sorted(glob.glob(os.path.join(root, "demo_*.yaml")))
+    assert demos
+    for path in sorted(glob.glob(os.path.join(root, "*.yaml"))):
+        overrides = load_config(path).model.overrides
+        assert not set(overrides) & {"criss_cross", "attention"}, path
+        assert all(m in MIXERS for m in ([overrides["mixer"]] if isinstance(overrides.get("mixer", []), str)
+                                         else overrides.get("mixer", []))), path
+    for path in demos:
+        cfg = load_config(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            torch.manual_seed(0)
+            new = build_model(cfg.model, num_classes=10, in_chans=1)
+        old_overrides = {k: v for k, v in cfg.model.overrides.items() if k != "mixer"}
+        mixer = new.cfg.mixer
+        if set(mixer) == {"linear"}:
+            old_overrides.update(attention="linear")
+        else:
+            old_overrides.update(criss_cross=[m == "criss_cross" for m in mixer])
+        cfg.model.overrides = old_overrides
+        torch.manual_seed(0)
+        with pytest.warns(FutureWarning, match="deprecated"):
+            old = build_model(cfg.model, num_classes=10, in_chans=1)
+        assert old.cfg == new.cfg
+        assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))

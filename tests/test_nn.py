@@ -69,10 +69,10 @@ def test_rotary_embedding():
         RotaryEmbedding2D(7)
 
 
-@pytest.mark.parametrize("mode", ["full", "criss_cross"])
-def test_attention_contract(mode):
+@pytest.mark.parametrize("mixer", ["full", "criss_cross"])
+def test_attention_contract(mixer):
     torch.manual_seed(0)
-    attn = PPMAAttention(32, 2, mode=mode)
+    attn = PPMAAttention(32, 2, mixer=mixer)
     x = torch.randn(2, 6, 9, 32)
     y = attn(x)
     assert y.shape == x.shape
@@ -80,17 +80,19 @@ def test_attention_contract(mode):
     torch.testing.assert_close(attn(x, rope), y)
     with ppma.ops.use_impl("reference"):
         torch.testing.assert_close(attn(x, rope), y, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="mode"):
-        PPMAAttention(32, 2, mode="chunk")
+    with pytest.raises(ValueError, match="mixer must be one of"):
+        PPMAAttention(32, 2, mixer="chunk")  # the official name is not ours (docs/ops.md, "Glossary")
+    with pytest.raises(ValueError, match="mixer must be one of"):
+        PPMAAttention(32, 2, mixer="padre")  # a mixer, but not an attention
     with pytest.raises(ValueError, match=r"\[B, H, W, 32\]"):
         attn(torch.randn(2, 6, 9, 16))
 
 
-@pytest.mark.parametrize("mode", ["full", "criss_cross"])
-def test_attention_matches_literal_formula(mode):
+@pytest.mark.parametrize("mixer", ["full", "criss_cross"])
+def test_attention_matches_literal_formula(mixer):
     """q/k/v projections, LePE on v, k scaled by d^-0.5 before RoPE, out = proj(attn + lepe) (spec §3.2)."""
     torch.manual_seed(0)
-    attn = PPMAAttention(16, 2, mode=mode).double()
+    attn = PPMAAttention(16, 2, mixer=mixer).double()
     with torch.no_grad():
         attn.decay.A_log.uniform_(-1, 1)
     x = torch.randn(1, 4, 5, 16, dtype=torch.float64)
@@ -100,7 +102,7 @@ def test_attention_matches_literal_formula(mode):
     k = k * 8**-0.5
     q, k = (apply_rotary(t.view(1, 4, 5, 2, 8), sin, cos) for t in (q, k))
     la, lb = attn.decay(x)
-    fn = reference.polyline_attention_ref if mode == "full" else reference.criss_cross_attention_ref
+    fn = reference.polyline_attention_ref if mixer == "full" else reference.criss_cross_attention_ref
     o = fn(q, k, v.view(1, 4, 5, 2, 8), la, lb, 1.0).reshape(1, 4, 5, 16)
     expect = attn.proj(o + lepe.permute(0, 2, 3, 1))
     torch.testing.assert_close(attn(x, (sin, cos)), expect, rtol=1e-12, atol=1e-12)
@@ -108,7 +110,7 @@ def test_attention_matches_literal_formula(mode):
 
 def test_block_residual_structure():
     torch.manual_seed(0)
-    blk = PPMABlock(16, 2, mlp_ratio=2.0, mode="criss_cross", layerscale=True, layer_init_values=0.0).eval()
+    blk = PPMABlock(16, 2, mlp_ratio=2.0, mixer="criss_cross", layerscale=True, layer_init_values=0.0).eval()
     x = torch.randn(1, 3, 4, 16)
     # with zero layer scale both branches vanish: only the CPE residual remains
     torch.testing.assert_close(blk(x), x + blk.cpe(x))

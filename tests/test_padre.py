@@ -103,7 +103,7 @@ def test_padre_as_mixer_in_block_and_model():
     assert isinstance(block.attn, PADReMixer)
     assert block(torch.randn(2, 5, 4, 16)).shape == (2, 5, 4, 16)
     model = PPMA(embed_dims=(16, 32, 32, 32), depths=(1, 1, 1, 1), num_heads=(2, 2, 2, 2), head_hidden_dim=32,
-                 num_classes=3, mixer=("padre", "attention", "padre", "attention"))
+                 num_classes=3, mixer=("padre", "criss_cross", "padre", "full"))
     kinds = [type(s.blocks[0].attn).__name__ for s in model.stages]
     assert kinds == ["PADReMixer", "PPMAAttention", "PADReMixer", "PPMAAttention"]
     assert_trains_one_step(model, torch.randn(2, 3, 40, 36), num_classes=3)

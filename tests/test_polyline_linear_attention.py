@@ -164,23 +164,23 @@ def test_reference_matches_the_literal_definition(normalize, eps):
 
 
 # ------------------------------------------------------------------------------------------------
-# The backbone option: attention="linear" (PPMAAttention, PPMAConfig, timm, mmengine)
+# The backbone option: mixer="linear" (PPMAAttention, PPMAConfig, timm, mmengine)
 # ------------------------------------------------------------------------------------------------
 
 TINY_KW = dict(embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4))
 
 
-@pytest.mark.parametrize("mode", ["full", "criss_cross"])
-def test_linear_attention_module(mode):
-    """Same parameters as the softmax attention; the output is the op on elu+1 features of the module's
-    rotated q and scaled, rotated k, in either mode (a linear layer always attends over the whole map)."""
+@pytest.mark.parametrize("softmax_mixer", ["full", "criss_cross"])
+def test_linear_attention_module(softmax_mixer):
+    """Same parameters as the softmax attention of either layout; the output is the op on elu+1 features of the
+    module's rotated q and scaled, rotated k (a linear layer always attends over the whole map)."""
     from ppma.nn import PPMAAttention
     from ppma.nn.attention import LinearAttentionOp
 
     torch.manual_seed(0)
-    soft = PPMAAttention(32, 2, mode)
-    lin = PPMAAttention(32, 2, mode, attention="linear")
-    assert isinstance(lin.attn_op, LinearAttentionOp) and "attention='linear'" in repr(lin)
+    soft = PPMAAttention(32, 2, softmax_mixer)
+    lin = PPMAAttention(32, 2, "linear")
+    assert isinstance(lin.attn_op, LinearAttentionOp) and "mixer='linear'" in repr(lin)
     assert [(n, p.shape) for n, p in soft.named_parameters()] == [(n, p.shape) for n, p in lin.named_parameters()]
     lin.load_state_dict(soft.state_dict())
     seen = {}
@@ -192,21 +192,21 @@ def test_linear_attention_module(mode):
     torch.testing.assert_close(seen["out"], polyline_linear_attention_ref(phi(q), phi(k), v, la, lb))
     y.square().sum().backward()
     assert all(p.grad is not None for p in lin.parameters())
-    PPMAAttention(32, 2, mode, mask="manhattan")  # an ablation mask with softmax attention
-    with pytest.raises(ValueError, match="attention='linear' supports mask='polyline' only"):
-        PPMAAttention(32, 2, mode, attention="linear", mask="manhattan")
+    PPMAAttention(32, 2, softmax_mixer, mask="manhattan")  # an ablation mask with softmax attention
+    with pytest.raises(ValueError, match="mixer='linear' supports mask='polyline' only"):
+        PPMAAttention(32, 2, "linear", mask="manhattan")
 
 
 def test_model_with_linear_stages():
-    """``create_model(..., attention=...)`` per stage: PPMA-T's parameter count is unchanged, fused == reference
+    """``create_model(..., mixer=...)`` per stage: PPMA-T's parameter count is unchanged, fused == reference
     forward and gradients, and one string sets every stage."""
     import ppma
 
-    full = ppma.create_model("ppma_tiny", attention=("softmax", "softmax", "linear", "linear"), num_classes=1000)
+    full = ppma.create_model("ppma_tiny", mixer=("criss_cross", "criss_cross", "linear", "linear"), num_classes=1000)
     assert sum(p.numel() for p in full.parameters()) == 14_335_272
     torch.manual_seed(0)
-    model = ppma.create_model("ppma_tiny", num_classes=10, attention="linear", **TINY_KW)
-    assert model.cfg.attention == ("linear",) * 4
+    model = ppma.create_model("ppma_tiny", num_classes=10, mixer="linear", **TINY_KW)
+    assert model.cfg.mixer == ("linear",) * 4
     x = torch.randn(2, 3, 64, 80)
     out = model(x)
     out.square().sum().backward()
@@ -224,15 +224,15 @@ def test_timm_and_mmengine_accept_linear_attention():
     timm = pytest.importorskip("timm")
     import ppma.models  # noqa: F401  (registers the models)
 
-    m = timm.create_model("ppma_tiny", num_classes=3, attention=["softmax", "softmax", "linear", "linear"], **TINY_KW)
-    assert m.cfg.attention == ("softmax", "softmax", "linear", "linear")
+    m = timm.create_model("ppma_tiny", num_classes=3, mixer=["criss_cross", "full", "linear", "linear"], **TINY_KW)
+    assert m.cfg.mixer == ("criss_cross", "full", "linear", "linear")
     assert m(torch.randn(1, 3, 64, 64)).shape == (1, 3)
     pytest.importorskip("mmengine")
     from mmengine.registry import MODELS
 
     import ppma.models.mm  # noqa: F401
 
-    bb = MODELS.build(dict(type="PPMA", arch="tiny", attention="linear", drop_path_rate=0.0, **TINY_KW)).eval()
+    bb = MODELS.build(dict(type="PPMA", arch="tiny", mixer="linear", drop_path_rate=0.0, **TINY_KW)).eval()
     with torch.no_grad():
         outs = bb(torch.randn(1, 3, 64, 96))
-    assert bb.cfg.attention == ("linear",) * 4 and [o.shape[1] for o in outs] == [32, 64, 96, 128]
+    assert bb.cfg.mixer == ("linear",) * 4 and [o.shape[1] for o in outs] == [32, 64, 96, 128]

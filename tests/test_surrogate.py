@@ -157,13 +157,13 @@ SMALL = dict(embed_dims=(16, 32, 32, 32), depths=(1, 1, 1, 1), num_heads=(2, 2, 
 @pytest.mark.parametrize("options", [
     {"mixer": "sab"},
     {"mlp": "monarch"},
-    {"mixer": ("sab", "attention", "sab", "padre"), "mlp": ("monarch", "standard", "standard", "monarch")},
+    {"mixer": ("sab", "criss_cross", "sab", "padre"), "mlp": ("monarch", "standard", "standard", "monarch")},
 ])
 def test_training_step_of_each_option(options):
     """One AdamW step at an odd image size: every parameter gets a gradient, the loss moves."""
     torch.manual_seed(0)
     model = PPMA(**SMALL, **options, drop_path_rate=0.0)
-    mixers = options["mixer"] if isinstance(options.get("mixer"), tuple) else (options.get("mixer", "attention"),) * 4
+    mixers = options["mixer"] if isinstance(options.get("mixer"), tuple) else (options.get("mixer", "criss_cross"),) * 4
     mlps = options["mlp"] if isinstance(options.get("mlp"), tuple) else (options.get("mlp", "standard"),) * 4
     for s, stage in enumerate(model.stages):
         block = stage.blocks[0]

@@ -32,7 +32,7 @@ def model_args() -> list[str]:
     """A tiny PPMA: criss-cross attention in stages 1-2, full attention in stages 3-4."""
     return [
         "--set", "model.overrides={embed_dims: [8, 16, 16, 16], depths: [1, 1, 1, 1], num_heads: [1, 2, 2, 2],"
-        " mlp_ratios: [2, 2, 2, 2], criss_cross: [true, true, false, false]}",
+        " mlp_ratios: [2, 2, 2, 2], mixer: [criss_cross, criss_cross, full, full]}",
     ]
 
 

@@ -18,15 +18,16 @@ stage (timm's convention) changes no numbers and makes every stage output a feat
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import Sequence
 
 import torch
+import torch.fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ppma.nn import (
-    ATTENTION_KINDS,
     MASKS,
     MIXERS,
     MLPS,
@@ -37,7 +38,88 @@ from ppma.nn import (
     RotaryEmbedding2D,
 )
 
-__all__ = ["PPMAConfig", "PPMA", "PPMAStage", "MODEL_CONFIGS", "ppma_tiny", "ppma_small", "ppma_base"]
+__all__ = ["PPMAConfig", "PPMA", "PPMAStage", "MODEL_CONFIGS", "ppma_tiny", "ppma_small", "ppma_base",
+           "DEFAULT_MIXER", "resolve_mixer"]
+
+# PPMA-T's token mixers, and the layout a softmax stage gets when a deprecated spelling does not say it.
+DEFAULT_MIXER = ("criss_cross", "criss_cross", "full", "full")
+# Deprecated spellings (docs/ops.md, "Glossary"): ``criss_cross`` (4 bools) and ``attention`` ("softmax" |
+# "linear", per stage) and the mixer name "attention" (softmax attention in the stage's layout).
+LEGACY_KEYS = ("criss_cross", "attention")
+
+
+def _per_stage(name: str, value, where: str) -> tuple:
+    value = (value,) * 4 if isinstance(value, (str, bool)) else tuple(value)
+    if len(value) != 4:
+        raise ValueError(f"{where}: {name} must have 4 entries (one per stage), got {value}")
+    return value
+
+
+def resolve_mixer(base: Sequence[str], mixer=None, criss_cross=None, attention=None, *, where: str = "PPMAConfig"):
+    """The per-stage ``mixer`` tuple from the current spelling or the deprecated ones (docs/ops.md, "Glossary").
+
+    Args:
+        base: the mixers before this change (4 current names): what a stage keeps when nothing overrides it,
+            and where a softmax stage takes its layout (``"criss_cross"`` / ``"full"``) when a deprecated
+            spelling does not say it.
+        mixer: ``None``, one name for every stage or 4 names; the deprecated name ``"attention"`` means softmax
+            attention (or PPMLA where ``attention="linear"``).
+        criss_cross: deprecated, 4 bools (or one): the layout of the softmax stages.
+        attention: deprecated, ``"softmax"`` / ``"linear"`` per stage (or one string).
+        where: the caller, for messages.
+
+    A deprecated spelling warns (``FutureWarning``) naming the ``mixer=`` that replaces it. ``mixer`` in current
+    names together with ``criss_cross`` / ``attention`` is accepted only where they agree; otherwise
+    ``ValueError`` names both.
+    """
+    base = _per_stage("mixer", base, where)
+    new = None if mixer is None else _per_stage("mixer", mixer, where)
+    legacy_mixer = new is not None and "attention" in new
+    if criss_cross is None and attention is None and not legacy_mixer:
+        return base if new is None else new
+    cc = None if criss_cross is None else _per_stage("criss_cross", criss_cross, where)
+    kinds = None if attention is None else _per_stage("attention", attention, where)
+    if cc is not None and not all(isinstance(c, bool) for c in cc):
+        raise ValueError(f"{where}: criss_cross (deprecated) must be bools, got {cc}")
+    if kinds is not None and any(k not in ("softmax", "linear") for k in kinds):
+        raise ValueError(f"{where}: attention (deprecated) must be 'softmax' or 'linear' per stage, got {kinds}; "
+                         "use mixer= ('criss_cross', 'full', 'linear', ...) instead")
+    start = base if new is None or legacy_mixer else new
+    out = []
+    for s in range(4):
+        m = start[s]
+        if legacy_mixer and new[s] != "attention":
+            m = new[s]
+        # (kind, layout): softmax attention in a layout, PPMLA, or another mixer
+        kind, layout = ("softmax", m) if m in ("criss_cross", "full") else (m, None)
+        if legacy_mixer and new[s] == "attention" and kind not in ("softmax", "linear"):
+            kind = "softmax"
+        if kinds is not None and kind in ("softmax", "linear"):
+            kind = kinds[s]
+        if cc is not None:
+            layout = "criss_cross" if cc[s] else "full"
+        out.append((layout or DEFAULT_MIXER[s]) if kind == "softmax" else kind)
+    out = tuple(out)
+    given = ", ".join(f"{k}={v!r}" for k, v in (("mixer", mixer), ("criss_cross", criss_cross),
+                                                 ("attention", attention)) if v is not None)
+    if new is not None and not legacy_mixer and out != new:
+        raise ValueError(f"{where}: mixer={mixer!r} conflicts with the deprecated "
+                         + " and ".join(f"{k}={v!r}" for k, v in (("criss_cross", criss_cross),
+                                                                   ("attention", attention)) if v is not None)
+                         + f" (which mean mixer={out!r}); give mixer= only")
+    warnings.warn(f"{where}: {given} uses deprecated names; use mixer={out!r} (per stage 'criss_cross', 'full', "
+                  "'linear' or 'padre'; docs/ops.md, 'Glossary')", FutureWarning, stacklevel=4)
+    return out
+
+
+def apply_overrides(cfg: "PPMAConfig", overrides: dict, where: str) -> "PPMAConfig":
+    """``dataclasses.replace(cfg, **overrides)`` where the deprecated ``criss_cross`` / ``attention`` keywords and
+    the mixer name ``"attention"`` are translated against ``cfg.mixer`` (:func:`resolve_mixer`)."""
+    overrides = dict(overrides)
+    legacy = {k: overrides.pop(k) for k in LEGACY_KEYS if k in overrides}
+    if legacy or "mixer" in overrides:
+        overrides["mixer"] = resolve_mixer(cfg.mixer, overrides.get("mixer"), where=where, **legacy)
+    return dataclasses.replace(cfg, **overrides)
 
 
 @dataclass(frozen=True)
@@ -49,13 +131,13 @@ class PPMAConfig:
         depths: blocks per stage.
         num_heads: attention heads per stage.
         mlp_ratios: FFN expansion per stage.
-        criss_cross: per stage, criss-cross ("chunk") attention if True, full ("whole") attention if False.
+        mixer: per stage, what mixes the tokens (``ppma.nn.MIXERS``; docs/ops.md, "Glossary"):
+            ``"criss_cross"`` (polyline-masked softmax attention within each row and each column, official
+            "chunk"), ``"full"`` (over all tokens, official "whole"), ``"linear"`` (PPMLA, O(N)) or
+            ``"padre"`` (PADRe's polynomial mixer). One string means every stage; default PPMA-T's
+            ``("criss_cross", "criss_cross", "full", "full")``.
         layerscale: per stage, whether blocks use layer scale.
-        attention: per stage, what the attention computes (``ppma.nn.ATTENTION_KINDS``; ``"softmax"`` is the
-            official model). One string means every stage.
         mask: the mask every attention applies (``ppma.nn.MASKS``; ``"polyline"`` is the official model).
-        mixer: per stage, the token mixer (``ppma.nn.MIXERS``; ``"attention"`` is the official model). One
-            string means every stage. ``"sab"`` is the Surrogate Attention Block (``ppma.nn.SurrogateAttention``).
         mlp: per stage, the FFN's two linear layers (``ppma.nn.MLPS``; ``"standard"`` is the official model,
             ``"monarch"`` the Surrogate FFN Block's Monarch matrices). One string means every stage.
         init_values, heads_ranges: per stage, RMT's decay schedule ``log g_h = log(1 - 2^(-init_value -
@@ -66,20 +148,24 @@ class PPMAConfig:
         head_hidden_dim: width of the head's ``proj`` layer (1024).
         in_chans, num_classes: input channels and classes.
         drop_rate: dropout before the classifier (0 in the official models).
+        global_pool: ``"avg"`` (the official head) or ``""``: no pooling, the head returns the unpooled
+            ``[B, head_hidden_dim, h, w]`` map (timm's contract; with ``num_classes=0`` only).
 
     Whether the attention runs the fused kernels or the reference is not part of the architecture:
     ``ppma.ops.set_impl`` / ``ppma.ops.use_impl`` choose it for every model.
+
+    Deprecated keywords (``FutureWarning``; :func:`resolve_mixer`): ``criss_cross`` (4 bools) and ``attention``
+    (``"softmax"`` / ``"linear"`` per stage), and the mixer name ``"attention"``; they are translated into
+    ``mixer`` and not stored.
     """
 
     embed_dims: tuple[int, ...] = (64, 128, 256, 512)
     depths: tuple[int, ...] = (2, 2, 8, 2)
     num_heads: tuple[int, ...] = (4, 4, 8, 16)
     mlp_ratios: tuple[float, ...] = (3.0, 3.0, 3.0, 3.0)
-    criss_cross: tuple[bool, ...] = (True, True, False, False)
+    mixer: tuple[str, ...] | None = None  # None: DEFAULT_MIXER
     layerscale: tuple[bool, ...] = (False, False, False, False)
-    attention: tuple[str, ...] = ("softmax",) * 4
     mask: str = "polyline"
-    mixer: tuple[str, ...] = ("attention",) * 4
     mlp: tuple[str, ...] = ("standard",) * 4
     init_values: tuple[float, ...] = (2.0, 2.0, 2.0, 2.0)
     heads_ranges: tuple[float, ...] = (4.0, 4.0, 6.0, 6.0)
@@ -89,13 +175,17 @@ class PPMAConfig:
     in_chans: int = 3
     num_classes: int = 1000
     drop_rate: float = 0.0
+    global_pool: str = "avg"
+    criss_cross: InitVar[Sequence[bool] | None] = None  # deprecated: mixer
+    attention: InitVar[Sequence[str] | str | None] = None  # deprecated: mixer
 
-    def __post_init__(self) -> None:
-        for name in ("attention", "mixer", "mlp"):  # one string: every stage
-            if isinstance(getattr(self, name), str):
-                object.__setattr__(self, name, (getattr(self, name),) * 4)
-        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "criss_cross", "layerscale", "attention",
-                     "mixer", "mlp", "init_values", "heads_ranges"):
+    def __post_init__(self, criss_cross=None, attention=None) -> None:
+        base = DEFAULT_MIXER if self.mixer is None or criss_cross is not None or attention is not None else self.mixer
+        object.__setattr__(self, "mixer", resolve_mixer(base, self.mixer, criss_cross, attention))
+        if isinstance(self.mlp, str):  # one string: every stage
+            object.__setattr__(self, "mlp", (self.mlp,) * 4)
+        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "layerscale", "mixer", "mlp",
+                     "init_values", "heads_ranges"):
             value = tuple(getattr(self, name))
             object.__setattr__(self, name, value)
             if len(value) != 4:
@@ -105,15 +195,15 @@ class PPMAConfig:
                 raise ValueError(
                     f"PPMAConfig: stage {s} embed_dim {c} must be divisible by num_heads {h} into an even head_dim"
                 )
-        for name, allowed in (("attention", ATTENTION_KINDS), ("mixer", MIXERS), ("mlp", MLPS)):
+        for name, allowed in (("mixer", MIXERS), ("mlp", MLPS)):
             bad = [v for v in getattr(self, name) if v not in allowed]
             if bad:
                 raise ValueError(f"PPMAConfig.{name}: {bad[0]!r} is not one of {allowed}")
         if self.mask not in MASKS:
             raise ValueError(f"PPMAConfig.mask: {self.mask!r} is not one of {MASKS}")
-        linear = [s for s, (a, m) in enumerate(zip(self.attention, self.mixer)) if a == "linear" and m == "attention"]
+        linear = [s for s, m in enumerate(self.mixer) if m == "linear"]
         if linear and self.mask != "polyline":
-            raise ValueError(f"PPMAConfig: attention='linear' (stage {linear[0]}) supports mask='polyline' only, "
+            raise ValueError(f"PPMAConfig: mixer='linear' (stage {linear[0]}) supports mask='polyline' only, "
                              f"got mask={self.mask!r}")
 
 
@@ -122,7 +212,7 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
     "ppma_small": PPMAConfig(
         depths=(3, 4, 18, 4),
         mlp_ratios=(4.0, 4.0, 3.0, 3.0),
-        criss_cross=(True, True, True, False),
+        mixer=("criss_cross", "criss_cross", "criss_cross", "full"),
         drop_path_rate=0.15,
     ),
     "ppma_base": PPMAConfig(
@@ -130,7 +220,7 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
         depths=(4, 8, 25, 8),
         num_heads=(5, 5, 10, 16),
         mlp_ratios=(4.0, 4.0, 3.0, 3.0),
-        criss_cross=(True, True, True, False),
+        mixer=("criss_cross", "criss_cross", "criss_cross", "full"),
         layerscale=(False, False, True, True),
         heads_ranges=(5.0, 5.0, 6.0, 6.0),
         layer_init_values=1e-6,
@@ -139,12 +229,27 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
 }
 
 
+def _check_input(x: torch.Tensor, in_chans: int) -> torch.Tensor:
+    """``x`` if it is an image batch ``[B, in_chans, H, W]`` with ``H, W >= 1``; else ``ValueError``."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != in_chans:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"PPMA: x must be [B, {in_chans}, H, W], got {got}")
+    if x.shape[2] == 0 or x.shape[3] == 0:
+        raise ValueError(f"PPMA: the image must be at least 1x1, got x of shape {tuple(x.shape)}")
+    return x
+
+
+# FX symbolic tracing (timm's FX feature extraction) records the check as one call instead of tracing into its
+# Python shape tests, which a traced tensor cannot answer.
+torch.fx.wrap("_check_input")
+
+
 class PPMAStage(nn.Module):
     """Optional downsampling, then ``depth`` PPMA blocks sharing one rotary embedding.
 
     ``[B, H, W, in_dim] -> [B, H', W', dim]`` (``H' = ceil(H/2)`` when downsampling). Arguments after
     ``in_dim, dim`` are keyword-only; ``drop_path`` holds one rate per block (its length is the depth), and
-    ``block_kwargs`` go to every :class:`PPMABlock` (``mlp_ratio``, ``mode``, ``layerscale``, ...).
+    ``block_kwargs`` go to every :class:`PPMABlock` (``mlp_ratio``, ``mixer``, ``layerscale``, ...).
     """
 
     def __init__(
@@ -194,12 +299,13 @@ class PPMA(nn.Module):
     stride-2 conv). ``forward_features`` returns the last stage map ``[B, embed_dims[3], H/32, W/32]``.
 
     Args:
-        cfg: architecture (a :class:`PPMAConfig`); keyword arguments override its fields.
+        cfg: architecture (a :class:`PPMAConfig`); keyword arguments override its fields (the deprecated
+            ``criss_cross`` / ``attention`` too, translated against ``cfg.mixer``: :func:`resolve_mixer`).
     """
 
     def __init__(self, cfg: PPMAConfig | None = None, **overrides) -> None:
         super().__init__()
-        cfg = dataclasses.replace(cfg or PPMAConfig(), **overrides)
+        cfg = apply_overrides(cfg or PPMAConfig(), overrides, "PPMA")
         self.cfg = cfg
         self.num_classes = cfg.num_classes
         self.embed_dims = cfg.embed_dims
@@ -219,11 +325,9 @@ class PPMA(nn.Module):
                     drop_path=dpr[start : start + cfg.depths[s]],
                     downsample=s > 0,
                     mlp_ratio=cfg.mlp_ratios[s],
-                    mode="criss_cross" if cfg.criss_cross[s] else "full",
-                    attention=cfg.attention[s],
+                    mixer=cfg.mixer[s],
                     mask=cfg.mask,
                     gamma=(cfg.init_values[s], cfg.heads_ranges[s]),
-                    mixer=cfg.mixer[s],
                     mlp=cfg.mlp[s],
                     layerscale=cfg.layerscale[s],
                     layer_init_values=cfg.layer_init_values,
@@ -232,7 +336,8 @@ class PPMA(nn.Module):
             start += cfg.depths[s]
             self.feature_info.append(dict(num_chs=cfg.embed_dims[s], reduction=2 ** (s + 2), module=f"stages.{s}"))
         self.stages = nn.ModuleList(stages)
-        self.head = ClassifierHead(cfg.embed_dims[-1], cfg.head_hidden_dim, cfg.num_classes, cfg.drop_rate)
+        self.head = ClassifierHead(cfg.embed_dims[-1], cfg.head_hidden_dim, cfg.num_classes, cfg.drop_rate,
+                                   cfg.global_pool)
         self.apply(_init_weights)
 
     # ------------------------------------------------------------------ configuration
@@ -260,13 +365,16 @@ class PPMA(nn.Module):
         return getattr(self.head, "fc", self.head)
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the classifier by a new one with ``num_classes`` outputs (0: no classifier)."""
-        if global_pool not in (None, "avg"):
-            raise ValueError(f"PPMA.reset_classifier: only global_pool='avg' is supported, got {global_pool!r}")
+        """Replace the classifier by a new one with ``num_classes`` outputs (0: no classifier).
+
+        ``global_pool``: ``"avg"``, or ``""`` for no pooling (with ``num_classes=0``: ``forward`` then returns the
+        unpooled ``[B, head_hidden_size, h, w]`` map, timm's contract); ``None`` keeps the current one.
+        """
         if not isinstance(self.head, ClassifierHead):
             raise RuntimeError("PPMA.reset_classifier: the head was pruned (prune_intermediate_layers)")
+        self.head.reset(num_classes, global_pool)
         self.num_classes = num_classes
-        self.head.reset(num_classes)
+        self.cfg = dataclasses.replace(self.cfg, num_classes=num_classes, global_pool=self.head.global_pool)
 
     @torch.jit.ignore
     def load_pretrained(self, checkpoint_path: str, key: str | None = None) -> None:
@@ -279,18 +387,10 @@ class PPMA(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, in_chans, H, W] -> [B, embed_dims[3], H/32, W/32]`` (sizes rounded up)."""
-        x = self.stem(self._check_input(x))
+        x = self.stem(_check_input(x, self.cfg.in_chans))
         for stage in self.stages:
             x = stage(x)
         return x.permute(0, 3, 1, 2)
-
-    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != self.cfg.in_chans:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"PPMA: x must be [B, {self.cfg.in_chans}, H, W], got {got}")
-        if x.shape[2] == 0 or x.shape[3] == 0:
-            raise ValueError(f"PPMA: the image must be at least 1x1, got x of shape {tuple(x.shape)}")
-        return x
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """``[B, C, h, w]`` -> logits ``[B, num_classes]`` (pooled ``[B, 1024]`` with ``pre_logits``)."""
@@ -329,7 +429,7 @@ class PPMA(nn.Module):
             raise ValueError(f"PPMA.forward_intermediates: output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
         take = _take_indices(len(self.stages), indices)
         last = max(take)
-        x = self.stem(self._check_input(x))
+        x = self.stem(_check_input(x, self.cfg.in_chans))
         intermediates = []
         stages = self.stages if not (stop_early or intermediates_only) else self.stages[: last + 1]
         for s, stage in enumerate(stages):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ppma.models.ppma import MODEL_CONFIGS, PPMA
+from ppma.models.ppma import LEGACY_KEYS, MODEL_CONFIGS, PPMA, apply_overrides
 
 __all__ = ["create_model", "list_models"]
 
-_OVERRIDES = {f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} - {"num_classes", "drop_path_rate"}
+_OVERRIDES = ({f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} | set(LEGACY_KEYS)) - {"num_classes",
+                                                                                                    "drop_path_rate"}
 
 
 def list_models() -> list[str]:
@@ -44,10 +45,11 @@ def create_model(
             saved when the EMA accuracy peaks and the paper reports EMA accuracy, spec §5.2).
         revision: branch, tag or commit of the hub repository (default ``main``).
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
-            ``mlp_ratios``, ``criss_cross`` (4 bools), ``layerscale`` (4 bools), ``attention`` (per stage, or one
-            string), ``mask``, ``mixer`` (per stage, or one string), ``layer_init_values``,
-            ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is
-            ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
+            ``mlp_ratios``, ``mixer`` (per stage, or one string: ``"criss_cross"``, ``"full"``, ``"linear"``,
+            ``"padre"``; docs/ops.md, "Glossary"), ``layerscale`` (4 bools), ``mask``, ``layer_init_values``,
+            ``in_chans``, ``head_hidden_dim``, ``drop_rate``. The deprecated ``criss_cross`` (4 bools) and
+            ``attention`` (``"softmax"`` / ``"linear"``) still work with a ``FutureWarning``. (Fused kernels or
+            the reference: that is ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """
     from ppma.models.video import VIDEO_MODEL_CONFIGS, create_video_model
 
@@ -60,7 +62,7 @@ def create_model(
     if unknown:
         hint = "; choose fused or reference ops with ppma.ops.set_impl / use_impl" if "impl" in unknown else ""
         raise TypeError(f"create_model: unknown arguments {sorted(unknown)}; accepted: {sorted(_OVERRIDES)}{hint}")
-    cfg = dataclasses.replace(MODEL_CONFIGS[name], num_classes=num_classes, **overrides)
+    cfg = apply_overrides(MODEL_CONFIGS[name], dict(overrides, num_classes=num_classes), "create_model")
     if drop_path_rate is not None:
         cfg = dataclasses.replace(cfg, drop_path_rate=drop_path_rate)
     if pretrained and checkpoint_path is None:  # before building: a missing file fails fast

@@ -15,11 +15,21 @@ A state dict given as ``pretrained_cfg_overlay=dict(state_dict=...)`` goes throu
 from __future__ import annotations
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import register_notrace_module
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ppma.checkpoint import EVAL_KEYS, convert_official_state_dict
 from ppma.checkpoint.hub import CLASSIFICATION_FILES, HF_REPO_ID
 from ppma.models.ppma import MODEL_CONFIGS, PPMA
+from ppma.nn import DropPath, PPMAAttention, RotaryEmbedding2D
+from ppma.nn.padre import PADReMixer
+from ppma.nn.surrogate import SurrogateAttention
+
+# Leaves of timm's FX tracing (``features_only=True, feature_cls="fx"``, ``create_feature_extractor``): these modules
+# read tensor shapes in Python (reshapes to heads, RoPE tables per map size, the per-sample drop mask) or call the
+# fused ops, so FX records each as one call instead of tracing into it. A new token mixer module is added here.
+for _leaf in (PPMAAttention, PADReMixer, SurrogateAttention, RotaryEmbedding2D, DropPath):
+    register_notrace_module(_leaf)
 
 __all__ = ["checkpoint_filter_fn", "default_cfgs"]
 
@@ -36,7 +46,7 @@ def _cfg(**kwargs) -> dict:
     return {
         "num_classes": 1000,
         "input_size": (3, 224, 224),
-        "pool_size": (7, 7),
+        "pool_size": (7, 7),  # forward_features at 224²: [B, 512, 7, 7]; num_features 512, head_hidden_size 1024
         "crop_pct": 0.875,
         "interpolation": "bicubic",
         "mean": IMAGENET_DEFAULT_MEAN,

@@ -5,8 +5,8 @@ from ppma.nn.monarch import MonarchLinear
 from ppma.nn.surrogate import SurrogateAttention, surrogate_mixing
 from ppma.nn.decay import PathDecay
 from ppma.nn.rope import RotaryEmbedding2D, apply_rotary, rotate_every_two
-from ppma.nn.attention import ATTENTION_KINDS, MASKS, MaskedAttentionOp, PPMAAttention
-from ppma.nn.block import MIXERS, PPMABlock
+from ppma.nn.attention import ATTENTION_MIXERS, MASKS, SOFTMAX_MIXERS, MaskedAttentionOp, PPMAAttention
+from ppma.nn.block import MIXER_FACTORIES, MIXERS, PPMABlock
 from ppma.nn.attention_3d import PathDecay3D, PPMAAttention3D
 
 __all__ = [
@@ -15,15 +15,17 @@ __all__ = [
     "PPMAAttention",
     "MaskedAttentionOp",
     "PPMABlock",
-    "PathDecay3D",
-    "PPMAAttention3D",
-    "ATTENTION_KINDS",
     "MASKS",
     "MIXERS",
+    "MIXER_FACTORIES",
+    "ATTENTION_MIXERS",
+    "SOFTMAX_MIXERS",
     "MLPS",
     "MonarchLinear",
     "SurrogateAttention",
     "surrogate_mixing",
+    "PathDecay3D",
+    "PPMAAttention3D",
     "ConvStem",
     "PatchMerging",
     "ClassifierHead",

@@ -11,11 +11,32 @@ from ppma.nn.padre import PADReMixer
 from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale
 from ppma.nn.surrogate import SurrogateAttention
 
-__all__ = ["PPMABlock", "MIXERS"]
+__all__ = ["PPMABlock", "MIXERS", "MIXER_FACTORIES"]
 
-# The token mixer of a block: "attention" is PPMAAttention (spec §3), "padre" PADRe's polynomial mixer, "sab" the
-# Surrogate Attention Block (FFT long convolution with Monarch projections, ppma.nn.surrogate).
-MIXERS = ("attention", "padre", "sab")
+
+def _attention(mixer: str):
+    def build(dim: int, num_heads: int, *, mask: str, gamma: tuple[float, float]) -> nn.Module:
+        return PPMAAttention(dim, num_heads, mixer, mask=mask, gamma=gamma)
+
+    return build
+
+
+# What mixes the tokens of a block (its ``attn`` child), by name; docs/ops.md, "Glossary". Each entry builds the
+# module from ``(dim, num_heads, *, mask, gamma)`` (a mixer that has no mask ignores ``mask`` and ``gamma``); a
+# new mixer is one more entry here.
+MIXER_FACTORIES = {
+    # polyline-masked softmax attention within each row and each column (official "chunk" mode)
+    "criss_cross": _attention("criss_cross"),
+    # polyline-masked softmax attention over all tokens (official "whole" mode)
+    "full": _attention("full"),
+    # polyline masked linear attention (PPMLA), O(N) over all tokens
+    "linear": _attention("linear"),
+    # PADRe's polynomial mixer (no attention, no mask)
+    "padre": lambda dim, num_heads, *, mask, gamma: PADReMixer(dim),
+    # the Surrogate Attention Block: FFT long convolution with Monarch projections (ppma.nn.surrogate; no mask)
+    "sab": lambda dim, num_heads, *, mask, gamma: SurrogateAttention(dim, num_heads),
+}
+MIXERS = tuple(MIXER_FACTORIES)
 
 
 class PPMABlock(nn.Module):
@@ -27,13 +48,12 @@ class PPMABlock(nn.Module):
     Args:
         dim, num_heads: channels and heads.
         mlp_ratio: FFN hidden width is ``int(mlp_ratio * dim)``.
-        mode: attention mode, ``"full"`` or ``"criss_cross"``.
-        attention, mask, gamma: what the attention computes, which mask it applies and RMT's decay schedule of
-            ``mask="manhattan"`` (see :class:`PPMAAttention`).
-        mixer: the token mixer, one of :data:`MIXERS` (``"attention"``: :class:`PPMAAttention`; ``"padre"``:
-            :class:`ppma.nn.padre.PADReMixer`, which ignores ``mode``, ``attention``, ``mask`` and ``gamma``);
-            it is the ``attn`` child whichever it is; ``"sab"``: :class:`ppma.nn.surrogate.SurrogateAttention`,
-            which ignores them too.
+        mixer: what mixes the tokens, one of :data:`MIXERS`: ``"criss_cross"``, ``"full"`` or ``"linear"``
+            (:class:`PPMAAttention`), ``"padre"`` (:class:`ppma.nn.padre.PADReMixer`) or ``"sab"``
+            (:class:`ppma.nn.surrogate.SurrogateAttention`), which ignore ``mask`` and ``gamma``; it is the
+            ``attn`` child whichever it is.
+        mask, gamma: which mask the attention applies and RMT's decay schedule of ``mask="manhattan"`` (see
+            :class:`PPMAAttention`).
         mlp: the FFN's two linear layers, one of :data:`ppma.nn.layers.MLPS` (``"standard"``: ``nn.Linear``;
             ``"monarch"``: the Surrogate FFN Block's :class:`ppma.nn.MonarchLinear`), see :class:`ConvFFN`.
         drop_path: stochastic depth rate of this block.
@@ -48,11 +68,9 @@ class PPMABlock(nn.Module):
         num_heads: int,
         *,
         mlp_ratio: float = 3.0,
-        mode: str = "full",
-        attention: str = "softmax",
+        mixer: str = "full",
         mask: str = "polyline",
         gamma: tuple[float, float] = RMT_GAMMA,
-        mixer: str = "attention",
         mlp: str = "standard",
         drop_path: float = 0.0,
         layerscale: bool = False,
@@ -61,16 +79,11 @@ class PPMABlock(nn.Module):
         super().__init__()
         self.cpe = DWConv2d(dim, 3)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        if mixer not in MIXERS:
+        if mixer not in MIXER_FACTORIES:
             raise ValueError(f"PPMABlock: mixer must be one of {MIXERS}, got {mixer!r}")
         if mlp not in MLPS:
             raise ValueError(f"PPMABlock: mlp must be one of {MLPS}, got {mlp!r}")
-        if mixer == "padre":
-            self.attn = PADReMixer(dim)
-        elif mixer == "sab":
-            self.attn = SurrogateAttention(dim, num_heads)
-        else:
-            self.attn = PPMAAttention(dim, num_heads, mode=mode, attention=attention, mask=mask, gamma=gamma)
+        self.attn = MIXER_FACTORIES[mixer](dim, num_heads, mask=mask, gamma=gamma)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)

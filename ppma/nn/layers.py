@@ -132,23 +132,41 @@ class PatchMerging(nn.Module):
         return x.permute(0, 2, 3, 1).contiguous()
 
 
+GLOBAL_POOLS = ("avg", "")
+
+
+def _check_pool(global_pool: str, num_classes: int) -> None:
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f"ClassifierHead: global_pool must be 'avg' or '' (no pooling), got {global_pool!r}")
+    if global_pool == "" and num_classes > 0:
+        raise ValueError(f"ClassifierHead: global_pool='' (unpooled features) needs num_classes=0, got {num_classes}")
+
+
 class ClassifierHead(nn.Module):
     """``fc(avgpool(swish(BN(proj(x)))))`` (spec §4 classification head).
 
     ``x: [B, C, H, W]`` -> logits ``[B, num_classes]`` (or the pooled ``[B, hidden_dim]`` with
-    ``pre_logits=True``). ``num_classes=0`` makes ``fc`` the identity.
+    ``pre_logits=True``). ``num_classes=0`` makes ``fc`` the identity. ``global_pool=""`` (timm's "no pooling",
+    with ``num_classes=0`` only) skips the average: the output is the unpooled ``[B, hidden_dim, H, W]``.
     """
 
-    def __init__(self, in_dim: int, hidden_dim: int, num_classes: int, drop_rate: float = 0.0) -> None:
+    def __init__(self, in_dim: int, hidden_dim: int, num_classes: int, drop_rate: float = 0.0,
+                 global_pool: str = "avg") -> None:
         super().__init__()
+        _check_pool(global_pool, num_classes)
         self.in_dim, self.hidden_dim, self.num_features = in_dim, hidden_dim, hidden_dim
+        self.global_pool = global_pool
         self.proj = nn.Linear(in_dim, hidden_dim)
         self.norm = nn.BatchNorm2d(hidden_dim)
         self.drop = nn.Dropout(drop_rate)
         self.fc = nn.Linear(hidden_dim, num_classes) if num_classes > 0 else nn.Identity()
 
-    def reset(self, num_classes: int) -> None:
-        """Replace ``fc`` by a fresh ``Linear(hidden_dim, num_classes)`` (identity for 0)."""
+    def reset(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace ``fc`` by a fresh ``Linear(hidden_dim, num_classes)`` (identity for 0); ``global_pool``
+        (``"avg"`` or ``""``) when given."""
+        global_pool = self.global_pool if global_pool is None else global_pool
+        _check_pool(global_pool, num_classes)
+        self.global_pool = global_pool
         self.fc = nn.Linear(self.hidden_dim, num_classes) if num_classes > 0 else nn.Identity()
         if isinstance(self.fc, nn.Linear):
             nn.init.trunc_normal_(self.fc.weight, std=0.02)
@@ -157,6 +175,7 @@ class ClassifierHead(nn.Module):
     def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.proj(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         x = F.silu(self.norm(x))  # swish
-        x = x.flatten(2).mean(-1)
+        if self.global_pool == "avg":
+            x = x.flatten(2).mean(-1)
         x = self.drop(x)
         return x if pre_logits else self.fc(x)

@@ -1,35 +1,20 @@
 """Model throughput by the paper's protocol (spec §7.5), plus training speed and peak memory.
 
-Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then ``iters`` timed
-ones with synchronised clocks; images/s = batch * iters / time. Training: forward + backward + AdamW step on
+Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then about ``iters`` timed
+ones with synchronised clocks (:func:`ppma.timing.measure_time`, on ``torch.utils.benchmark``); images/s =
+batch / mean time per iteration. Training: forward + backward + AdamW step on
 random labels. The ``ppma-benchmark`` command (:mod:`ppma.train.cli.benchmark`) runs this over models and
 attention implementations and writes the tables.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from ppma.train._common import synchronize
+from ppma.timing import measure_time
 from ppma.train.engine import autocast, optimizer_step
 
 __all__ = ["measure"]
-
-
-def _time_loop(fn, device: torch.device, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _peak_mib(device: torch.device) -> float | None:
@@ -59,9 +44,9 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
         with torch.inference_mode(), autocast(device, amp_dtype):
             model(x)
 
-    t = _time_loop(infer, device, warmup, iters)
-    out["infer_images_per_sec"] = batch_size * iters / sum(t)
-    out["infer_ms_median"] = 1e3 * statistics.median(t)
+    t = measure_time(infer, repeat=iters, warmup=warmup, device=device)
+    out["infer_images_per_sec"] = batch_size / t.mean
+    out["infer_ms_median"] = t.median_ms
     out["infer_peak_mem_mib"] = _peak_mib(device)
 
     if train:
@@ -77,8 +62,8 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
                 loss = torch.nn.functional.cross_entropy(model(x).float(), y)
             optimizer_step(loss, opt, scaler)
 
-        t = _time_loop(step, device, max(1, warmup // 2), iters)
-        out["train_images_per_sec"] = batch_size * iters / sum(t)
-        out["train_ms_median"] = 1e3 * statistics.median(t)
+        t = measure_time(step, repeat=iters, warmup=max(1, warmup // 2), device=device)
+        out["train_images_per_sec"] = batch_size / t.mean
+        out["train_ms_median"] = t.median_ms
         out["train_peak_mem_mib"] = _peak_mib(device)
     return out

@@ -45,8 +45,8 @@ class ModelConfig:
     factory: Optional[str] = None
     # None: the variant's own rate (0.1 / 0.15 / 0.4 for T / S / B, spec §4.1).
     drop_path_rate: Optional[float] = None
-    # Any keyword of ppma.create_model: embed_dims, depths, num_heads, mlp_ratios, criss_cross, layerscale,
-    # attention, mask, mixer, layer_init_values, in_chans (fused or reference ops: the --impl flag). Free-form
+    # Any keyword of ppma.create_model: embed_dims, depths, num_heads, mlp_ratios, mixer (docs/ops.md, "Glossary"),
+    # layerscale, mask, layer_init_values, in_chans (fused or reference ops: the --impl flag). Free-form
     # (checked by the factory). `--set model.overrides={...}` replaces the whole mapping,
     # `--set model.overrides.KEY=VALUE` one entry.
     overrides: Dict[str, Any] = field(default_factory=dict)

@@ -39,32 +39,35 @@ def mask_row(log_alpha: torch.Tensor, log_beta: torch.Tensor, query: tuple[int, 
     return y[0, :, :, 0, 0]
 
 
-def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], criss_cross: bool, scale=None,
+def attention_row(q, k, log_alpha, log_beta, query: tuple[int, int], mixer: str, scale=None,
                   mask: str = "polyline"):
     """Attention weights of query token ``(i, j)`` over all keys, ``[H, W]`` (they sum to 1).
 
     ``q, k: [H, W, d]`` and ``log_alpha, log_beta: [H, W]`` of one head (``q``, ``k`` as the operator
-    receives them). The weights are read off the operators applied to one-hot values (``v = I``), so they
-    are exactly what the model uses: ``out_p = sum_s P[p, s] v_s``: the reference operators for the
-    polyline mask, :func:`ppma.nn.masks.masked_attention` of ``mask`` for the ablation masks (docs/ops.md,
-    "Masks"); in criss-cross stages ``P`` is the two-step composition (row then column attention, and the
-    reverse), whose row still sums to 1."""
+    receives them); ``mixer`` is the layer's softmax attention, ``"full"`` or ``"criss_cross"``. The weights are
+    read off the operators applied to one-hot values (``v = I``), so they are exactly what the model uses:
+    ``out_p = sum_s P[p, s] v_s``: the reference operators for the polyline mask,
+    :func:`ppma.nn.masks.masked_attention` of ``mask`` for the ablation masks (docs/ops.md, "Masks"); in
+    criss-cross stages ``P`` is the two-step composition (row then column attention, and the reverse), whose row
+    still sums to 1."""
     from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref
 
     H, W, d = q.shape
     i, j = query
+    if mixer not in ("full", "criss_cross"):
+        raise ValueError(f"attention_row: mixer must be 'full' or 'criss_cross', got {mixer!r}")
     if not (0 <= i < H and 0 <= j < W):
         raise ValueError(f"query {query} is outside the {H}x{W} token grid")
     eye = torch.eye(H * W, dtype=torch.float64, device=q.device).reshape(1, H, W, 1, H * W)
     args = (q.double()[None, :, :, None], k.double()[None, :, :, None], eye,
             log_alpha.double()[None, :, :, None], log_beta.double()[None, :, :, None])
     if mask == "polyline":
-        op = criss_cross_attention_ref if criss_cross else polyline_attention_ref
+        op = criss_cross_attention_ref if mixer == "criss_cross" else polyline_attention_ref
         P = op(*args, scale)
     else:
         from ppma.nn.masks import masked_attention
 
-        P = masked_attention(mask, "criss_cross" if criss_cross else "full", *args, d**-0.5 if scale is None else scale)
+        P = masked_attention(mask, mixer, *args, d**-0.5 if scale is None else scale)
     return P[0, i, j, 0].reshape(H, W)
 
 
@@ -113,7 +116,7 @@ def capture_attention(model: torch.nn.Module):
 
     def on_attention(mod, inputs, output):
         q, k, _, log_alpha, log_beta = inputs
-        records["calls"].append({"kind": mod.mode, "q": q.detach(), "k": k.detach(),
+        records["calls"].append({"kind": mod.mixer, "q": q.detach(), "k": k.detach(),
                                  "log_alpha": log_alpha.detach(), "log_beta": log_beta.detach(),
                                  "scale": mod.scale, "mask": mod.mask})
 

@@ -1,7 +1,8 @@
 """``ppma-benchmark``: model throughput by the paper's protocol (spec §7.5) plus training speed and memory.
 
 Inference: batch 64, 224x224, ``model.eval()``, ``torch.inference_mode()``, ``--warmup`` untimed iterations,
-then ``--iters`` timed ones (synchronised clocks); images/s = batch * iters / time. AMP is stated in the
+then about ``--iters`` timed ones (:func:`ppma.timing.measure_time`: ``torch.utils.benchmark``, synchronised
+clocks); images/s = batch / mean time per iteration. AMP is stated in the
 output (the paper does not say which precision it used). Training: forward + backward + AdamW step on
 random labels, images/s and peak memory (CUDA only). Each attention implementation (``impl=fused`` and
 ``impl=reference``) is measured in the same process on the same inputs::
@@ -63,7 +64,7 @@ def _markdown(result: dict) -> str:
     lines = [
         f"# PPMA throughput ({e.get('gpu', e['device'])})", "",
         f"batch {s['batch_size']}, {s['img_size']}x{s['img_size']}, AMP {s['amp']}, {s['warmup']} warm-up + "
-        f"{s['iters']} timed iterations; torch {e['torch']}, CUDA {e['cuda']}, ppma extension built: "
+        f"about {s['iters']} timed iterations (ppma.timing); torch {e['torch']}, CUDA {e['cuda']}, ppma extension built: "
         f"{e['ppma_extension']}; {e['date']}", "",
         "| model | impl | params (M) | inference img/s | inference ms/batch (median) | train img/s | train peak mem (MiB) |",
         "|---|---|---|---|---|---|---|",

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     # 3. attention of the query
     q, k = call["q"][0, :, :, g], call["k"][0, :, :, g]
     attn = attention_row(q, k, call["log_alpha"][0, :, :, g], call["log_beta"][0, :, :, g], query,
-                         criss_cross=call["kind"] == "criss_cross", scale=call["scale"], mask=mask)
+                         mixer=call["kind"], scale=call["scale"], mask=mask)
     fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.6))
     axes[0].imshow(shown, cmap=cmap_img)
     axes[0].set_title("input")
