@@ -28,8 +28,10 @@ def macs_by_hand(cfg, img: int = 224) -> int:
     r //= 2
     total += r * r * (half * cfg.embed_dims[0] * 9 + cfg.embed_dims[0] ** 2 * 9)
     prev = cfg.embed_dims[0]
-    for s, (C, depth, heads, ratio, cc) in enumerate(zip(cfg.embed_dims, cfg.depths, cfg.num_heads,
-                                                           cfg.mlp_ratios, cfg.criss_cross)):
+    for s, (C, depth, heads, ratio, mixer) in enumerate(zip(cfg.embed_dims, cfg.depths, cfg.num_heads,
+                                                              cfg.mlp_ratios, cfg.mixer)):
+        assert mixer in ("criss_cross", "full"), f"counted by hand for softmax attention only, got {mixer!r}"
+        cc = mixer == "criss_cross"
         if s > 0:  # downsample: conv 3x3 s2 (prev -> C)
             r //= 2
             total += r * r * prev * C * 9
