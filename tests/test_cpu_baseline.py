@@ -1,6 +1,11 @@
-"""The CPU kernels' baseline x86-64 path (design §5): the AVX+FMA variants are chosen at run time, and
-``PPMA_CPU_BASELINE=1`` forces the baseline code (what CPUs without AVX/FMA run). This reruns the CPU cases of
-the per-op reference comparisons in a fresh process on that path."""
+"""The SIMD paths of the CPU kernels (``csrc/cpu/simd.h``, ``ppma.backends``): the kernels are built for
+baseline x86-64 with AVX2 and AVX-512 variants chosen at run time, and ``PPMA_CPU_CAPABILITY`` caps the path.
+Every path this machine can run below its best (the best one is what the rest of the suite runs) reruns the
+CPU cases of every op's reference comparisons (fp64 and fp32 sweeps, bf16 / fp16 within the bf16 tolerance,
+gradcheck, determinism, thread-count invariance) in a fresh process; plus the reporting and the environment
+variable's rules.
+
+``cpu_subprocess_env`` and ``run_op_tests_on_path`` are the pieces a shared op-test helper can reuse."""
 
 from __future__ import annotations
 
@@ -11,18 +16,101 @@ import sys
 import pytest
 
 from op_utils import needs_ext
+from ppma import backends
 
-OP_TESTS = ("test_polyline_attention.py", "test_criss_cross_attention.py", "test_polyline_scan.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OP_TESTS = ("test_polyline_attention.py", "test_criss_cross_attention.py", "test_polyline_scan.py",
+            "test_polyline_linear_attention.py")
+# The CPU cases that compare with the reference or check determinism.
+OP_FILTER = "cpu and (matches_reference or low_precision or gradcheck or deterministic or thread_count)"
+PATHS = backends.cpu_capabilities_available()
+BEST = PATHS[-1] if PATHS else None
+
+
+def cpu_subprocess_env(capability: str | None) -> dict[str, str]:
+    """The environment of a fresh process whose CPU kernels run ``capability`` (``None``: no cap)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PPMA_CPU_CAPABILITY", "PPMA_CPU_BASELINE")}
+    if capability is not None:
+        env["PPMA_CPU_CAPABILITY"] = capability
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def run_op_tests_on_path(capability: str) -> None:
+    """Run the CPU reference comparisons of every op in a fresh process capped at ``capability``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           *(os.path.join(HERE, f) for f in OP_TESTS), "-k", OP_FILTER]
+    res = subprocess.run(cmd, env=cpu_subprocess_env(capability), cwd=ROOT, capture_output=True, text=True,
+                         timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout
 
 
 @needs_ext
-@pytest.mark.skipif(os.environ.get("PPMA_CPU_BASELINE") == "1", reason="already running on the baseline path")
-def test_baseline_x86_64_path_matches_reference():
-    env = {**os.environ, "PPMA_CPU_BASELINE": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-           *(os.path.join(here, f) for f in OP_TESTS),
-           "-k", "cpu and (matches_reference or low_precision or gradcheck or deterministic)"]
-    res = subprocess.run(cmd, env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout
+def test_capability_reported():
+    assert PATHS[0] == "default" and set(PATHS) <= set(backends.CPU_CAPABILITIES)
+    assert backends.cpu_capability_supported() == BEST
+    if not os.environ.get("PPMA_CPU_CAPABILITY") and os.environ.get("PPMA_CPU_BASELINE") != "1":
+        assert backends.cpu_capability() == BEST
+    assert isinstance(backends.cpu_bf16_dot(), bool)
+    if backends.cpu_capability() != "avx512":
+        assert not backends.cpu_bf16_dot()
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", list(backends.CPU_CAPABILITIES))
+def test_cap_selects_path(capability):
+    """A cap runs min(cap, what the CPU has), and the library reports exactly that."""
+    res = _python("from ppma import backends; print(backends.cpu_capability(), backends.cpu_bf16_dot())",
+                  cpu_subprocess_env(capability))
+    assert res.returncode == 0, res.stderr[-2000:]
+    got, bf16 = res.stdout.split()
+    want = capability if capability in PATHS else BEST
+    assert got == want
+    if got != "avx512":
+        assert bf16 == "False"
+
+
+@needs_ext
+def test_baseline_alias_is_default():
+    env = cpu_subprocess_env(None)
+    env["PPMA_CPU_BASELINE"] = "1"
+    res = _python("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+                  "from ppma import backends\n"
+                  "try:\n    backends.cpu_capability()\nexcept DeprecationWarning as e:\n    print('warned', e)\n"
+                  "import torch; print(torch.ops.ppma.cpu_capability())", env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "warned" in res.stdout and "PPMA_CPU_CAPABILITY=default" in res.stdout
+    assert res.stdout.split()[-1] == "default"
+
+
+@needs_ext
+def test_invalid_capability_is_an_error():
+    """Both the Python query and the kernels themselves reject an unknown value, naming the allowed ones."""
+    res = _python("import torch, ppma\nfrom ppma import backends\n"
+                  "try:\n    backends.cpu_capability()\nexcept ValueError as e:\n    print('py:', e)\n"
+                  "x = torch.randn(1, 3, 4, 1, 2); la = -torch.rand(1, 3, 4, 1)\n"
+                  "try:\n    torch.ops.ppma.polyline_scan(x, la, la, False)\nexcept (RuntimeError, ValueError) as e:\n"
+                  "    print('op:', e)\n", {**cpu_subprocess_env("avx3"), "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("py:", "op:"))]
+    assert [ln[:3] for ln in lines] == ["py:", "op:"], res.stdout
+    for ln in lines:
+        assert "PPMA_CPU_CAPABILITY" in ln and "avx3" in ln and "avx512" in ln and "default" in ln
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", [p for p in PATHS if p != BEST] or [None])
+def test_lower_path_matches_reference(capability):
+    """The op tests' CPU reference comparisons on each path below the best one (the best is the default run)."""
+    if capability is None:
+        pytest.skip("this CPU has a single SIMD path")
+    if os.environ.get("PPMA_CPU_CAPABILITY") or os.environ.get("PPMA_CPU_BASELINE") == "1":
+        pytest.skip("already running under a capped path")
+    run_op_tests_on_path(capability)
