@@ -27,7 +27,7 @@ import torch
 from ppma import _ext
 
 __all__ = ["CPU_CAPABILITIES", "cpu_capability", "cpu_capability_supported", "cpu_capabilities_available",
-           "cpu_bf16_dot"]
+           "cpu_bf16_dot", "cpu_bf16_dot_supported"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
 CPU_CAPABILITIES: tuple[str, ...] = ("default", "avx2", "avx512")
@@ -92,3 +92,10 @@ def cpu_bf16_dot() -> bool:
     _check_env()
     _require_ext()
     return bool(torch.ops.ppma.cpu_bf16_dot())
+
+
+def cpu_bf16_dot_supported() -> bool:
+    """Whether this CPU has the AVX-512 BF16 dot products (and the avx512 path), whatever
+    ``PPMA_CPU_CAPABILITY`` says: :func:`cpu_bf16_dot` is true under the avx512 path exactly then."""
+    _require_ext()
+    return bool(torch.ops.ppma.cpu_bf16_dot_supported())

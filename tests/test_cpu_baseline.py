@@ -114,3 +114,45 @@ def test_lower_path_matches_reference(capability):
     if os.environ.get("PPMA_CPU_CAPABILITY") or os.environ.get("PPMA_CPU_BASELINE") == "1":
         pytest.skip("already running under a capped path")
     run_op_tests_on_path(capability)
+
+
+_BF16_CHECK = """
+import torch
+from ppma import backends
+from ppma.ops import polyline_attention
+from ppma.ops.reference import polyline_attention_ref
+from op_utils import make_attention_inputs, rel_err
+print(backends.cpu_bf16_dot())
+for shape in [(2, 7, 9, 2, 16, 16), (1, 5, 5, 3, 7, 5), (1, 14, 14, 2, 32, 32)]:
+    q, k, v, la, lb = make_attention_inputs(shape, torch.bfloat16, requires_grad=False)
+    la, lb = la.float(), lb.float()
+    out = polyline_attention(q, k, v, la, lb, 0.3)
+    same = polyline_attention(q.float(), k.float(), v.float(), la, lb, 0.3).to(torch.bfloat16)
+    ref = polyline_attention_ref(q.double(), k.double(), v.double(), la.double(), lb.double(), 0.3)
+    print(out.dtype == torch.bfloat16, torch.equal(out, same), rel_err(out, ref))
+"""
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", PATHS or [None])
+def test_bf16_products(capability):
+    """bf16 polyline_attention: where ``cpu_bf16_dot()`` the forward runs the bf16 products (P rounded to bf16,
+    so the output is not the float32 kernel's on the same values) within the bf16 tolerance of the float64
+    reference (odd d, odd N and tails of 16 included); on the other paths bf16 inputs take the float32 kernel
+    (bitwise the float32 result rounded to bf16). Never the reference."""
+    if capability is None:
+        pytest.skip("no compiled library")
+    env = cpu_subprocess_env(capability)
+    env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
+    res = _python(_BF16_CHECK, env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.split("\n")
+    bf16dot = lines[0] == "True"
+    assert bf16dot == (capability == "avx512" and backends.cpu_bf16_dot_supported())
+    for ln in lines[1:]:
+        if not ln:
+            continue
+        is_bf16, equal, err = ln.split()
+        assert is_bf16 == "True"
+        assert float(err) <= 2e-2
+        assert equal == ("False" if bf16dot else "True"), ln

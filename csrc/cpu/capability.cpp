@@ -4,7 +4,8 @@
 //                                             (the CPU's best, capped by PPMA_CPU_CAPABILITY / PPMA_CPU_BASELINE);
 //   ppma::cpu_capability_supported() -> str  the best path this CPU can run, whatever the environment says;
 //   ppma::cpu_bf16_dot() -> bool             whether bf16 inputs take the AVX-512 BF16 dot-product path
-//                                             (the avx512 path is selected and the CPU has avx512bf16).
+//                                             (the avx512 path is selected and the CPU has avx512bf16);
+//   ppma::cpu_bf16_dot_supported() -> bool   whether the CPU has them, whatever the environment says.
 #include <torch/library.h>
 
 #include <string>
@@ -19,7 +20,9 @@ std::string cpu_capability_op() { return capability_name(cpu_capability()); }
 
 std::string cpu_capability_supported_op() { return capability_name(cpu_supported_capability()); }
 
-bool cpu_bf16_dot_op() { return cpu_capability() == Capability::kAvx512 && cpu_supports_avx512_bf16(); }
+bool cpu_bf16_dot_op() { return cpu_bf16_dot(); }
+
+bool cpu_bf16_dot_supported_op() { return cpu_supports_avx512_bf16(); }
 
 }  // namespace
 }  // namespace cpu
@@ -29,4 +32,5 @@ TORCH_LIBRARY_FRAGMENT(ppma, m) {
   m.def("cpu_capability() -> str", &ppma::cpu::cpu_capability_op);
   m.def("cpu_capability_supported() -> str", &ppma::cpu::cpu_capability_supported_op);
   m.def("cpu_bf16_dot() -> bool", &ppma::cpu::cpu_bf16_dot_op);
+  m.def("cpu_bf16_dot_supported() -> bool", &ppma::cpu::cpu_bf16_dot_supported_op);
 }

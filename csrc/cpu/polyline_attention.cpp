@@ -7,6 +7,9 @@
 // and one with the H2V bias M'[p, s] = M[s, p] = R_k(j, l) + C_j(i, k) (query p = (i, j), key s = (k, l)).
 // Biases come from the prefix sums on the fly; no N x N tensor exists, in forward or backward.
 //
+// bf16 q, k, v where cpu_bf16_dot() (the avx512 path on a CPU with AVX-512 BF16): the forward's q k^T and P v are
+// bf16 products with float32 accumulation (forward_kernel_bf16); elsewhere bf16 inputs are converted to float32.
+//
 // Backward (flash-style, from lse / out / out_v2h): each task owns a query block range of one (batch,
 // head) and writes dq directly; dk, dv and the prefix-sum gradients go to the task's own partial buffer,
 // reduced afterwards in a fixed order (deterministic, no atomics). The number of partial buffers depends
@@ -152,6 +155,102 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
     });
   });
 }
+
+#ifdef PPMA_SIMD_X86
+// bf16 inputs where cpu_bf16_dot() (cpu/simd.h): q k^T and P v are bf16 products with float32 accumulation
+// (small_gemm_bf16, vdpbf16ps); biases, softmax and statistics are float32 as on every path. P, the unnormalised
+// softmax in [0, 1], is rounded to bf16 (the precision of the inputs) for the P v product.
+struct PABf16 {
+  const uint16_t* q;   // [B, N, G, d] the inputs' bf16 bits
+  const uint16_t* kp;  // [BG][d2][Np][2] keys in pairs of features; d2 = ceil(d / 2), Np = N rounded up to 16
+  const uint16_t* vp;  // [BG][N2][dvp][2] values in pairs of keys; N2 = ceil(N / 2), dvp = dv rounded up to 16
+  int64_t d2, Np, N2, dvp;
+};
+
+void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, float* out_v2h, float* lse) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
+  const int64_t nqb = ceil_div(N, TQ);
+  struct Scratch {
+    std::vector<float> f;
+    std::vector<uint16_t> h;
+  };
+  parallel_tasks(
+      D.B * G * nqb,
+      [&] { return Scratch{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + 2 * N2))}; },
+      [&](int64_t task, Scratch& S) {
+    with_lanes_bf16([&](auto ln) {
+      float* X1 = S.f.data();
+      float* X2 = X1 + TQ * N;
+      float* O1 = X2 + TQ * N;
+      float* O2 = O1 + TQ * dv;
+      uint16_t* Qp = S.h.data();          // [tq][d2][2] the tile's queries, zero padded
+      uint16_t* Pb1 = Qp + TQ * 2 * d2;   // [tq][N2][2] P1 in bf16, zero padded
+      uint16_t* Pb2 = Pb1 + TQ * 2 * N2;  // [tq][N2][2] P2
+      const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
+      const int64_t b = bg / G, g = bg % G;
+      for (int64_t a = 0; a < tq; ++a) {
+        const uint16_t* qa = P.q + token_index(N, G, b, p0 + a, g) * d;
+        std::copy(qa, qa + d, Qp + a * 2 * d2);
+        if (d % 2) Qp[a * 2 * d2 + d] = 0;
+      }
+      small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X1, N, false, D.scale);
+      add_biases(D, bg, p0, tq, X1, X2);
+      float inv1[TQ], inv2[TQ];
+      for (int64_t a = 0; a < tq; ++a) {
+        float* x1 = X1 + a * N;
+        float* x2 = X2 + a * N;
+        const float m1 = max_of(N, x1), m2 = max_of(N, x2);
+        const float l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+        inv1[a] = 1.0f / l1;
+        inv2[a] = 1.0f / l2;
+        const int64_t o = token_index(N, G, b, p0 + a, g);
+        lse[o * 2 + 0] = m1 + std::log(l1);
+        lse[o * 2 + 1] = m2 + std::log(l2);
+        floats_to_bf16(ln, N, x1, Pb1 + a * 2 * N2);
+        floats_to_bf16(ln, N, x2, Pb2 + a * 2 * N2);
+        if (N % 2) Pb1[a * 2 * N2 + N] = Pb2[a * 2 * N2 + N] = 0;
+      }
+      const uint16_t* vb = P.vp + bg * N2 * P.dvp * 2;
+      small_gemm_bf16(ln, tq, dv, N2, Pb1, N2, vb, P.dvp, O1, dv, false);  // P1 v (unnormalised)
+      small_gemm_bf16(ln, tq, dv, N2, Pb2, N2, vb, P.dvp, O2, dv, false);  // P2 v
+      for (int64_t a = 0; a < tq; ++a) {
+        const int64_t o = token_index(N, G, b, p0 + a, g);
+        float* ov = out_v2h + o * dv;
+        float* oo = out + o * dv;
+        const float i1 = inv1[a], i2 = inv2[a];
+#pragma omp simd
+        for (int64_t e = 0; e < dv; ++e) {
+          const float v1 = O1[a * dv + e] * i1, v2 = O2[a * dv + e] * i2;
+          ov[e] = v1;
+          oo[e] = 0.5f * (v1 + v2);
+        }
+      }
+    });
+  });
+}
+
+// Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16.
+void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
+                             const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor& out_v2h,
+                             at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const int64_t N = H * W, d2 = ceil_div(d, 2), N2 = ceil_div(N, 2), Np = ceil_div(N, 16) * 16,
+                dvp = ceil_div(dv, 16) * 16;
+  const at::Tensor qc = q.contiguous();
+  // keys [B, N, G, d] -> [B, G, d2, Np, 2]; values [B, N, G, dv] -> [B, G, N2, dvp, 2] (zeros in the padding)
+  at::Tensor kq = at::constant_pad_nd(k.reshape({B, N, G, d}), {0, 2 * d2 - d});
+  const at::Tensor kp =
+      at::constant_pad_nd(kq.view({B, N, G, d2, 2}).permute({0, 2, 3, 1, 4}), {0, 0, 0, Np - N}).contiguous();
+  at::Tensor vq = at::constant_pad_nd(v.reshape({B, N, G, dv}), {0, 0, 0, 0, 0, 2 * N2 - N});
+  const at::Tensor vp =
+      at::constant_pad_nd(vq.view({B, N2, 2, G, dv}).permute({0, 3, 1, 4, 2}), {0, 0, 0, dvp - dv}).contiguous();
+  const PAData<float> D{nullptr, nullptr, nullptr, cr.data_ptr<float>(), cc.data_ptr<float>(), B, G, H, W, N, d, dv,
+                        static_cast<float>(scale)};
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const PABf16 P{bits(qc), bits(kp), bits(vp), d2, Np, N2, dvp};
+  forward_kernel_bf16(D, P, out.data_ptr<float>(), out_v2h.data_ptr<float>(), lse.data_ptr<float>());
+}
+#endif
 
 // Prefix-sum gradients of one query row a against one key-row segment, k != i (rows differ, so the
 // four target lines never alias). g1 = dS1 (flows to M), g2 = dS2 (flows to M').
@@ -352,6 +451,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
   at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
   at::Tensor out_v2h = at::empty_like(out);
   at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
+#ifdef PPMA_SIMD_X86
+  if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+      v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
+    auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+    polyline_attention_bf16(q, k, v, cr, cc, scale, out, out_v2h, lse);
+    return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
+  }
+#endif
   if (out.numel() > 0) {
     // The kernels read q, k, v in their own layout (no packing; a no-op for contiguous fp32 inputs).
     at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();

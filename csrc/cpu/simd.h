@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -388,6 +389,105 @@ PPMA_SIMD_INLINE void small_gemm(Lanes<L>, int64_t R, int64_t Cn, int64_t K, con
 }
 
 // ---------------------------------------------------------------------------------------------
+// bf16 products (AVX-512 BF16, the "avx512" path where cpu_bf16_dot() holds; run under with_lanes_bf16()).
+// bf16 values are raw 16-bit patterns (uint16_t); two of them side by side (a uint32_t, the lower one first) are
+// a pair, the operand unit of vdpbf16ps: acc[c] += a.lo * b[c].lo + a.hi * b[c].hi in float32. The products of
+// bf16 values are exact in float32; the sums are float32 (round to nearest even, denormals flushed).
+// ---------------------------------------------------------------------------------------------
+
+// float -> bf16, round to nearest even; NaN stays (a quiet) NaN. The same rounding as c10::BFloat16.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#ifdef PPMA_SIMD_X86
+// dst[e] = bf16(x[e]) for e < n (16 at a time, the same rounding as float_to_bf16).
+PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, uint16_t* __restrict dst) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    u32x16 u;
+    std::memcpy(&u, x + e, sizeof(u));
+    const u32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const u32x16 r = nan ? ((u >> 16) | 0x40u) : ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const u16x16 h = __builtin_convertvector(r, u16x16);
+    std::memcpy(dst + e, &h, sizeof(h));
+  }
+  for (; e < n; ++e) dst[e] = float_to_bf16(x[e]);
+}
+
+// acc += the pairwise products of a and b (vdpbf16ps). Inline assembly rather than the intrinsic, so that the
+// templates calling it need no target attribute of their own: they are only ever inlined into
+// run_lanes16_bf16(), whose target has AVX-512 BF16.
+PPMA_SIMD_INLINE void dpbf16(vec<16>& acc, ivec<16> a, ivec<16> b) {
+  asm("vdpbf16ps %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+}
+
+// RB rows by NB vectors of 16 columns, over K2 pairs:
+//   C[r * ldc + c] (=|+=) alpha * sum_p A[(r * ar + p) * 2 .. +1] . Bp[(p * ldb + c) * 2 .. +1]
+// A: rows of pairs, row stride ar in pairs; Bp: packed pairs [K2][ldb][2], read 16 columns at a time (pad ldb to a multiple of 16 with
+// zeros: whole vectors are read). Only the first `cols` (<= 16 NB) columns of the tile are stored.
+template <int RB, int NB>
+PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp, int64_t ldb,
+                                     float* C, int64_t ldc, int64_t cols, bool accumulate, float alpha) {
+  vec<16> s[RB][NB] = {};
+  for (int64_t p = 0; p < K2; ++p) {
+    ivec<16> b[NB];
+    for (int c = 0; c < NB; ++c) std::memcpy(&b[c], Bp + (p * ldb + c * 16) * 2, sizeof(b[c]));
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + (r * ar + p) * 2, sizeof(pair));
+      const ivec<16> a = ivec<16>{} + pair;
+      for (int c = 0; c < NB; ++c) dpbf16(s[r][c], a, b[c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < NB; ++c) {
+      float* cp = C + r * ldc + c * 16;
+      vec<16> t = s[r][c] * alpha;
+      const int64_t m = cols - c * 16;
+      if (m >= 16) {
+        if (accumulate) t += load<16>(cp);
+        store<16>(cp, t);
+      } else {
+        for (int64_t l = 0; l < m; ++l) cp[l] = accumulate ? cp[l] + t[l] : t[l];
+      }
+    }
+  }
+}
+
+template <int NB>
+PPMA_SIMD_INLINE void gemm_bf16_columns(int64_t R, int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp,
+                                        int64_t ldb, float* C, int64_t ldc, int64_t cols, bool accumulate,
+                                        float alpha) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= R; r0 += 8)
+    gemm_bf16_tile<8, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+  for (; r0 < R; ++r0)
+    gemm_bf16_tile<1, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+}
+
+// C[r, c] (=|+=) alpha * sum_{p < K2} <A pair (r, p), B pair (p, c)> for r < R, c < Cn: A rows of pairs at stride ar
+// (in pairs), B packed [K2][ldb][2] with ldb >= Cn a multiple of 16 (zero columns past Cn). Every element's sum
+// runs over p in order, so the result does not depend on the blocking.
+PPMA_SIMD_INLINE void small_gemm_bf16(Lanes<16>, int64_t R, int64_t Cn, int64_t K2, const uint16_t* A, int64_t ar,
+                                      const uint16_t* Bp, int64_t ldb, float* C, int64_t ldc, bool accumulate,
+                                      float alpha = 1.0f) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= Cn; c0 += 32)
+    gemm_bf16_columns<2>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, 32, accumulate, alpha);
+  for (; c0 < Cn; c0 += 16)
+    gemm_bf16_columns<1>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, std::min<int64_t>(16, Cn - c0), accumulate,
+                         alpha);
+}
+#endif  // PPMA_SIMD_X86
+
+// ---------------------------------------------------------------------------------------------
 // The run-time dispatch, the one place that chooses the width.
 // ---------------------------------------------------------------------------------------------
 
@@ -467,6 +567,26 @@ __attribute__((target("avx,avx2,fma"), flatten)) auto run_lanes8(F& f) {
 template <typename F>
 __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"), flatten)) auto run_lanes16(F& f) {
   return f(Lanes<16>{});
+}
+template <typename F>
+__attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"), flatten)) auto run_lanes16_bf16(
+    F& f) {
+  return f(Lanes<16>{});
+}
+#endif
+
+// Whether the bf16 products run: the avx512 path is selected and the CPU has AVX-512 BF16.
+inline bool cpu_bf16_dot() {
+  static const bool enabled = cpu_capability() == Capability::kAvx512 && cpu_supports_avx512_bf16();
+  return enabled;
+}
+
+#ifdef PPMA_SIMD_X86
+// Returns f(Lanes<16>{}) inside a function compiled for AVX-512 with BF16; only where cpu_bf16_dot(), which the
+// caller checks (small_gemm_bf16 and everything else of the avx512 path may run in f).
+template <typename F>
+inline auto with_lanes_bf16(F&& f) {
+  return run_lanes16_bf16(f);
 }
 #endif
 
