@@ -156,3 +156,34 @@ def test_bf16_products(capability):
         assert is_bf16 == "True"
         assert float(err) <= 2e-2
         assert equal == ("False" if bf16dot else "True"), ln
+
+
+@needs_ext
+def test_no_aten_products_inside_cpu_ops():
+    """The CPU attention kernels do their products in the SIMD layer's micro-kernels, never one ATen/BLAS call
+    per tile (the profiler sees no addmm / mm / bmm / matmul inside the ops, forward or backward)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the profiler records calls on the calling thread only (not in pool workers)
+    try:
+        _profile_ops()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile_ops():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import ppma
+
+    gen = torch.Generator().manual_seed(0)
+    x = [torch.randn(2, 9, 10, 2, 16, generator=gen).requires_grad_() for _ in range(3)]
+    x += [(-torch.rand(2, 9, 10, 2, generator=gen)).requires_grad_() for _ in range(2)]
+    for op in (ppma.ops.polyline_attention, ppma.ops.criss_cross_attention):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            op(*x).sum().backward()
+        keys = {e.key for e in prof.key_averages()}
+        assert any(k.startswith("ppma::") for k in keys), keys
+        assert not keys & {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"}, (op.__name__, keys)

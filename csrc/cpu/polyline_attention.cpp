@@ -176,7 +176,9 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
   };
   parallel_tasks(
       D.B * G * nqb,
-      [&] { return Scratch{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + 2 * N2))}; },
+      [&] {
+        return Scratch{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + 2 * N2))};
+      },
       [&](int64_t task, Scratch& S) {
     with_lanes_bf16([&](auto ln) {
       float* X1 = S.f.data();

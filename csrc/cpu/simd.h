@@ -308,9 +308,9 @@ PPMA_SIMD_INLINE void gather_rows_t(Lanes<L0>, int64_t n, int64_t c, const T* sr
 // for r < R, c < Cn, k < K. A is read through two strides (so A or A^T), Bt row-major with row stride bs.
 // float: column blocks of 2L, L, L / 2, ..., 4 lanes, each in register tiles of gemm_rows<L>() rows by the
 // block (4 rows at 4 lanes, 6 at 8, 8 at 16: 8, 12 or 16 independent multiply-add chains held in registers,
-// oneDNN-style micro-kernels sized to the register file) and then single rows; the last Cn % 4 columns and
-// double run the scalar loop. The sum over k runs in order for every element, so the result does not depend
-// on the blocking.
+// oneDNN-style micro-kernels sized to the register file), the remaining rows in tiles of 4, 2 and 1 rows;
+// the last Cn % 4 columns and double run the scalar loop. The sum over k runs in order for every element, so
+// the result does not depend on the blocking.
 // ---------------------------------------------------------------------------------------------
 template <typename T>
 PPMA_SIMD_INLINE void gemm_scalar(int64_t R, int64_t c0, int64_t Cn, int64_t K, const T* A, int64_t ar, int64_t ak,
@@ -362,6 +362,17 @@ PPMA_SIMD_INLINE void gemm_columns(int64_t R, int64_t K, const float* A, int64_t
   int64_t r0 = 0;
   for (; r0 + RB <= R; r0 += RB)
     gemm_tile<L, RB, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+  // The last R % RB rows in tiles of 4 and 2 rows before single ones (a single row is latency-bound).
+  if constexpr (RB > 4) {
+    if (r0 + 4 <= R) {
+      gemm_tile<L, 4, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+      r0 += 4;
+    }
+  }
+  if (r0 + 2 <= R) {
+    gemm_tile<L, 2, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+    r0 += 2;
+  }
   for (; r0 < R; ++r0) gemm_tile<L, 1, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
 }
 
@@ -430,8 +441,9 @@ PPMA_SIMD_INLINE void dpbf16(vec<16>& acc, ivec<16> a, ivec<16> b) {
 
 // RB rows by NB vectors of 16 columns, over K2 pairs:
 //   C[r * ldc + c] (=|+=) alpha * sum_p A[(r * ar + p) * 2 .. +1] . Bp[(p * ldb + c) * 2 .. +1]
-// A: rows of pairs, row stride ar in pairs; Bp: packed pairs [K2][ldb][2], read 16 columns at a time (pad ldb to a multiple of 16 with
-// zeros: whole vectors are read). Only the first `cols` (<= 16 NB) columns of the tile are stored.
+// A: rows of pairs, row stride ar in pairs; Bp: packed pairs [K2][ldb][2], read 16 columns at a time (pad ldb to
+// a multiple of 16 with zeros: whole vectors are read). Only the first `cols` (<= 16 NB) columns of the tile
+// are stored.
 template <int RB, int NB>
 PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp, int64_t ldb,
                                      float* C, int64_t ldc, int64_t cols, bool accumulate, float alpha) {
@@ -468,6 +480,14 @@ PPMA_SIMD_INLINE void gemm_bf16_columns(int64_t R, int64_t K2, const uint16_t* A
   int64_t r0 = 0;
   for (; r0 + 8 <= R; r0 += 8)
     gemm_bf16_tile<8, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+  if (r0 + 4 <= R) {
+    gemm_bf16_tile<4, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    r0 += 4;
+  }
+  if (r0 + 2 <= R) {
+    gemm_bf16_tile<2, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    r0 += 2;
+  }
   for (; r0 < R; ++r0)
     gemm_bf16_tile<1, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
 }
