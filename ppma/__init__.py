@@ -4,7 +4,7 @@ Fused operators (``ppma.ops``), modules (``ppma.nn``) and the PPMA-T/S/B backbon
 """
 
 from ppma._ext import has_cuda_kernels, has_ext
-from ppma import ops
+from ppma import backends, ops
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,4 @@ def create_model(name: str, *args, **kwargs):
     return _create_model(name, *args, **kwargs)
 
 
-__all__ = ["ops", "has_ext", "has_cuda_kernels", "create_model", "__version__"]
+__all__ = ["ops", "backends", "has_ext", "has_cuda_kernels", "create_model", "__version__"]

@@ -1,8 +1,11 @@
-"""The CPU kernels' lower SIMD paths (README "Install"): the widest path the CPU supports is chosen at run time,
-and an environment setting forces each lower one (``op_utils.cpu_paths``: ``PPMA_CPU_BASELINE=1`` for the
-baseline x86-64 code, or ``PPMA_CPU_CAPABILITY``). This reruns the CPU cases of every op's reference comparisons
-(every ``tests/test_*.py`` with an ``OpTests`` subclass, so ops added later are included) in a fresh process on
-each lower path. ``OpTests.test_lower_cpu_path`` adds the per-op bitwise checks on each path."""
+"""The SIMD paths of the CPU kernels (``csrc/cpu/simd.h``, ``ppma.backends``): the kernels are built for
+baseline x86-64 with AVX2 and AVX-512 variants chosen at run time, and ``PPMA_CPU_CAPABILITY`` caps the path.
+Every path this machine can run below its best (the best one is what the rest of the suite runs) reruns the
+CPU cases of every op's reference comparisons (fp64 and fp32 sweeps, bf16 / fp16 within the bf16 tolerance,
+gradcheck, determinism, thread-count invariance) in a fresh process; plus the reporting and the environment
+variable's rules.
+
+``cpu_subprocess_env`` and ``run_op_tests_on_path`` are the pieces a shared op-test helper can reuse."""
 
 from __future__ import annotations
 
@@ -14,30 +17,187 @@ import sys
 
 import pytest
 
-from op_utils import cpu_paths, needs_ext, path_id
+from op_utils import needs_ext
+from ppma import backends
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 def op_test_files() -> list[str]:
-    """The test files that subclass the shared op tests (``class TestX(...OpTests)``)."""
+    """The test files that subclass the shared op tests (``class TestX(...OpTests)``), so ops added later are
+    included."""
     pattern = re.compile(r"^class \w+\((\w*OpTests)\):", re.M)
     files = [f for f in sorted(glob.glob(os.path.join(HERE, "test_*.py"))) if pattern.search(open(f).read())]
     assert len(files) >= 4, files  # the four 2-D ops at least
     return files
 
 
-@needs_ext
-@pytest.mark.parametrize("path", cpu_paths()[1:], ids=path_id)
-def test_lower_path_matches_reference(path):
-    if all(os.environ.get(k) == v for k, v in path.items()):
-        pytest.skip("already running on this path")
-    env = {**os.environ, **path}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *op_test_files(),
-           "-k", "cpu and (matches_reference or low_precision or gradcheck or deterministic)"]
-    res = subprocess.run(cmd, env=env, cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=900)
+# The CPU cases that compare with the reference or check determinism.
+OP_FILTER = "cpu and (matches_reference or low_precision or gradcheck or deterministic or thread_count)"
+PATHS = backends.cpu_capabilities_available()
+BEST = PATHS[-1] if PATHS else None
+
+
+def cpu_subprocess_env(capability: str | None) -> dict[str, str]:
+    """The environment of a fresh process whose CPU kernels run ``capability`` (``None``: no cap)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PPMA_CPU_CAPABILITY", "PPMA_CPU_BASELINE")}
+    if capability is not None:
+        env["PPMA_CPU_CAPABILITY"] = capability
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def run_op_tests_on_path(capability: str) -> None:
+    """Run the CPU reference comparisons of every op in a fresh process capped at ``capability``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           *op_test_files(), "-k", OP_FILTER]
+    res = subprocess.run(cmd, env=cpu_subprocess_env(capability), cwd=ROOT, capture_output=True, text=True,
+                         timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert " passed" in res.stdout
+
+
+@needs_ext
+def test_capability_reported():
+    assert PATHS[0] == "default" and set(PATHS) <= set(backends.CPU_CAPABILITIES)
+    assert backends.cpu_capability_supported() == BEST
+    if not os.environ.get("PPMA_CPU_CAPABILITY") and os.environ.get("PPMA_CPU_BASELINE") != "1":
+        assert backends.cpu_capability() == BEST
+    assert isinstance(backends.cpu_bf16_dot(), bool)
+    if backends.cpu_capability() != "avx512":
+        assert not backends.cpu_bf16_dot()
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", list(backends.CPU_CAPABILITIES))
+def test_cap_selects_path(capability):
+    """A cap runs min(cap, what the CPU has), and the library reports exactly that."""
+    res = _python("from ppma import backends; print(backends.cpu_capability(), backends.cpu_bf16_dot())",
+                  cpu_subprocess_env(capability))
+    assert res.returncode == 0, res.stderr[-2000:]
+    got, bf16 = res.stdout.split()
+    want = capability if capability in PATHS else BEST
+    assert got == want
+    if got != "avx512":
+        assert bf16 == "False"
+
+
+@needs_ext
+def test_baseline_alias_is_default():
+    env = cpu_subprocess_env(None)
+    env["PPMA_CPU_BASELINE"] = "1"
+    res = _python("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+                  "from ppma import backends\n"
+                  "try:\n    backends.cpu_capability()\nexcept DeprecationWarning as e:\n    print('warned', e)\n"
+                  "import torch; print(torch.ops.ppma.cpu_capability())", env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "warned" in res.stdout and "PPMA_CPU_CAPABILITY=default" in res.stdout
+    assert res.stdout.split()[-1] == "default"
+
+
+@needs_ext
+def test_invalid_capability_is_an_error():
+    """Both the Python query and the kernels themselves reject an unknown value, naming the allowed ones."""
+    res = _python("import torch, ppma\nfrom ppma import backends\n"
+                  "try:\n    backends.cpu_capability()\nexcept ValueError as e:\n    print('py:', e)\n"
+                  "x = torch.randn(1, 3, 4, 1, 2); la = -torch.rand(1, 3, 4, 1)\n"
+                  "try:\n    torch.ops.ppma.polyline_scan(x, la, la, False)\nexcept (RuntimeError, ValueError) as e:\n"
+                  "    print('op:', e)\n", {**cpu_subprocess_env("avx3"), "PYTHONWARNINGS": "ignore"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("py:", "op:"))]
+    assert [ln[:3] for ln in lines] == ["py:", "op:"], res.stdout
+    for ln in lines:
+        assert "PPMA_CPU_CAPABILITY" in ln and "avx3" in ln and "avx512" in ln and "default" in ln
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", [p for p in PATHS if p != BEST] or [None])
+def test_lower_path_matches_reference(capability):
+    """The op tests' CPU reference comparisons on each path below the best one (the best is the default run)."""
+    if capability is None:
+        pytest.skip("this CPU has a single SIMD path")
+    if os.environ.get("PPMA_CPU_CAPABILITY") or os.environ.get("PPMA_CPU_BASELINE") == "1":
+        pytest.skip("already running under a capped path")
+    run_op_tests_on_path(capability)
+
+
+_BF16_CHECK = """
+import torch
+from ppma import backends
+from ppma.ops import polyline_attention
+from ppma.ops.reference import polyline_attention_ref
+from op_utils import make_attention_inputs, rel_err
+print(backends.cpu_bf16_dot())
+for shape in [(2, 7, 9, 2, 16, 16), (1, 5, 5, 3, 7, 5), (1, 14, 14, 2, 32, 32)]:
+    q, k, v, la, lb = make_attention_inputs(shape, torch.bfloat16, requires_grad=False)
+    la, lb = la.float(), lb.float()
+    out = polyline_attention(q, k, v, la, lb, 0.3)
+    same = polyline_attention(q.float(), k.float(), v.float(), la, lb, 0.3).to(torch.bfloat16)
+    ref = polyline_attention_ref(q.double(), k.double(), v.double(), la.double(), lb.double(), 0.3)
+    print(out.dtype == torch.bfloat16, torch.equal(out, same), rel_err(out, ref))
+"""
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", PATHS or [None])
+def test_bf16_products(capability):
+    """bf16 polyline_attention: where ``cpu_bf16_dot()`` the forward runs the bf16 products (P rounded to bf16,
+    so the output is not the float32 kernel's on the same values) within the bf16 tolerance of the float64
+    reference (odd d, odd N and tails of 16 included); on the other paths bf16 inputs take the float32 kernel
+    (bitwise the float32 result rounded to bf16). Never the reference."""
+    if capability is None:
+        pytest.skip("no compiled library")
+    env = cpu_subprocess_env(capability)
+    env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
+    res = _python(_BF16_CHECK, env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.split("\n")
+    bf16dot = lines[0] == "True"
+    assert bf16dot == (capability == "avx512" and backends.cpu_bf16_dot_supported())
+    for ln in lines[1:]:
+        if not ln:
+            continue
+        is_bf16, equal, err = ln.split()
+        assert is_bf16 == "True"
+        assert float(err) <= 2e-2
+        assert equal == ("False" if bf16dot else "True"), ln
+
+
+@needs_ext
+def test_no_aten_products_inside_cpu_ops():
+    """The CPU attention kernels do their products in the SIMD layer's micro-kernels, never one ATen/BLAS call
+    per tile (the profiler sees no addmm / mm / bmm / matmul inside the ops, forward or backward)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the profiler records calls on the calling thread only (not in pool workers)
+    try:
+        _profile_ops()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile_ops():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import ppma
+
+    gen = torch.Generator().manual_seed(0)
+    x = [torch.randn(2, 9, 10, 2, 16, generator=gen).requires_grad_() for _ in range(3)]
+    x += [(-torch.rand(2, 9, 10, 2, generator=gen)).requires_grad_() for _ in range(2)]
+    for op in (ppma.ops.polyline_attention, ppma.ops.criss_cross_attention):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            op(*x).sum().backward()
+        keys = {e.key for e in prof.key_averages()}
+        assert any(k.startswith("ppma::") for k in keys), keys
+        assert not keys & {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"}, (op.__name__, keys)
 
 
 def test_op_test_files_found():

@@ -1,10 +1,14 @@
 // CPU kernels of ppma::polyline_attention (the official "whole" mode, spec §3.4;
 // docs/ops.md "polyline_attention") and its backward.
 //
-// Per (batch, head) and tile of TQ queries, the logits against all N keys are computed once by BLAS
-// into per-thread scratch (TQ x N, linear in N) and shared by two exact softmaxes, one with the V2H bias M[p, s] = R_i(j, l) + C_l(i, k)
+// Per (batch, head) and tile of TQ queries, the logits against all N keys are computed once by the
+// register-blocked products of cpu/simd.h (small_gemm; no ATen call inside the tasks) into per-thread scratch
+// (TQ x N, linear in N) and shared by two exact softmaxes, one with the V2H bias M[p, s] = R_i(j, l) + C_l(i, k)
 // and one with the H2V bias M'[p, s] = M[s, p] = R_k(j, l) + C_j(i, k) (query p = (i, j), key s = (k, l)).
 // Biases come from the prefix sums on the fly; no N x N tensor exists, in forward or backward.
+//
+// bf16 q, k, v where cpu_bf16_dot() (the avx512 path on a CPU with AVX-512 BF16): the forward's q k^T and P v are
+// bf16 products with float32 accumulation (forward_kernel_bf16); elsewhere bf16 inputs are converted to float32.
 //
 // Backward (flash-style, from lse / out / out_v2h): each task owns a query block range of one (batch,
 // head) and writes dq directly; dk, dv and the prefix-sum gradients go to the task's own partial buffer,
@@ -27,7 +31,7 @@ namespace cpu {
 namespace {
 
 // Queries per task tile: the logits of a tile against all N keys live in per-thread scratch of
-// TQ x N (linear in N), products with q / k / v go through BLAS (single-threaded inside the tasks).
+// TQ x N (linear in N); the products with q / k / v are small_gemm calls (cpu/simd.h) at the task's lane width.
 constexpr int64_t TQ = 64;
 
 template <typename T>
@@ -41,26 +45,14 @@ struct PAData {
   T scale;
 };
 
-// A [rows, cols] matrix view (row stride ld) of raw memory, for BLAS through ATen.
-template <typename T>
-inline at::Tensor mat(const T* p, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(const_cast<T*>(p), {rows, cols}, {ld, 1},
-                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
-}
-
-// out = alpha * a @ b (+ beta * out); runs single-threaded BLAS inside the parallel tasks. BLAS skips the
-// product when alpha == 0 (scale = 0), which would drop NaN/Inf in q or k; the reference computes 0 * (q k^T)
-// and propagates them, so form the product then.
-inline void gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double alpha, double beta) {
-  if (alpha == 0.0) {
-    const at::Tensor prod = at::mm(a, b).mul_(0.0);
-    if (beta == 0.0)
-      out.copy_(prod);
-    else
-      out.mul_(beta).add_(prod);
-    return;
-  }
-  at::addmm_out(out, out, a, b, beta, alpha);
+// The keys (or values) of one (batch, head) transposed into scratch [c][N] (the B operand of small_gemm for
+// q k^T and dO v^T), redone only when the task's (batch, head) changes (*have: the one held, -1 for none).
+template <int L, typename T>
+inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int64_t stride, int64_t bg, int64_t* have,
+                            T* dst) {
+  if (*have == bg) return;
+  gather_rows_t(ln, N, c, src, stride, dst);
+  *have = bg;
 }
 
 // X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
@@ -101,50 +93,53 @@ inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T
   }
 }
 
-// Logits of a query tile against all keys, both biases added: X1 = S + M, X2 = S + M'.
-template <typename T>
-inline void logits_block(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* X1, T* X2) {
+// Logits of a query tile against all keys, both biases added: X1 = S + M, X2 = S + M'. Kt: the keys of the
+// (batch, head) transposed, [d][N]. S = scale (q k^T) (the product formed even for scale = 0, so that NaN / Inf
+// in q or k propagate like in the reference).
+template <int L, typename T>
+inline void logits_block(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, const T* Kt, T* X1,
+                         T* X2) {
   const int64_t N = D.N, G = D.G, d = D.d, b = bg / G, g = bg % G;
-  at::Tensor s = mat(X1, tq, N, N);
-  const at::Tensor qm = mat(D.q + token_index(N, G, b, p0, g) * d, tq, d, G * d);
-  gemm(s, qm, mat(D.k + token_index(N, G, b, 0, g) * d, N, d, G * d).t(), static_cast<double>(D.scale), 0.0);
+  small_gemm(ln, tq, N, d, D.q + token_index(N, G, b, p0, g) * d, G * d, int64_t(1), Kt, N, X1, N, false, D.scale);
   add_biases(D, bg, p0, tq, X1, X2);
 }
 
 template <typename T>
 void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
-  const int64_t N = D.N, G = D.G, dv = D.dv;
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv;
   const int64_t nqb = ceil_div(N, TQ);
+  struct Scratch {
+    std::vector<T> buf;
+    int64_t kt_bg = -1;  // the (batch, head) whose keys Kt holds
+  };
   parallel_tasks(
-      D.B * G * nqb, [&] { return std::vector<T>(2 * TQ * N + 2 * TQ * dv); },
-      [&](int64_t task, std::vector<T>& buf) {
-    T* X1 = buf.data();
-    T* X2 = X1 + TQ * N;
-    T* O1 = X2 + TQ * N;
-    T* O2 = O1 + TQ * dv;
-    at::Tensor o1 = mat(O1, TQ, dv, dv), o2 = mat(O2, TQ, dv, dv);
-    {
+      D.B * G * nqb, [&] { return Scratch{std::vector<T>(2 * TQ * N + 2 * TQ * dv + d * N)}; },
+      [&](int64_t task, Scratch& S) {
+    with_lanes([&](auto ln) {
+      T* X1 = S.buf.data();
+      T* X2 = X1 + TQ * N;
+      T* O1 = X2 + TQ * N;
+      T* O2 = O1 + TQ * dv;
+      T* Kt = O2 + TQ * dv;
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G;
-      logits_block(D, bg, p0, tq, X1, X2);
+      transposed_rows(ln, D.k + token_index(N, G, b, 0, g) * d, N, d, G * d, bg, &S.kt_bg, Kt);
+      logits_block(ln, D, bg, p0, tq, Kt, X1, X2);
       T inv1[TQ], inv2[TQ];
-      with_lanes([&](auto ln) {
-        for (int64_t a = 0; a < tq; ++a) {
-          T* x1 = X1 + a * N;
-          T* x2 = X2 + a * N;
-          const T m1 = max_of(N, x1), m2 = max_of(N, x2);
-          const T l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
-          inv1[a] = T(1) / l1;
-          inv2[a] = T(1) / l2;
-          const int64_t o = token_index(N, G, b, p0 + a, g);
-          lse[o * 2 + 0] = m1 + std::log(l1);
-          lse[o * 2 + 1] = m2 + std::log(l2);
-        }
-      });
-      at::Tensor vb = mat(D.v + token_index(N, G, b, 0, g) * dv, N, dv, G * dv);
-      at::Tensor ob1 = o1.narrow(0, 0, tq), ob2 = o2.narrow(0, 0, tq);
-      gemm(ob1, mat(X1, tq, N, N), vb, 1.0, 0.0);
-      gemm(ob2, mat(X2, tq, N, N), vb, 1.0, 0.0);
+      for (int64_t a = 0; a < tq; ++a) {
+        T* x1 = X1 + a * N;
+        T* x2 = X2 + a * N;
+        const T m1 = max_of(N, x1), m2 = max_of(N, x2);
+        const T l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+        inv1[a] = T(1) / l1;
+        inv2[a] = T(1) / l2;
+        const int64_t o = token_index(N, G, b, p0 + a, g);
+        lse[o * 2 + 0] = m1 + std::log(l1);
+        lse[o * 2 + 1] = m2 + std::log(l2);
+      }
+      const T* vb = D.v + token_index(N, G, b, 0, g) * dv;
+      small_gemm(ln, tq, dv, N, X1, N, int64_t(1), vb, G * dv, O1, dv, false);  // P1 v (unnormalised)
+      small_gemm(ln, tq, dv, N, X2, N, int64_t(1), vb, G * dv, O2, dv, false);  // P2 v
       for (int64_t a = 0; a < tq; ++a) {
         const int64_t o = token_index(N, G, b, p0 + a, g);
         T* ov = out_v2h + o * dv;
@@ -157,9 +152,107 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
           oo[e] = T(0.5) * (v1 + v2);
         }
       }
-    }
+    });
   });
 }
+
+#ifdef PPMA_SIMD_X86
+// bf16 inputs where cpu_bf16_dot() (cpu/simd.h): q k^T and P v are bf16 products with float32 accumulation
+// (small_gemm_bf16, vdpbf16ps); biases, softmax and statistics are float32 as on every path. P, the unnormalised
+// softmax in [0, 1], is rounded to bf16 (the precision of the inputs) for the P v product.
+struct PABf16 {
+  const uint16_t* q;   // [B, N, G, d] the inputs' bf16 bits
+  const uint16_t* kp;  // [BG][d2][Np][2] keys in pairs of features; d2 = ceil(d / 2), Np = N rounded up to 16
+  const uint16_t* vp;  // [BG][N2][dvp][2] values in pairs of keys; N2 = ceil(N / 2), dvp = dv rounded up to 16
+  int64_t d2, Np, N2, dvp;
+};
+
+void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, float* out_v2h, float* lse) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
+  const int64_t nqb = ceil_div(N, TQ);
+  struct Scratch {
+    std::vector<float> f;
+    std::vector<uint16_t> h;
+  };
+  parallel_tasks(
+      D.B * G * nqb,
+      [&] {
+        return Scratch{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + 2 * N2))};
+      },
+      [&](int64_t task, Scratch& S) {
+    with_lanes_bf16([&](auto ln) {
+      float* X1 = S.f.data();
+      float* X2 = X1 + TQ * N;
+      float* O1 = X2 + TQ * N;
+      float* O2 = O1 + TQ * dv;
+      uint16_t* Qp = S.h.data();          // [tq][d2][2] the tile's queries, zero padded
+      uint16_t* Pb1 = Qp + TQ * 2 * d2;   // [tq][N2][2] P1 in bf16, zero padded
+      uint16_t* Pb2 = Pb1 + TQ * 2 * N2;  // [tq][N2][2] P2
+      const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
+      const int64_t b = bg / G, g = bg % G;
+      for (int64_t a = 0; a < tq; ++a) {
+        const uint16_t* qa = P.q + token_index(N, G, b, p0 + a, g) * d;
+        std::copy(qa, qa + d, Qp + a * 2 * d2);
+        if (d % 2) Qp[a * 2 * d2 + d] = 0;
+      }
+      small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X1, N, false, D.scale);
+      add_biases(D, bg, p0, tq, X1, X2);
+      float inv1[TQ], inv2[TQ];
+      for (int64_t a = 0; a < tq; ++a) {
+        float* x1 = X1 + a * N;
+        float* x2 = X2 + a * N;
+        const float m1 = max_of(N, x1), m2 = max_of(N, x2);
+        const float l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+        inv1[a] = 1.0f / l1;
+        inv2[a] = 1.0f / l2;
+        const int64_t o = token_index(N, G, b, p0 + a, g);
+        lse[o * 2 + 0] = m1 + std::log(l1);
+        lse[o * 2 + 1] = m2 + std::log(l2);
+        floats_to_bf16(ln, N, x1, Pb1 + a * 2 * N2);
+        floats_to_bf16(ln, N, x2, Pb2 + a * 2 * N2);
+        if (N % 2) Pb1[a * 2 * N2 + N] = Pb2[a * 2 * N2 + N] = 0;
+      }
+      const uint16_t* vb = P.vp + bg * N2 * P.dvp * 2;
+      small_gemm_bf16(ln, tq, dv, N2, Pb1, N2, vb, P.dvp, O1, dv, false);  // P1 v (unnormalised)
+      small_gemm_bf16(ln, tq, dv, N2, Pb2, N2, vb, P.dvp, O2, dv, false);  // P2 v
+      for (int64_t a = 0; a < tq; ++a) {
+        const int64_t o = token_index(N, G, b, p0 + a, g);
+        float* ov = out_v2h + o * dv;
+        float* oo = out + o * dv;
+        const float i1 = inv1[a], i2 = inv2[a];
+#pragma omp simd
+        for (int64_t e = 0; e < dv; ++e) {
+          const float v1 = O1[a * dv + e] * i1, v2 = O2[a * dv + e] * i2;
+          ov[e] = v1;
+          oo[e] = 0.5f * (v1 + v2);
+        }
+      }
+    });
+  });
+}
+
+// Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16.
+void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
+                             const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor& out_v2h,
+                             at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const int64_t N = H * W, d2 = ceil_div(d, 2), N2 = ceil_div(N, 2), Np = ceil_div(N, 16) * 16,
+                dvp = ceil_div(dv, 16) * 16;
+  const at::Tensor qc = q.contiguous();
+  // keys [B, N, G, d] -> [B, G, d2, Np, 2]; values [B, N, G, dv] -> [B, G, N2, dvp, 2] (zeros in the padding)
+  at::Tensor kq = at::constant_pad_nd(k.reshape({B, N, G, d}), {0, 2 * d2 - d});
+  const at::Tensor kp =
+      at::constant_pad_nd(kq.view({B, N, G, d2, 2}).permute({0, 2, 3, 1, 4}), {0, 0, 0, Np - N}).contiguous();
+  at::Tensor vq = at::constant_pad_nd(v.reshape({B, N, G, dv}), {0, 0, 0, 0, 0, 2 * N2 - N});
+  const at::Tensor vp =
+      at::constant_pad_nd(vq.view({B, N2, 2, G, dv}).permute({0, 3, 1, 4, 2}), {0, 0, 0, dvp - dv}).contiguous();
+  const PAData<float> D{nullptr, nullptr, nullptr, cr.data_ptr<float>(), cc.data_ptr<float>(), B, G, H, W, N, d, dv,
+                        static_cast<float>(scale)};
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const PABf16 P{bits(qc), bits(kp), bits(vp), d2, Np, N2, dvp};
+  forward_kernel_bf16(D, P, out.data_ptr<float>(), out_v2h.data_ptr<float>(), lse.data_ptr<float>());
+}
+#endif
 
 // Prefix-sum gradients of one query row a against one key-row segment, k != i (rows differ, so the
 // four target lines never alias). g1 = dS1 (flows to M), g2 = dS2 (flows to M').
@@ -225,15 +318,17 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, W = D.W;
   const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
   const int64_t part_size = N * (d + dv + 2);
-  const double scale = static_cast<double>(D.scale);
+  const T scale = D.scale;
   parallel_tasks(
-      D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + TQ * d); },
+      D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + (d + dv) * N); },
       [&](int64_t task, std::vector<T>& buf) {
+    with_lanes([&](auto ln) {
     T* X1 = buf.data();
     T* X2 = X1 + TQ * N;
     T* DP = X2 + TQ * N;
     T* G1 = DP + TQ * N;
-    T* DQ = G1 + TQ * N;
+    T* Kt = G1 + TQ * N;  // the keys of the task's (batch, head) transposed, [d][N]
+    T* Vt = Kt + d * N;   // its values transposed, [dv][N]
     {
       const int64_t bg = task / nchunk, chunk = task % nchunk;
       const int64_t b = bg / G, g = bg % G;
@@ -241,18 +336,18 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
       T* pdv = pdk + N * d;
       T* gcr = pdv + N * dv;
       T* gcc = gcr + N;
-      at::Tensor dkm = mat(pdk, N, d, d), dvm = mat(pdv, N, dv, dv);
-      at::Tensor km = mat(D.k + token_index(N, G, b, 0, g) * d, N, d, G * d);
-      at::Tensor vm = mat(D.v + token_index(N, G, b, 0, g) * dv, N, dv, G * dv);
+      const T* kb = D.k + token_index(N, G, b, 0, g) * d;
+      const T* vb = D.v + token_index(N, G, b, 0, g) * dv;
+      gather_rows_t(ln, N, d, kb, G * d, Kt);
+      gather_rows_t(ln, N, dv, vb, G * dv, Vt);
       const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
       for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
         const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
         const int64_t row0 = token_index(N, G, b, p0, g);  // first query row in the [B, N, G, .] layouts
-        logits_block(D, bg, p0, tq, X1, X2);
+        logits_block(ln, D, bg, p0, tq, Kt, X1, X2);
         // DP = 0.5 dO v^T
-        at::Tensor gom = mat(go + row0 * dv, tq, dv, G * dv);
-        at::Tensor dpm = mat(DP, tq, N, N);
-        gemm(dpm, gom, vm.t(), 0.5, 0.0);
+        const T* gob = go + row0 * dv;
+        small_gemm(ln, tq, N, dv, gob, G * dv, int64_t(1), Vt, N, DP, N, false, T(0.5));
         for (int64_t a = 0; a < tq; ++a) {
           const int64_t o = row0 + a * G;
           const T* ga = go + o * dv;
@@ -270,10 +365,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           T* __restrict x2 = X2 + a * N;
           T* __restrict dp = DP + a * N;
           T* __restrict g1 = G1 + a * N;
-          with_lanes([&](auto ln) {
-            exp_shift(ln, N, x1, ls1);  // P1
-            exp_shift(ln, N, x2, ls2);  // P2
-          });
+          exp_shift(ln, N, x1, ls1);  // P1
+          exp_shift(ln, N, x2, ls2);  // P2
 #pragma omp simd
           for (int64_t c = 0; c < N; ++c) {
             const T p1 = x1[c], p2 = x2[c];
@@ -296,16 +389,12 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           }
         }
         // dq = scale * dS k; dk += scale * dS^T q; dv += (P1 + P2)^T (0.5 dO)
-        at::Tensor dqm = mat(DQ, tq, d, d);
-        gemm(dqm, dpm, km, scale, 0.0);
-        for (int64_t a = 0; a < tq; ++a) {
-          T* o = dq + (row0 + a * G) * d;
-          for (int64_t e = 0; e < d; ++e) o[e] = DQ[a * d + e];
-        }
-        gemm(dkm, dpm.t(), mat(D.q + row0 * d, tq, d, G * d), scale, 1.0);
-        gemm(dvm, mat(X1, tq, N, N).t(), gom, 0.5, 1.0);
+        small_gemm(ln, tq, d, N, DP, N, int64_t(1), kb, G * d, dq + row0 * d, G * d, false, scale);
+        small_gemm(ln, N, d, tq, DP, int64_t(1), N, D.q + row0 * d, G * d, pdk, d, true, scale);
+        small_gemm(ln, N, dv, tq, X1, int64_t(1), N, gob, G * dv, pdv, dv, true, T(0.5));
       }
     }
+    });
   });
 }
 
@@ -364,6 +453,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
   at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
   at::Tensor out_v2h = at::empty_like(out);
   at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
+#ifdef PPMA_SIMD_X86
+  if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+      v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
+    auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+    polyline_attention_bf16(q, k, v, cr, cc, scale, out, out_v2h, lse);
+    return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
+  }
+#endif
   if (out.numel() > 0) {
     // The kernels read q, k, v in their own layout (no packing; a no-op for contiguous fp32 inputs).
     at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();

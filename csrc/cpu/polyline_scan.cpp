@@ -117,10 +117,13 @@ void scan_pass(const Lines& L, bool rows, const T* x, const T* a, T* y) {
   const int64_t n = L.length(rows), c = L.c, st = L.step(rows);
   at::parallel_for(0, L.count(rows), 1, [&](int64_t begin, int64_t end) {
     std::vector<T> e(n), g(c);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = L.start(rows, idx);
-      scan_line(n, c, x + s * c, st * c, a + s, st, y + s * c, st * c, e.data(), g.data());
-    }
+    // The lines' loops vectorise at the lane width with_lanes() picks (cpu/simd.h).
+    with_lanes([&](auto) {
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t s = L.start(rows, idx);
+        scan_line(n, c, x + s * c, st * c, a + s, st, y + s * c, st * c, e.data(), g.data());
+      }
+    });
   });
 }
 
@@ -129,11 +132,13 @@ void scan_backward_pass(const Lines& L, bool rows, const T* z, const T* gy, cons
   const int64_t n = L.length(rows), c = L.c, st = L.step(rows);
   at::parallel_for(0, L.count(rows), 1, [&](int64_t begin, int64_t end) {
     std::vector<T> e(n), fz(n * c), fg(n * c), Fz(c), Fg(c);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t s = L.start(rows, idx);
-      scan_line_backward(n, c, z + s * c, st * c, gy + s * c, st * c, a + s, st, gz + s * c, st * c, ga + s, st,
-                         e.data(), fz.data(), fg.data(), Fz.data(), Fg.data());
-    }
+    with_lanes([&](auto) {
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t s = L.start(rows, idx);
+        scan_line_backward(n, c, z + s * c, st * c, gy + s * c, st * c, a + s, st, gz + s * c, st * c, ga + s, st,
+                           e.data(), fz.data(), fg.data(), Fz.data(), Fg.data());
+      }
+    });
   });
 }
 

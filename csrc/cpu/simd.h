@@ -1,12 +1,16 @@
 // The SIMD layer of the CPU kernels, written once over the lane width L (floats per vector):
-//   L = 4  baseline: SSE2 on x86-64, NEON on arm64 (what the build targets);
-//   L = 8  AVX + FMA, chosen at run time by with_lanes() where the CPU has them.
+//   L = 4   capability "default": SSE2 on x86-64, NEON on arm64 (what the build targets);
+//   L = 8   capability "avx2": AVX2 + FMA;
+//   L = 16  capability "avx512": AVX-512 F/BW/VL/DQ (+ FMA),
+// the wider ones chosen at run time by with_lanes() where the CPU has them (cpu_capability()).
 // A kernel takes the lane width as a tag argument (Lanes<L>) and is instantiated once per width under
 // with_lanes(), which runs it inside a function compiled for that width's target with everything it calls
 // inlined (flatten). That is what makes the 8-lane code AVX code: a template is compiled for the target of the
 // function it is inlined into, and an 8-lane instance compiled on its own would be baseline code working on
-// pairs of 4-lane registers. So never form Lanes<8> outside with_lanes().
-// PPMA_CPU_BASELINE=1 forces the baseline width, so that tests check both paths on AVX machines.
+// pairs of 4-lane registers. So never form Lanes<8> or Lanes<16> outside with_lanes().
+// PPMA_CPU_CAPABILITY=default|avx2|avx512 caps the path (like ATEN_CPU_CAPABILITY: never above what the CPU
+// has), so that tests check every path the machine can run; PPMA_CPU_BASELINE=1 is a deprecated alias of
+// PPMA_CPU_CAPABILITY=default.
 //
 // Vectors are GCC/Clang vector extensions. Everything here is torch-free.
 #pragma once
@@ -14,8 +18,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #if !defined(__GNUC__)
@@ -51,6 +58,11 @@ template <>
 struct VecTypes<8> {
   typedef float f __attribute__((vector_size(32)));
   typedef int32_t i __attribute__((vector_size(32)));
+};
+template <>
+struct VecTypes<16> {
+  typedef float f __attribute__((vector_size(64)));
+  typedef int32_t i __attribute__((vector_size(64)));
 };
 template <int L>
 using vec = typename VecTypes<L>::f;
@@ -120,6 +132,26 @@ PPMA_SIMD_INLINE vec<L> fast_exp(vec<L> x) {
 // at the width of the function they are inlined into. double runs the plain loops (std::exp).
 // ---------------------------------------------------------------------------------------------
 
+// Tails of the exp loops below: one vector of M lanes if M more elements remain, then M / 2 ... 4 lanes.
+template <int M>
+PPMA_SIMD_INLINE void exp_tail_sum(int64_t n, float* __restrict x, float shift, int64_t& e, float& s) {
+  if (e + M <= n) {
+    const vec<M> p = fast_exp<M>(load<M>(x + e) - shift);
+    store<M>(x + e, p);
+    for (int l = 0; l < M; ++l) s += p[l];
+    e += M;
+  }
+  if constexpr (M > 4) exp_tail_sum<M / 2>(n, x, shift, e, s);
+}
+template <int M>
+PPMA_SIMD_INLINE void exp_tail(int64_t n, float* __restrict x, float shift, int64_t& e) {
+  if (e + M <= n) {
+    store<M>(x + e, fast_exp<M>(load<M>(x + e) - shift));
+    e += M;
+  }
+  if constexpr (M > 4) exp_tail<M / 2>(n, x, shift, e);
+}
+
 // x[e] = exp(x[e] - shift) for e < n; returns their sum (the lanes in order, then the tail).
 template <int L, typename T>
 PPMA_SIMD_INLINE T exp_shift_sum(Lanes<L>, int64_t n, T* __restrict x, T shift) {
@@ -132,14 +164,8 @@ PPMA_SIMD_INLINE T exp_shift_sum(Lanes<L>, int64_t n, T* __restrict x, T shift) 
       acc += p;
     }
     float s = hsum<L>(acc);
-    if constexpr (L > 4) {  // a tail of L / 2 or more: one half-width vector, its terms summed in order
-      if (e + L / 2 <= n) {
-        const vec<L / 2> p = fast_exp<L / 2>(load<L / 2>(x + e) - shift);
-        store<L / 2>(x + e, p);
-        for (int l = 0; l < L / 2; ++l) s += p[l];
-        e += L / 2;
-      }
-    }
+    // A tail of L / 2 or more: one half-width vector, its terms summed in order (then L / 4 ... 4 lanes).
+    if constexpr (L > 4) exp_tail_sum<L / 2>(n, x, shift, e, s);
     for (; e < n; ++e) {
       const float p = fast_exp<1>(x[e] - shift);
       x[e] = p;
@@ -164,12 +190,7 @@ PPMA_SIMD_INLINE void exp_shift(Lanes<L>, int64_t n, T* __restrict x, T shift) {
   if constexpr (std::is_same<T, float>::value) {
     int64_t e = 0;
     for (; e + L <= n; e += L) store<L>(x + e, fast_exp<L>(load<L>(x + e) - shift));
-    if constexpr (L > 4) {
-      if (e + L / 2 <= n) {
-        store<L / 2>(x + e, fast_exp<L / 2>(load<L / 2>(x + e) - shift));
-        e += L / 2;
-      }
-    }
+    if constexpr (L > 4) exp_tail<L / 2>(n, x, shift, e);
     for (; e < n; ++e) x[e] = fast_exp<1>(x[e] - shift);
   } else {
 #pragma omp simd
@@ -264,8 +285,10 @@ PPMA_SIMD_INLINE void transpose_block(const float* src, int64_t ss, float* dst, 
 }
 #undef PPMA_SHUFFLE
 
-template <int L, typename T>
-PPMA_SIMD_INLINE void gather_rows_t(Lanes<L>, int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
+// (16 lanes transpose in 8 x 8 blocks.)
+template <int L0, typename T>
+PPMA_SIMD_INLINE void gather_rows_t(Lanes<L0>, int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst) {
+  constexpr int L = L0 > 8 ? 8 : L0;
   int64_t r0 = 0;
   if constexpr (std::is_same<T, float>::value) {
     for (; r0 + L <= n; r0 += L) {
@@ -283,10 +306,11 @@ PPMA_SIMD_INLINE void gather_rows_t(Lanes<L>, int64_t n, int64_t c, const T* src
 // small_gemm: the small dense products of the line kernels,
 //   C[r * ldc + c] = alpha * sum_k A[r * ar + k * ak] * Bt[k * bs + c]      (accumulate: C += ...)
 // for r < R, c < Cn, k < K. A is read through two strides (so A or A^T), Bt row-major with row stride bs.
-// float: column blocks of 2L, L (and L / 2) lanes, each in register tiles of four rows by the block (four
-// independent multiply-add chains, not latency-bound) and then single rows; the last Cn % 4 columns and
-// double run the scalar loop. The sum over k runs in order for every element, so the result does not depend
-// on the blocking.
+// float: column blocks of 2L, L, L / 2, ..., 4 lanes, each in register tiles of gemm_rows<L>() rows by the
+// block (4 rows at 4 lanes, 6 at 8, 8 at 16: 8, 12 or 16 independent multiply-add chains held in registers,
+// oneDNN-style micro-kernels sized to the register file), the remaining rows in tiles of 4, 2 and 1 rows;
+// the last Cn % 4 columns and double run the scalar loop. The sum over k runs in order for every element, so
+// the result does not depend on the blocking.
 // ---------------------------------------------------------------------------------------------
 template <typename T>
 PPMA_SIMD_INLINE void gemm_scalar(int64_t R, int64_t c0, int64_t Cn, int64_t K, const T* A, int64_t ar, int64_t ak,
@@ -325,12 +349,41 @@ PPMA_SIMD_INLINE void gemm_tile(int64_t K, const float* A, int64_t ar, int64_t a
   }
 }
 
-template <int L, int NB>
+// Rows of a register tile at lane width L (the accumulators, 2 * rows vectors, plus the B row and a broadcast
+// fit the register file: 16 registers below AVX-512, 32 with it).
+template <int L>
+constexpr int gemm_rows() {
+  return L >= 16 ? 8 : (L == 8 ? 6 : 4);
+}
+
+template <int L, int NB, int RB = gemm_rows<L>()>
 PPMA_SIMD_INLINE void gemm_columns(int64_t R, int64_t K, const float* A, int64_t ar, int64_t ak, const float* Bt,
                                    int64_t bs, float* C, int64_t ldc, bool accumulate, float alpha) {
   int64_t r0 = 0;
-  for (; r0 + 4 <= R; r0 += 4) gemm_tile<L, 4, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+  for (; r0 + RB <= R; r0 += RB)
+    gemm_tile<L, RB, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+  // The last R % RB rows in tiles of 4 and 2 rows before single ones (a single row is latency-bound).
+  if constexpr (RB > 4) {
+    if (r0 + 4 <= R) {
+      gemm_tile<L, 4, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+      r0 += 4;
+    }
+  }
+  if (r0 + 2 <= R) {
+    gemm_tile<L, 2, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+    r0 += 2;
+  }
   for (; r0 < R; ++r0) gemm_tile<L, 1, NB>(K, A + r0 * ar, ar, ak, Bt, bs, C + r0 * ldc, ldc, accumulate, alpha);
+}
+
+// The column blocks of M lanes (M < L), then M / 2 ... 4, at the row blocking of the full width L.
+template <int L, int M>
+PPMA_SIMD_INLINE void gemm_column_tail(int64_t& c0, int64_t R, int64_t Cn, int64_t K, const float* A, int64_t ar,
+                                       int64_t ak, const float* Bt, int64_t bs, float* C, int64_t ldc,
+                                       bool accumulate, float alpha) {
+  for (; c0 + M <= Cn; c0 += M)
+    gemm_columns<M, 1, gemm_rows<L>()>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
+  if constexpr (M > 4) gemm_column_tail<L, M / 2>(c0, R, Cn, K, A, ar, ak, Bt, bs, C, ldc, accumulate, alpha);
 }
 
 template <int L, typename T>
@@ -341,28 +394,186 @@ PPMA_SIMD_INLINE void small_gemm(Lanes<L>, int64_t R, int64_t Cn, int64_t K, con
     for (; c0 + 2 * L <= Cn; c0 += 2 * L)
       gemm_columns<L, 2>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
     for (; c0 + L <= Cn; c0 += L) gemm_columns<L, 1>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
-    if constexpr (L > 4) {
-      for (; c0 + L / 2 <= Cn; c0 += L / 2)
-        gemm_columns<L / 2, 1>(R, K, A, ar, ak, Bt + c0, bs, C + c0, ldc, accumulate, alpha);
-    }
+    if constexpr (L > 4) gemm_column_tail<L, L / 2>(c0, R, Cn, K, A, ar, ak, Bt, bs, C, ldc, accumulate, alpha);
   }
   gemm_scalar(R, c0, Cn, K, A, ar, ak, Bt, bs, C, ldc, accumulate, alpha);
 }
 
 // ---------------------------------------------------------------------------------------------
+// bf16 products (AVX-512 BF16, the "avx512" path where cpu_bf16_dot() holds; run under with_lanes_bf16()).
+// bf16 values are raw 16-bit patterns (uint16_t); two of them side by side (a uint32_t, the lower one first) are
+// a pair, the operand unit of vdpbf16ps: acc[c] += a.lo * b[c].lo + a.hi * b[c].hi in float32. The products of
+// bf16 values are exact in float32; the sums are float32 (round to nearest even, denormals flushed).
+// ---------------------------------------------------------------------------------------------
+
+// float -> bf16, round to nearest even; NaN stays (a quiet) NaN. The same rounding as c10::BFloat16.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#ifdef PPMA_SIMD_X86
+// dst[e] = bf16(x[e]) for e < n (16 at a time, the same rounding as float_to_bf16).
+PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, uint16_t* __restrict dst) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    u32x16 u;
+    std::memcpy(&u, x + e, sizeof(u));
+    const u32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const u32x16 r = nan ? ((u >> 16) | 0x40u) : ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const u16x16 h = __builtin_convertvector(r, u16x16);
+    std::memcpy(dst + e, &h, sizeof(h));
+  }
+  for (; e < n; ++e) dst[e] = float_to_bf16(x[e]);
+}
+
+// acc += the pairwise products of a and b (vdpbf16ps). Inline assembly rather than the intrinsic, so that the
+// templates calling it need no target attribute of their own: they are only ever inlined into
+// run_lanes16_bf16(), whose target has AVX-512 BF16.
+PPMA_SIMD_INLINE void dpbf16(vec<16>& acc, ivec<16> a, ivec<16> b) {
+  asm("vdpbf16ps %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+}
+
+// RB rows by NB vectors of 16 columns, over K2 pairs:
+//   C[r * ldc + c] (=|+=) alpha * sum_p A[(r * ar + p) * 2 .. +1] . Bp[(p * ldb + c) * 2 .. +1]
+// A: rows of pairs, row stride ar in pairs; Bp: packed pairs [K2][ldb][2], read 16 columns at a time (pad ldb to
+// a multiple of 16 with zeros: whole vectors are read). Only the first `cols` (<= 16 NB) columns of the tile
+// are stored.
+template <int RB, int NB>
+PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp, int64_t ldb,
+                                     float* C, int64_t ldc, int64_t cols, bool accumulate, float alpha) {
+  vec<16> s[RB][NB] = {};
+  for (int64_t p = 0; p < K2; ++p) {
+    ivec<16> b[NB];
+    for (int c = 0; c < NB; ++c) std::memcpy(&b[c], Bp + (p * ldb + c * 16) * 2, sizeof(b[c]));
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + (r * ar + p) * 2, sizeof(pair));
+      const ivec<16> a = ivec<16>{} + pair;
+      for (int c = 0; c < NB; ++c) dpbf16(s[r][c], a, b[c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < NB; ++c) {
+      float* cp = C + r * ldc + c * 16;
+      vec<16> t = s[r][c] * alpha;
+      const int64_t m = cols - c * 16;
+      if (m >= 16) {
+        if (accumulate) t += load<16>(cp);
+        store<16>(cp, t);
+      } else {
+        for (int64_t l = 0; l < m; ++l) cp[l] = accumulate ? cp[l] + t[l] : t[l];
+      }
+    }
+  }
+}
+
+template <int NB>
+PPMA_SIMD_INLINE void gemm_bf16_columns(int64_t R, int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp,
+                                        int64_t ldb, float* C, int64_t ldc, int64_t cols, bool accumulate,
+                                        float alpha) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= R; r0 += 8)
+    gemm_bf16_tile<8, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+  if (r0 + 4 <= R) {
+    gemm_bf16_tile<4, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    r0 += 4;
+  }
+  if (r0 + 2 <= R) {
+    gemm_bf16_tile<2, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    r0 += 2;
+  }
+  for (; r0 < R; ++r0)
+    gemm_bf16_tile<1, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+}
+
+// C[r, c] (=|+=) alpha * sum_{p < K2} <A pair (r, p), B pair (p, c)> for r < R, c < Cn: A rows of pairs at stride ar
+// (in pairs), B packed [K2][ldb][2] with ldb >= Cn a multiple of 16 (zero columns past Cn). Every element's sum
+// runs over p in order, so the result does not depend on the blocking.
+PPMA_SIMD_INLINE void small_gemm_bf16(Lanes<16>, int64_t R, int64_t Cn, int64_t K2, const uint16_t* A, int64_t ar,
+                                      const uint16_t* Bp, int64_t ldb, float* C, int64_t ldc, bool accumulate,
+                                      float alpha = 1.0f) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= Cn; c0 += 32)
+    gemm_bf16_columns<2>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, 32, accumulate, alpha);
+  for (; c0 < Cn; c0 += 16)
+    gemm_bf16_columns<1>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, std::min<int64_t>(16, Cn - c0), accumulate,
+                         alpha);
+}
+#endif  // PPMA_SIMD_X86
+
+// ---------------------------------------------------------------------------------------------
 // The run-time dispatch, the one place that chooses the width.
 // ---------------------------------------------------------------------------------------------
 
-// Whether the 8-lane code may run: the CPU has AVX and FMA, and PPMA_CPU_BASELINE is not set to 1.
-inline bool avx_fma_enabled() {
+// The SIMD paths, in increasing order ("default" < "avx2" < "avx512"); the names of PPMA_CPU_CAPABILITY.
+enum class Capability : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline const char* capability_name(Capability c) {
+  switch (c) {
+    case Capability::kAvx512:
+      return "avx512";
+    case Capability::kAvx2:
+      return "avx2";
+    default:
+      return "default";
+  }
+}
+
+// The widest path this CPU can run, whatever the environment says.
+inline Capability cpu_supported_capability() {
 #ifdef PPMA_SIMD_X86
-  static const bool enabled = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma") &&
-                              !(std::getenv("PPMA_CPU_BASELINE") && std::getenv("PPMA_CPU_BASELINE")[0] == '1');
-  return enabled;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+    return Capability::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Capability::kAvx2;
+#endif
+  return Capability::kDefault;
+}
+
+// Whether the CPU has the AVX-512 BF16 dot products (vdpbf16ps) on top of the avx512 path.
+inline bool cpu_supports_avx512_bf16() {
+#ifdef PPMA_SIMD_X86
+  __builtin_cpu_init();
+  return cpu_supported_capability() == Capability::kAvx512 && __builtin_cpu_supports("avx512bf16");
 #else
   return false;
 #endif
 }
+
+// The cap the environment puts on the path: PPMA_CPU_CAPABILITY (default, avx2 or avx512; unset or empty: no
+// cap), or PPMA_CPU_BASELINE=1 (deprecated alias of default; PPMA_CPU_CAPABILITY wins when both are set).
+// Throws std::invalid_argument naming the allowed values for anything else.
+inline Capability capability_cap_from_env() {
+  const char* v = std::getenv("PPMA_CPU_CAPABILITY");
+  if (v != nullptr && v[0] != '\0') {
+    for (Capability c : {Capability::kDefault, Capability::kAvx2, Capability::kAvx512})
+      if (std::strcmp(v, capability_name(c)) == 0) return c;
+    throw std::invalid_argument(std::string("ppma: PPMA_CPU_CAPABILITY must be one of default, avx2, avx512; got '") +
+                                v + "'");
+  }
+  const char* b = std::getenv("PPMA_CPU_BASELINE");
+  if (b != nullptr && b[0] == '1') return Capability::kDefault;
+  return Capability::kAvx512;
+}
+
+// The path the kernels run: what the CPU supports, capped by the environment (read once per process).
+inline Capability cpu_capability() {
+  static const Capability selected = [] {
+    const Capability sup = cpu_supported_capability(), cap = capability_cap_from_env();
+    return static_cast<int>(cap) < static_cast<int>(sup) ? cap : sup;
+  }();
+  return selected;
+}
+
+// Kept for the kernels that ask it: whether a path with at least 8 lanes (AVX2 + FMA) runs.
+inline bool avx_fma_enabled() { return cpu_capability() != Capability::kDefault; }
 
 template <typename F>
 __attribute__((flatten)) auto run_lanes4(F& f) {
@@ -370,17 +581,48 @@ __attribute__((flatten)) auto run_lanes4(F& f) {
 }
 #ifdef PPMA_SIMD_X86
 template <typename F>
-__attribute__((target("avx,fma"), flatten)) auto run_lanes8(F& f) {
+__attribute__((target("avx,avx2,fma"), flatten)) auto run_lanes8(F& f) {
   return f(Lanes<8>{});
+}
+template <typename F>
+__attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq"), flatten)) auto run_lanes16(F& f) {
+  return f(Lanes<16>{});
+}
+template <typename F>
+__attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"), flatten)) auto run_lanes16_bf16(
+    F& f) {
+  return f(Lanes<16>{});
 }
 #endif
 
-// Returns f(Lanes<8>{}) where avx_fma_enabled(), f(Lanes<4>{}) otherwise; f is a generic callable whose body
-// (and everything it calls) is inlined into a function compiled for the chosen target.
+// Whether the bf16 products run: the avx512 path is selected and the CPU has AVX-512 BF16.
+inline bool cpu_bf16_dot() {
+  static const bool enabled = cpu_capability() == Capability::kAvx512 && cpu_supports_avx512_bf16();
+  return enabled;
+}
+
+#ifdef PPMA_SIMD_X86
+// Returns f(Lanes<16>{}) inside a function compiled for AVX-512 with BF16; only where cpu_bf16_dot(), which the
+// caller checks (small_gemm_bf16 and everything else of the avx512 path may run in f).
+template <typename F>
+inline auto with_lanes_bf16(F&& f) {
+  return run_lanes16_bf16(f);
+}
+#endif
+
+// Returns f(Lanes<16>{}), f(Lanes<8>{}) or f(Lanes<4>{}) as cpu_capability() says; f is a generic callable
+// whose body (and everything it calls) is inlined into a function compiled for the chosen target.
 template <typename F>
 inline auto with_lanes(F&& f) {
 #ifdef PPMA_SIMD_X86
-  if (avx_fma_enabled()) return run_lanes8(f);
+  switch (cpu_capability()) {
+    case Capability::kAvx512:
+      return run_lanes16(f);
+    case Capability::kAvx2:
+      return run_lanes8(f);
+    default:
+      break;
+  }
 #endif
   return run_lanes4(f);
 }

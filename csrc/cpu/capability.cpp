@@ -1,0 +1,36 @@
+// What the CPU kernels' run-time dispatch chose (cpu/simd.h "The run-time dispatch"), as ops that take no tensor,
+// so that Python (ppma.backends) reports the path the kernels actually run rather than guessing it:
+//   ppma::cpu_capability() -> str            the path the kernels run: "default", "avx2" or "avx512"
+//                                             (the CPU's best, capped by PPMA_CPU_CAPABILITY / PPMA_CPU_BASELINE);
+//   ppma::cpu_capability_supported() -> str  the best path this CPU can run, whatever the environment says;
+//   ppma::cpu_bf16_dot() -> bool             whether bf16 inputs take the AVX-512 BF16 dot-product path
+//                                             (the avx512 path is selected and the CPU has avx512bf16);
+//   ppma::cpu_bf16_dot_supported() -> bool   whether the CPU has them, whatever the environment says.
+#include <torch/library.h>
+
+#include <string>
+
+#include "cpu/simd.h"
+
+namespace ppma {
+namespace cpu {
+namespace {
+
+std::string cpu_capability_op() { return capability_name(cpu_capability()); }
+
+std::string cpu_capability_supported_op() { return capability_name(cpu_supported_capability()); }
+
+bool cpu_bf16_dot_op() { return cpu_bf16_dot(); }
+
+bool cpu_bf16_dot_supported_op() { return cpu_supports_avx512_bf16(); }
+
+}  // namespace
+}  // namespace cpu
+}  // namespace ppma
+
+TORCH_LIBRARY_FRAGMENT(ppma, m) {
+  m.def("cpu_capability() -> str", &ppma::cpu::cpu_capability_op);
+  m.def("cpu_capability_supported() -> str", &ppma::cpu::cpu_capability_supported_op);
+  m.def("cpu_bf16_dot() -> bool", &ppma::cpu::cpu_bf16_dot_op);
+  m.def("cpu_bf16_dot_supported() -> bool", &ppma::cpu::cpu_bf16_dot_supported_op);
+}
