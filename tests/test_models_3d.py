@@ -20,8 +20,8 @@ def _small(**kw):
 
 
 @needs_ext
-@pytest.mark.parametrize("kw", [{}, {"modes": ("axial",) * 4}, {"mask": "none"}, {"attention": "linear",
-                                "modes": ("full",) * 4}, {"frame_wise": True, "tubelet": (1, 8, 8)}],
+@pytest.mark.parametrize("kw", [{}, {"mixer": "axial"}, {"mask": "none"}, {"mixer": "linear"},
+                                {"frame_wise": True, "tubelet": (1, 8, 8)}],
                          ids=["default", "axial", "no-mask", "linear", "frame-wise"])
 def test_video_model_forward_backward(kw):
     torch.manual_seed(0)

@@ -33,8 +33,7 @@ class VideoConfig:
     depths: tuple = (2, 2, 6, 2)
     num_heads: tuple = (2, 4, 8, 16)
     mlp_ratios: tuple = (3.0, 3.0, 3.0, 3.0)
-    modes: tuple = ("axial", "axial", "full", "full")
-    attention: str = "softmax"
+    mixer: tuple = ("axial", "axial", "full", "full")  # per stage: ppma.nn.attention_3d.MIXERS_3D
     mask: str = "polyline"
     frame_wise: bool = False
     tubelet: tuple = (2, 4, 4)
@@ -63,8 +62,8 @@ class VideoBlock(nn.Module):
     """``x += cpe(x)``; ``x += drop_path(attn(norm1(x)))``; ``x += drop_path(mlp(norm2(x)))`` on ``[B, T, H, W, C]``
     (``cpe``: depthwise 3 x 3 x 3 convolution; 1 x 3 x 3 in the frame-wise baseline)."""
 
-    def __init__(self, dim: int, num_heads: int, *, mlp_ratio: float = 3.0, mode: str = "full",
-                 attention: str = "softmax", mask: str = "polyline", frame_wise: bool = False,
+    def __init__(self, dim: int, num_heads: int, *, mlp_ratio: float = 3.0, mixer: str = "full",
+                 mask: str = "polyline", frame_wise: bool = False,
                  drop_path: float = 0.0) -> None:
         super().__init__()
         self.cpe = DWConv3d(dim, (1, 3, 3) if frame_wise else (3, 3, 3))
@@ -72,7 +71,7 @@ class VideoBlock(nn.Module):
         if frame_wise:
             self.attn = _FrameWiseAttention(dim, num_heads)
         else:
-            self.attn = PPMAAttention3D(dim, num_heads, mode, attention=attention, mask=mask)
+            self.attn = PPMAAttention3D(dim, num_heads, mixer, mask=mask)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         hidden = int(mlp_ratio * dim)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
@@ -103,7 +102,9 @@ class PPMAVideo(nn.Module):
     def __init__(self, cfg: VideoConfig | None = None, **kwargs) -> None:
         super().__init__()
         cfg = dataclasses.replace(cfg or VideoConfig(), **kwargs)
-        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "modes"):
+        if isinstance(cfg.mixer, str):  # one string: every stage
+            cfg = dataclasses.replace(cfg, mixer=(cfg.mixer,) * 4)
+        for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "mixer"):
             if len(getattr(cfg, name)) != 4:
                 raise ValueError(f"PPMAVideo: {name} must have 4 entries, got {getattr(cfg, name)!r}")
         self.cfg = cfg
@@ -118,8 +119,8 @@ class PPMAVideo(nn.Module):
         for s in range(4):
             dim = cfg.embed_dims[s]
             self.stages.append(nn.Sequential(*(
-                VideoBlock(dim, cfg.num_heads[s], mlp_ratio=cfg.mlp_ratios[s], mode=cfg.modes[s],
-                           attention=cfg.attention, mask=cfg.mask, frame_wise=cfg.frame_wise, drop_path=rates[n + b])
+                VideoBlock(dim, cfg.num_heads[s], mlp_ratio=cfg.mlp_ratios[s], mixer=cfg.mixer[s],
+                           mask=cfg.mask, frame_wise=cfg.frame_wise, drop_path=rates[n + b])
                 for b in range(cfg.depths[s]))))
             n += cfg.depths[s]
             self.downsamples.append(_Downsample(dim, cfg.embed_dims[s + 1]) if s < 3 else nn.Identity())

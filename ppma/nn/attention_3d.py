@@ -5,9 +5,9 @@ The 2-D modules of ``ppma.nn`` with a time axis: ``x: [B, T, H, W, C]``. Per-tok
 raster index ``(t * H + i) * W + j`` (the 2-D convention, ``ppma.nn.rope``, extended), LePE as a depthwise 3-D
 convolution, and one of two forms:
 
-* ``mode="full"``: ``ppma.ops.polyline_attention_3d`` (or ``polyline_linear_attention_3d`` of ``elu(.) + 1``
-  features with ``attention="linear"``) over all ``T H W`` tokens;
-* ``mode="axial"``: masked 1-D attentions along the lines of each axis, composed in the mask's two path orders,
+* ``mixer="full"``: ``ppma.ops.polyline_attention_3d`` over all ``T H W`` tokens;
+* ``mixer="linear"``: ``ppma.ops.polyline_linear_attention_3d`` of ``elu(.) + 1`` features over all tokens, O(N);
+* ``mixer="axial"``: masked 1-D attentions along the lines of each axis, composed in the mask's two path orders,
   ``out = 0.5 A_W(A_H(A_T v)) + 0.5 A_T(A_H(A_W v))`` (``A_X`` the softmax attention within every line along X,
   under that line's 1-D decay mask). With ``T = 1``, ``A_T`` is the identity and this is exactly the 2-D
   criss-cross form ``0.5 A(B v) + 0.5 B(A v)`` (``ppma.ops.criss_cross_attention``): the axial form is to the 3-D
@@ -29,9 +29,10 @@ import ppma.ops as ops
 from ppma.nn.decay import PathDecay
 from ppma.nn.rope import apply_rotary, rotary_angle
 
-__all__ = ["PathDecay3D", "DWConv3d", "rotary_sin_cos_3d", "PPMAAttention3D", "MODES_3D", "MASKS_3D"]
+__all__ = ["PathDecay3D", "DWConv3d", "rotary_sin_cos_3d", "PPMAAttention3D", "MIXERS_3D", "MASKS_3D"]
 
-MODES_3D = ("full", "axial")
+# The token mixers of the 3-D attention (the 2-D names of docs/ops.md "Glossary"; "axial" is the 3-D criss-cross).
+MIXERS_3D = ("axial", "full", "linear")
 MASKS_3D = ("polyline", "none")
 
 
@@ -94,25 +95,20 @@ class PPMAAttention3D(nn.Module):
 
     Args:
         dim: channels ``C``; num_heads: heads (``C / num_heads`` even).
-        mode: ``"full"`` or ``"axial"``.
-        attention: ``"softmax"`` or ``"linear"`` (full mode only).
+        mixer: ``"axial"``, ``"full"`` or ``"linear"`` (module docstring).
         mask: ``"polyline"`` or ``"none"`` (zero log-decays, no decay parameters).
     """
 
-    def __init__(self, dim: int, num_heads: int, mode: str = "full", *, attention: str = "softmax",
-                 mask: str = "polyline") -> None:
+    def __init__(self, dim: int, num_heads: int, mixer: str = "full", *, mask: str = "polyline") -> None:
         super().__init__()
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"PPMAAttention3D: dim ({dim}) / num_heads ({num_heads}) must be an even integer")
-        if mode not in MODES_3D:
-            raise ValueError(f"PPMAAttention3D: mode must be one of {MODES_3D}, got {mode!r}")
-        if attention not in ("softmax", "linear") or (attention == "linear" and mode != "full"):
-            raise ValueError(f"PPMAAttention3D: attention must be 'softmax', or 'linear' with mode='full', got "
-                             f"{attention!r} with mode={mode!r}")
+        if mixer not in MIXERS_3D:
+            raise ValueError(f"PPMAAttention3D: mixer must be one of {MIXERS_3D}, got {mixer!r}")
         if mask not in MASKS_3D:
             raise ValueError(f"PPMAAttention3D: mask must be one of {MASKS_3D}, got {mask!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
-        self.mode, self.attention, self.mask = mode, attention, mask
+        self.mixer, self.mask = mixer, mask
         self.scale = self.head_dim**-0.5
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
@@ -142,11 +138,10 @@ class PPMAAttention3D(nn.Module):
         k = _rope((k * self.scale).reshape(shape), sin, cos)
         q, k, v = q.to(v.dtype), k.to(v.dtype), v.reshape(shape)
         la, lb, lg = self.decays(x)
-        if self.mode == "full":
-            if self.attention == "linear":
-                out = ops.polyline_linear_attention_3d(F.elu(q) + 1, F.elu(k) + 1, v, la, lb, lg)
-            else:
-                out = ops.polyline_attention_3d(q, k, v, la, lb, lg, 1.0)
+        if self.mixer == "linear":
+            out = ops.polyline_linear_attention_3d(F.elu(q) + 1, F.elu(k) + 1, v, la, lb, lg)
+        elif self.mixer == "full":
+            out = ops.polyline_attention_3d(q, k, v, la, lb, lg, 1.0)
         else:
             zt = _line_attention(1, q, k, v, lg)  # A_T v
             zw = _line_attention(3, q, k, v, la)  # A_W v
@@ -156,9 +151,8 @@ class PPMAAttention3D(nn.Module):
         return self.proj(out.reshape(B, T, H, W, C).to(v.dtype) + lepe)
 
     def extra_repr(self) -> str:
-        extra = "" if self.attention == "softmax" else f", attention={self.attention!r}"
-        extra += "" if self.mask == "polyline" else f", mask={self.mask!r}"
-        return f"dim={self.dim}, num_heads={self.num_heads}, mode={self.mode!r}{extra}"
+        extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, mixer={self.mixer!r}{extra}"
 
 
 def _rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
