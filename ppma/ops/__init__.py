@@ -14,6 +14,7 @@ from ppma.ops.criss_cross_attention import criss_cross_attention
 from ppma.ops.polyline_attention import polyline_attention
 from ppma.ops.polyline_linear_attention import polyline_linear_attention
 from ppma.ops.polyline_scan import polyline_scan
+from ppma.ops.rope import rope
 from ppma.ops import reference
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "criss_cross_attention",
     "polyline_linear_attention",
     "polyline_scan",
+    "rope",
     "reference",
     "IMPLS",
     "set_impl",

@@ -8,7 +8,10 @@ attention implementations and writes the tables.
 
 from __future__ import annotations
 
+import gc
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -16,7 +19,7 @@ import torch
 from ppma.train._common import synchronize
 from ppma.train.engine import autocast, optimizer_step
 
-__all__ = ["measure"]
+__all__ = ["measure", "current_rss_mib", "peak_rss_mib"]
 
 
 def _time_loop(fn, device: torch.device, warmup: int, iters: int) -> list[float]:
@@ -32,15 +35,57 @@ def _time_loop(fn, device: torch.device, warmup: int, iters: int) -> list[float]
     return times
 
 
-def _peak_mib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+def current_rss_mib() -> float | None:
+    """The process's resident set size now (MiB), from ``/proc/self/statm`` (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    """The process's RSS high-water mark (MiB) from ``resource.getrusage`` (KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+class _PeakMemory:
+    """Peak memory of the work between ``start()`` and ``stop()``: CUDA's ``max_memory_allocated``; on the CPU
+    the RSS high-water mark (``getrusage``) minus the RSS at ``start()``. The CPU figure is the memory the
+    work added on top of what the process held (model, inputs), and it is exact only when the process never
+    reached a higher mark before ``start()``: ``ppma-benchmark --device cpu`` runs every measurement in a
+    fresh process for this reason. None where the RSS cannot be read (a non-Linux CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.base = device, None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            gc.collect()
+            self.base = current_rss_mib()
+
+    def stop(self) -> float | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.device.type == "cpu" and self.base is not None:
+            return max(peak_rss_mib() - self.base, 0.0)
+        return None
 
 
 def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans: int, num_classes: int,
-            device: torch.device, amp_dtype, warmup: int, iters: int, train: bool, channels_last: bool) -> dict:
+            device: torch.device, amp_dtype, warmup: int, iters: int, train: bool, channels_last: bool,
+            infer: bool = True) -> dict:
     """Inference (and optionally training) throughput of ``model`` on random ``[batch, in_chans, S, S]`` input:
-    ``infer_images_per_sec``, ``infer_ms_median``, ``infer_peak_mem_mib`` (CUDA only, else None) and, with
-    ``train``, the same three for ``train_*``."""
+    ``infer_images_per_sec``, ``infer_ms_median``, ``infer_peak_mem_mib`` and, with ``train``, the same three
+    for ``train_*`` (``infer=False``: training only). Peak memory: CUDA's allocator peak; on the CPU the RSS high-water mark above the RSS at
+    the start of the phase (exact in a fresh process, see ``_PeakMemory``); None where it cannot be read."""
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -52,25 +97,24 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
     out = {}
 
     model.eval()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    peak = _PeakMemory(device)
+    peak.start()
 
-    def infer():
+    def run_infer():
         with torch.inference_mode(), autocast(device, amp_dtype):
             model(x)
 
-    t = _time_loop(infer, device, warmup, iters)
-    out["infer_images_per_sec"] = batch_size * iters / sum(t)
-    out["infer_ms_median"] = 1e3 * statistics.median(t)
-    out["infer_peak_mem_mib"] = _peak_mib(device)
+    if infer:
+        t = _time_loop(run_infer, device, warmup, iters)
+        out["infer_images_per_sec"] = batch_size * iters / sum(t)
+        out["infer_ms_median"] = 1e3 * statistics.median(t)
+        out["infer_peak_mem_mib"] = peak.stop()
 
     if train:
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+        peak.start()
 
         def step():
             with autocast(device, amp_dtype):
@@ -80,5 +124,5 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
         t = _time_loop(step, device, max(1, warmup // 2), iters)
         out["train_images_per_sec"] = batch_size * iters / sum(t)
         out["train_ms_median"] = 1e3 * statistics.median(t)
-        out["train_peak_mem_mib"] = _peak_mib(device)
+        out["train_peak_mem_mib"] = peak.stop()
     return out
