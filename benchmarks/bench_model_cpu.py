@@ -54,7 +54,8 @@ CASES = {
     "b8@224": (8, 224, ("infer", "train")),
     "b1@512": (1, 512, ("infer", "train")),
 }
-# Compiled entries: inference only (compiling the training graph takes minutes on 2 cores).
+# Compiled entries: inference only (compiling the training graph takes minutes on 2 cores), in the cases of
+# --compiled-cases (default: batch 8 at 224²).
 COMPILED_PHASES = ("infer",)
 
 
@@ -87,6 +88,7 @@ def run_child(spec: dict) -> dict:
 
     sys.path.insert(0, ROOT)
     import ppma
+    import ppma.models  # noqa: F401  (makes timm's torchvision import work beside a CPU torch)
 
     torch.set_num_threads(spec["threads"])
     rss0 = _rss_kib("VmRSS")
@@ -255,6 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed iteration (a smoke run)")
     p.add_argument("--entries", nargs="+", default=list(ENTRIES), choices=list(ENTRIES))
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--phases", nargs="+", default=["infer", "train"], choices=["infer", "train"])
+    p.add_argument("--compiled-cases", nargs="*", default=["b8@224"], choices=list(CASES),
+                   help="cases in which the compiled entries run (inference only)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
     p.add_argument("--note", default="", help="a line for the table, e.g. 'machine busy'")
     p.add_argument("--output", default=None, help="path without extension (default results/model_cpu_<date>)")
@@ -278,36 +283,47 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     specs = [{"entry": e, "case": c, "phase": ph, "threads": args.threads, "warmup": warmup, "iters": iters}
-             for c in args.cases for e in args.entries for ph in CASES[c][2]
-             if not (ENTRIES[e][3] and ph not in COMPILED_PHASES)]
+             for c in args.cases for e in args.entries for ph in CASES[c][2] if ph in args.phases
+             if not (ENTRIES[e][3] and (ph not in COMPILED_PHASES or c not in args.compiled_cases))]
     rows = []
-    for spec in tqdm(specs, desc="bench_model_cpu", unit="cell"):
+    date = datetime.datetime.now(datetime.timezone.utc)
+    out = args.output or os.path.join(ROOT, "benchmarks", "results", f"model_cpu_{date:%Y%m%d-%H%M%S}")
+    for i, spec in enumerate(tqdm(specs, desc="bench_model_cpu", unit="cell")):
         r = measure(spec, args.timeout)
         tqdm.write(json.dumps(r))
         rows.append(r)
-    date = datetime.datetime.now(datetime.timezone.utc)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    except OSError:
-        pass
-    result = {"env": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-                      "cores": os.cpu_count(), "cpu_capability": capability,
-                      "date": date.isoformat(timespec="seconds")},
-              "settings": {"threads": args.threads, "warmup": warmup, "iters": iters, "note": args.note},
-              "entries": args.entries, "rows": rows, "ratios": [list(r) for r in ratios(rows)]}
-    out = args.output or os.path.join(ROOT, "benchmarks", "results", f"model_cpu_{date:%Y%m%d-%H%M%S}")
+        if i + 1 < len(specs):  # partial results after every cell, in case the run is stopped
+            _write(out, _result(args, torch, capability, date, warmup, iters, rows, partial=True))
+    md = _write(out, _result(args, torch, capability, date, warmup, iters, rows, partial=False))
+    print(md)
+    if args.readme:
+        update_readme(md)
+    return 0
+
+
+def _write(out: str, result: dict) -> str:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(result, f, indent=2)
     md = markdown(result)
     with open(out + ".md", "w") as f:
         f.write(md)
-    print(md)
-    if args.readme:
-        update_readme(md)
-    return 0
+    return md
+
+
+def _result(args, torch, capability, date, warmup, iters, rows, partial: bool) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    note = args.note + (" PARTIAL: the run was stopped before every cell was measured." if partial else "")
+    return {"env": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+                    "cores": os.cpu_count(), "cpu_capability": capability,
+                    "date": date.isoformat(timespec="seconds")},
+            "settings": {"threads": args.threads, "warmup": warmup, "iters": iters, "note": note.strip()},
+            "entries": args.entries, "rows": rows, "ratios": [list(r) for r in ratios(rows)]}
 
 
 if __name__ == "__main__":
