@@ -227,9 +227,9 @@ def markdown(result: dict) -> str:
 
     for entry in result["entries"]:
         lines.append(
-            f"| {entry} | {cell(entry, 'b8@224', 'infer', 'img_s', '.1f')} | {cell(entry, 'b8@224', 'train', 'img_s', '.1f')}"
-            f" | {cell(entry, 'b1@512', 'infer', 'img_s', '.2f')} | {cell(entry, 'b1@512', 'infer', 'peak_mib', '.0f')}"
-            f" | {cell(entry, 'b1@512', 'train', 'img_s', '.2f')} | {cell(entry, 'b1@512', 'train', 'peak_mib', '.0f')} |")
+            f"| {entry} | {cell(entry, 'b8@224', 'infer', 'img_s', '.3g')} | {cell(entry, 'b8@224', 'train', 'img_s', '.3g')}"
+            f" | {cell(entry, 'b1@512', 'infer', 'img_s', '.3g')} | {cell(entry, 'b1@512', 'infer', 'peak_mib', '.0f')}"
+            f" | {cell(entry, 'b1@512', 'train', 'img_s', '.3g')} | {cell(entry, 'b1@512', 'train', 'peak_mib', '.0f')} |")
     lines += ["", "| ratio (one run) | measured | target |", "|---|---:|---:|"]
     for what, v, target in ratios(result["rows"]):
         lines.append(f"| {what} | {'-' if v is None else f'{v:.2f}x'} | {target} |")
@@ -264,10 +264,22 @@ def main(argv=None) -> int:
     p.add_argument("--note", default="", help="a line for the table, e.g. 'machine busy'")
     p.add_argument("--output", default=None, help="path without extension (default results/model_cpu_<date>)")
     p.add_argument("--readme", action="store_true", help="replace the README's CPU table")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the .md (and with --readme the README table) "
+                   "of an earlier run's .json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))), flush=True)
+        return 0
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        md = markdown(result)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(md)
+        print(md)
+        if args.readme:
+            update_readme(md)
         return 0
     warmup, iters = (1, 1) if args.quick else (args.warmup, args.iters)
 
