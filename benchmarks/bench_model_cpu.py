@@ -9,11 +9,11 @@ ONE run on the same machine:
 
 Every (model, case, phase) runs in a fresh subprocess with ``--threads`` threads: it builds the model (seed 0),
 runs ``--warmup`` untimed iterations (compilation included), then ``--iters`` timed ones; images/s is the batch
-over the median iteration time. Peak memory is the resident-set high-water mark of the timed iterations above
-the resident set before them: the subprocess resets the mark after the warm-up (``/proc/self/clear_refs``) and
-reads ``VmHWM - VmRSS`` (Linux; elsewhere ``resource.getrusage``'s mark above the RSS at start, which then
-includes the warm-up and any compilation). It is the extra memory the iterations need (activations, saved
-tensors, workspaces, optimizer state) on top of the model and inputs.
+over the median iteration time. Peak memory is the resident-set high-water mark of the iterations (warm-up
+included) above the resident set before them: the subprocess resets the mark after building the model and
+inputs (``/proc/self/clear_refs``) and reads ``VmHWM - VmRSS`` (Linux; elsewhere ``resource.getrusage``'s mark
+above the RSS at start). It is the extra memory the iterations need (activations, saved tensors, workspaces,
+optimizer state) on top of the model and inputs; for compiled entries it includes the compilation's.
 
 Usage::
 
@@ -125,15 +125,17 @@ def run_child(spec: dict) -> dict:
             loss.backward()
             opt.step()
 
-    t0 = time.perf_counter()
-    for _ in range(spec["warmup"]):
-        step()
-    warm_s = time.perf_counter() - t0
+    # The mark is reset before the warm-up: memory freed by an iteration stays in the allocator's heap (and in
+    # the RSS), so a baseline taken after the warm-up would hide the activations.
     import gc
 
     gc.collect()
     exact = _reset_peak()
     before = _rss_kib("VmRSS")
+    t0 = time.perf_counter()
+    for _ in range(spec["warmup"]):
+        step()
+    warm_s = time.perf_counter() - t0
     times = []
     for _ in range(spec["iters"]):
         t0 = time.perf_counter()
@@ -212,7 +214,8 @@ def markdown(result: dict) -> str:
     head = (f"CPU whole-model benchmark (`python benchmarks/bench_model_cpu.py`): {e['cpu']}, {s['threads']} "
             f"threads, torch {e['torch']}, ppma kernels {e['cpu_capability'] or 'n/a'}, {e['date']}. "
             f"{s['warmup']} warm-up + {s['iters']} timed iterations per cell (median), each cell in a fresh process; "
-            "peak memory: RSS high-water mark of the timed iterations above the RSS before them. Official "
+            "peak memory: RSS high-water mark of the iterations (warm-up included; compiled: compilation too) above the "
+            "RSS before them. Official "
             "formulation: the same PPMA-T and weights with the reference ops (dense masks). "
             f"{s['note']}".strip())
     lines = [head, "", "| model | b8@224 infer img/s | b8@224 train img/s | b1@512 infer img/s | "
