@@ -53,15 +53,37 @@ def peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+def _reset_rss_peak() -> bool:
+    """Reset the RSS high-water mark (``VmHWM``) to the current RSS (Linux >= 4.0); False where impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class _PeakMemory:
     """Peak memory of the work between ``start()`` and ``stop()``: CUDA's ``max_memory_allocated``; on the CPU
-    the RSS high-water mark (``getrusage``) minus the RSS at ``start()``. The CPU figure is the memory the
-    work added on top of what the process held (model, inputs), and it is exact only when the process never
-    reached a higher mark before ``start()``: ``ppma-benchmark --device cpu`` runs every measurement in a
-    fresh process for this reason. None where the RSS cannot be read (a non-Linux CPU)."""
+    the RSS high-water mark minus the RSS at ``start()``, i.e. the memory the work added on top of what the
+    process held (model, inputs). On Linux ``start()`` resets the mark (``/proc/self/clear_refs``); elsewhere
+    the mark is ``getrusage``'s, exact only when the process never reached a higher one before ``start()``
+    (``ppma-benchmark --device cpu`` runs every phase in a fresh process, so it is). None where the RSS
+    cannot be read."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.base = device, None
+        self.device, self.base, self.reset = device, None, False
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -69,13 +91,15 @@ class _PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.device.type == "cpu":
             gc.collect()
+            self.reset = _reset_rss_peak()
             self.base = current_rss_mib()
 
     def stop(self) -> float | None:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.device.type == "cpu" and self.base is not None:
-            return max(peak_rss_mib() - self.base, 0.0)
+            peak = _vm_hwm_mib() if self.reset else None
+            return max((peak if peak is not None else peak_rss_mib()) - self.base, 0.0)
         return None
 
 
