@@ -44,6 +44,7 @@ TORCH_LIBRARY(ppma, m) {
       "polyline_linear_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
       " Tensor log_beta, Tensor stats, bool normalize, float eps)"
       " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
+  m.def("rope(Tensor x, Tensor sin, Tensor cos, float scale, bool transpose) -> Tensor");
   m.def("polyline_scan(Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose) -> Tensor");
   m.def(
       "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"

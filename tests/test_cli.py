@@ -130,7 +130,9 @@ def test_benchmark_cli_quick(tmp_path):
     assert [r["impl"] for r in res["rows"]] == ["fused", "reference"]
     for r in res["rows"]:
         assert r["infer_images_per_sec"] > 0 and r["train_images_per_sec"] > 0
-        assert r["infer_peak_mem_mib"] is None  # CPU: not measured
+        # CPU: the RSS high-water mark above the RSS before each phase, every phase in a fresh process
+        assert r["infer_peak_mem_mib"] >= 0 and r["train_peak_mem_mib"] >= 0
+    assert "cpu_capability" in res["env"] and "RSS high-water mark" in (tmp_path / "bench.md").read_text()
     assert res["settings"]["batch_size"] == 2 and res["env"]["torch"] == torch.__version__
     md = (tmp_path / "bench.md").read_text()
     assert "| model | impl |" in md and md.count("\n| ") >= 3

@@ -8,7 +8,7 @@ from torch import nn
 import ppma.ops as ops
 from ppma.nn.layers import DWConv2d
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
-from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
+from ppma.nn.rope import rotary_angle, rotary_sin_cos
 
 __all__ = ["PPMAAttention", "MaskedAttentionOp", "LinearAttentionOp", "SOFTMAX_MIXERS", "ATTENTION_MIXERS", "MASKS"]
 
@@ -141,15 +141,18 @@ class PPMAAttention(nn.Module):
             angle = rotary_angle(self.head_dim, x.device).to(torch.promote_types(x.dtype, torch.float32))
             rope = rotary_sin_cos(angle, H, W)
         sin, cos = rope
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and x.dtype == torch.float32:
+            # cast once for the four projections below, which autocast would each cast on their own
+            x = x.to(torch.get_autocast_dtype(dev))
         q, k, v = self.q(x), self.k(x), self.v(x)
         lepe = self.lepe(v)
-        k = k * self.scale  # the official code scales k, not the logits
         shape = (B, H, W, self.num_heads, self.head_dim)
-        q = apply_rotary(q.reshape(shape), sin, cos)
-        k = apply_rotary(k.reshape(shape), sin, cos)
-        # RoPE's fp32 tables promote low-precision q, k; return them to v's dtype, as autocast does to the
-        # official q k^T matmul inputs (a no-op in fp32 / fp64).
-        q, k = q.to(v.dtype), k.to(v.dtype)
+        # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
+        # (ppma.ops.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention
+        # op as they reach the official q k^T matmul, while the sin/cos tables stay fp32.
+        q = ops.rope(q.reshape(shape), sin, cos)
+        k = ops.rope(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)
         out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta)
         return self.proj(out.reshape(B, H, W, C).to(v.dtype) + lepe)

@@ -93,7 +93,7 @@ class PPMABlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
-        x = x + self.cpe(x)
+        x = self.cpe(x, residual=True)  # x + cpe(x)
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope)))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x

@@ -25,10 +25,29 @@ class DWConv2d(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: bool = False) -> torch.Tensor:
+        """``x: [B, H, W, C]`` -> ``conv(x)``, or ``x + conv(x)`` with ``residual=True``.
+
+        The permuted view of a contiguous ``[B, H, W, C]`` map is NCHW in torch's channels-last memory format,
+        which the convolution keeps, so no copy is made on the way in or out. ``residual=True`` folds the
+        identity into the kernel's centre tap (``x + w * x = (w + δ) * x``), saving the separate pass of the
+        addition, when the convolution runs in fp32/fp64; in low precision (a bf16/fp16 model or autocast)
+        it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits.
+        """
+        conv = self.conv
+        xc = x.permute(0, 3, 1, 2)
+        if residual and x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(x.device.type):
+            c = conv.kernel_size[0] // 2
+            weight = conv.weight.clone()
+            weight[:, :, c, c] += 1.0
+            y = F.conv2d(xc, weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+            residual = False
+        else:
+            y = conv(xc)
         # contiguous(): free in eager when the conv keeps channels-last; inductor with dynamic shapes
         # fails on permuted conv outputs (torch 2.13, "ValueRangeError: Invalid ranges")
-        return self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).contiguous()
+        y = y.permute(0, 2, 3, 1).contiguous()
+        return x + y if residual else y
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -86,8 +105,7 @@ class ConvFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act(self.fc1(x))
-        x = x + self.dwconv(x)
-        return self.fc2(x)
+        return self.fc2(self.dwconv(x, residual=True))  # x + dwconv(x)
 
 
 class ConvStem(nn.Module):

@@ -25,6 +25,7 @@ from ppma.ops.polyline_scan import polyline_scan
 from ppma.ops.polyline_attention_3d import polyline_attention_3d
 from ppma.ops.polyline_linear_attention_3d import polyline_linear_attention_3d
 from ppma.ops.polyline_scan_3d import polyline_scan_3d
+from ppma.ops.rope import rope
 from ppma.ops import reference, reference_3d
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "polyline_attention_3d",
     "polyline_linear_attention_3d",
     "polyline_scan_3d",
+    "rope",
     "reference",
     "reference_3d",
     "IMPLS",

@@ -53,6 +53,7 @@ __all__ = [
     "polyline_linear_attention_ref",
     "polyline_scan_ref",
     "scan_1d_ref",
+    "rope_ref",
 ]
 
 
@@ -313,3 +314,26 @@ def polyline_scan_ref(
 def default_scale(head_dim: int) -> float:
     """The attention scale the official models use, ``head_dim ** -0.5``."""
     return 1.0 / math.sqrt(head_dim)
+
+
+def rope_ref(
+    x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, scale: float = 1.0, transpose: bool = False
+) -> torch.Tensor:
+    """Rotary position embedding of queries or keys (paper §3; the official ``theta_shift``) after a scale.
+
+    ``transpose=False``: ``y = xs * cos + rot(xs) * sin`` with ``xs = scale * x`` and ``rot`` mapping every
+    channel pair ``(x_{2m}, x_{2m+1})`` to ``(-x_{2m+1}, x_{2m})``; ``transpose=True``: the adjoint map
+    ``y = xs * cos + rot^T(xs * sin)`` (``rot^T`` maps the pair to ``(x_{2m+1}, -x_{2m})``), the backward of
+    the other. ``x: [B, H, W, heads, d]`` (``d`` even), ``sin, cos: [H, W, d]`` (broadcast over batch and
+    heads) -> ``[B, H, W, heads, d]`` in ``x``'s dtype, computed in fp32 (fp64 when ``x`` or the tables are).
+    """
+    ct = torch.promote_types(torch.promote_types(x.dtype, sin.dtype), torch.float32)
+    xs = x.to(ct) * scale if scale != 1.0 else x.to(ct)
+    s, c = sin.to(ct)[:, :, None, :], cos.to(ct)[:, :, None, :]
+    x1, x2 = xs[..., 0::2], xs[..., 1::2]
+    if transpose:
+        xs_s = xs * s
+        y = xs * c + torch.stack((xs_s[..., 1::2], -xs_s[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        y = xs * c + torch.stack((-x2, x1), dim=-1).flatten(-2) * s
+    return y.to(x.dtype)

@@ -1,31 +1,100 @@
 """Model throughput by the paper's protocol (spec §7.5), plus training speed and peak memory.
 
 Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then about ``iters`` timed
-ones with synchronised clocks (:func:`ppma.timing.measure_time`, on ``torch.utils.benchmark``); images/s =
-batch / mean time per iteration. Training: forward + backward + AdamW step on
+ones (:func:`ppma.timing.measure_time`, synchronised clocks); images/s = batch / mean time per iteration. Training: forward + backward + AdamW step on
 random labels. The ``ppma-benchmark`` command (:mod:`ppma.train.cli.benchmark`) runs this over models and
 attention implementations and writes the tables.
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+
 import torch
 
 from ppma.timing import measure_time
 from ppma.train.engine import autocast, optimizer_step
 
-__all__ = ["measure"]
+__all__ = ["measure", "current_rss_mib", "peak_rss_mib"]
 
 
-def _peak_mib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+def current_rss_mib() -> float | None:
+    """The process's resident set size now (MiB), from ``/proc/self/statm`` (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    """The process's RSS high-water mark (MiB) from ``resource.getrusage`` (KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def _reset_rss_peak() -> bool:
+    """Reset the RSS high-water mark (``VmHWM``) to the current RSS (Linux >= 4.0); False where impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class _PeakMemory:
+    """Peak memory of the work between ``start()`` and ``stop()``: CUDA's ``max_memory_allocated``; on the CPU
+    the RSS high-water mark minus the RSS at ``start()``, i.e. the memory the work added on top of what the
+    process held (model, inputs). On Linux ``start()`` resets the mark (``/proc/self/clear_refs``); elsewhere
+    the mark is ``getrusage``'s, exact only when the process never reached a higher one before ``start()``
+    (``ppma-benchmark --device cpu`` runs every phase in a fresh process, so it is). None where the RSS
+    cannot be read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.base, self.reset = device, None, False
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.device.type == "cpu":
+            gc.collect()
+            self.reset = _reset_rss_peak()
+            self.base = current_rss_mib()
+
+    def stop(self) -> float | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.device.type == "cpu" and self.base is not None:
+            peak = _vm_hwm_mib() if self.reset else None
+            return max((peak if peak is not None else peak_rss_mib()) - self.base, 0.0)
+        return None
 
 
 def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans: int, num_classes: int,
-            device: torch.device, amp_dtype, warmup: int, iters: int, train: bool, channels_last: bool) -> dict:
+            device: torch.device, amp_dtype, warmup: int, iters: int, train: bool, channels_last: bool,
+            infer: bool = True) -> dict:
     """Inference (and optionally training) throughput of ``model`` on random ``[batch, in_chans, S, S]`` input:
-    ``infer_images_per_sec``, ``infer_ms_median``, ``infer_peak_mem_mib`` (CUDA only, else None) and, with
-    ``train``, the same three for ``train_*``."""
+    ``infer_images_per_sec``, ``infer_ms_median``, ``infer_peak_mem_mib`` and, with ``train``, the same three
+    for ``train_*`` (``infer=False``: training only). Peak memory: CUDA's allocator peak; on the CPU the RSS high-water mark above the RSS at
+    the start of the phase (exact in a fresh process, see ``_PeakMemory``); None where it cannot be read."""
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -37,25 +106,24 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
     out = {}
 
     model.eval()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    peak = _PeakMemory(device)
+    peak.start()
 
-    def infer():
+    def run_infer():
         with torch.inference_mode(), autocast(device, amp_dtype):
             model(x)
 
-    t = measure_time(infer, repeat=iters, warmup=warmup, device=device)
-    out["infer_images_per_sec"] = batch_size / t.mean
-    out["infer_ms_median"] = t.median_ms
-    out["infer_peak_mem_mib"] = _peak_mib(device)
+    if infer:
+        t = measure_time(run_infer, repeat=iters, warmup=warmup, device=device)
+        out["infer_images_per_sec"] = batch_size / t.mean
+        out["infer_ms_median"] = t.median_ms
+        out["infer_peak_mem_mib"] = peak.stop()
 
     if train:
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+        peak.start()
 
         def step():
             with autocast(device, amp_dtype):
@@ -65,5 +133,5 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
         t = measure_time(step, repeat=iters, warmup=max(1, warmup // 2), device=device)
         out["train_images_per_sec"] = batch_size / t.mean
         out["train_ms_median"] = t.median_ms
-        out["train_peak_mem_mib"] = _peak_mib(device)
+        out["train_peak_mem_mib"] = peak.stop()
     return out

@@ -4,7 +4,9 @@ Inference: batch 64, 224x224, ``model.eval()``, ``torch.inference_mode()``, ``--
 then about ``--iters`` timed ones (:func:`ppma.timing.measure_time`: ``torch.utils.benchmark``, synchronised
 clocks); images/s = batch / mean time per iteration. AMP is stated in the
 output (the paper does not say which precision it used). Training: forward + backward + AdamW step on
-random labels, images/s and peak memory (CUDA only). Each attention implementation (``impl=fused`` and
+random labels, images/s and peak memory (CUDA: the allocator's peak; CPU: the RSS high-water mark from
+``resource.getrusage`` above the RSS before the phase, every phase in a fresh process so that the mark starts
+from there). Each attention implementation (``impl=fused`` and
 ``impl=reference``) is measured in the same process on the same inputs::
 
     ppma-benchmark --model ppma_tiny ppma_small ppma_base --amp fp16 --output benchmarks/results/throughput
@@ -52,7 +54,7 @@ def _env(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "platform": platform.platform(), "ppma": getattr(ppma, "__version__", None),
            "ppma_extension": bool(getattr(ppma, "has_ext", lambda: False)()),
-           "device": str(device), "cpu_threads": torch.get_num_threads(),
+           "device": str(device), "cpu_threads": torch.get_num_threads(), "cpu_capability": cpu_capability(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -65,9 +67,13 @@ def _markdown(result: dict) -> str:
         f"# PPMA throughput ({e.get('gpu', e['device'])})", "",
         f"batch {s['batch_size']}, {s['img_size']}x{s['img_size']}, AMP {s['amp']}, {s['warmup']} warm-up + "
         f"about {s['iters']} timed iterations (ppma.timing); torch {e['torch']}, CUDA {e['cuda']}, ppma extension built: "
-        f"{e['ppma_extension']}; {e['date']}", "",
-        "| model | impl | params (M) | inference img/s | inference ms/batch (median) | train img/s | train peak mem (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        f"{e['ppma_extension']}; {e['date']}"
+        + (f"; CPU: {e['cpu_threads']} threads, kernels {e.get('cpu_capability') or 'n/a'}; peak memory is the RSS "
+           "high-water mark above the RSS before the phase, each phase in a fresh process"
+           if e["device"] == "cpu" else ""), "",
+        "| model | impl | params (M) | inference img/s | inference ms/batch (median) | inference peak mem (MiB) | "
+        "train img/s | train peak mem (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt):
@@ -76,14 +82,27 @@ def _markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['impl']} | {r['params_m']:.2f} | {f(r.get('infer_images_per_sec'), '.1f')} | "
-            f"{f(r.get('infer_ms_median'), '.1f')} | {f(r.get('train_images_per_sec'), '.1f')} | "
+            f"{f(r.get('infer_ms_median'), '.1f')} | {f(r.get('infer_peak_mem_mib'), '.0f')} | "
+            f"{f(r.get('train_images_per_sec'), '.1f')} | "
             f"{f(r.get('train_peak_mem_mib'), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def cpu_capability() -> str | None:
+    """The SIMD capability the ppma CPU kernels use (``ppma.backends.cpu_capability()``), None when this build
+    does not report it."""
+    try:
+        from ppma import backends
+    except ImportError:
+        return None
+    fn = getattr(backends, "cpu_capability", None)
+    return fn() if fn is not None else None
+
+
+def _run_phase(args: argparse.Namespace, name: str, impl: str, phase: str | None) -> dict:
+    """Build model ``name`` (seed 0: the same weights for every impl) and measure ``phase`` (``"infer"``,
+    ``"train"``; None: both) with ``impl``."""
     from ppma.train._common import amp_dtype as resolve_amp_dtype
     from ppma.train._common import resolve_device
     from ppma.train.benchmark import measure
@@ -93,25 +112,60 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     amp_dtype = resolve_amp_dtype(args.amp, device)
+    overrides = model_kwargs(dict(parse_assignment(item, "--override") for item in args.override))
+    torch.manual_seed(0)
+    model = resolve_factory(args.factory)(name, num_classes=args.num_classes, in_chans=args.in_chans, **overrides)
+    row = {"model": name, "impl": impl, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    with ppma.ops.use_impl(impl):  # the ops read the switch at call time: same model, both impls
+        r = measure(model, batch_size=args.batch_size, img_size=args.img_size, in_chans=args.in_chans,
+                    num_classes=args.num_classes, device=device, amp_dtype=amp_dtype, warmup=args.warmup,
+                    iters=args.iters, train=phase != "infer" and not args.no_train,
+                    channels_last=args.channels_last, infer=phase != "train")
+    row.update({k: v for k, v in r.items() if v is not None or phase is None})
+    return row
+
+
+def _child(args, name, impl, phase, threads):
+    torch.set_num_threads(threads)
+    return _run_phase(args, name, impl, phase)
+
+
+def _in_child(args: argparse.Namespace, name: str, impl: str, phase: str) -> dict:
+    """``_run_phase`` in a fresh spawned process with this process's thread count."""
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(_child, args, name, impl, phase, torch.get_num_threads()).result()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ppma.train._common import resolve_device
+
+    from ppma.train._common import amp_dtype as resolve_amp_dtype
+    from ppma.train.config import parse_assignment
+
+    device = resolve_device(args.device)
+    resolve_amp_dtype(args.amp, device)  # a bad --amp fails here, before any model is built
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+
     raw_overrides = dict(parse_assignment(item, "--override") for item in args.override)
-    overrides = model_kwargs(raw_overrides)
-    create = resolve_factory(args.factory)
     rows = []
     for name in args.model:
         for impl in args.impl:
-            torch.manual_seed(0)
-            model = create(name, num_classes=args.num_classes, in_chans=args.in_chans, **overrides)
-            row = {"model": name, "impl": impl, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-            with ppma.ops.use_impl(impl):  # the ops read the switch at call time: same model, both impls
-                row.update(measure(model, batch_size=args.batch_size, img_size=args.img_size,
-                                   in_chans=args.in_chans, num_classes=args.num_classes, device=device,
-                                   amp_dtype=amp_dtype, warmup=args.warmup, iters=args.iters,
-                                   train=not args.no_train, channels_last=args.channels_last))
+            if device.type == "cpu":
+                # Every phase in a fresh process: the RSS high-water mark cannot be reset
+                # (ppma.train.benchmark._PeakMemory).
+                row = {"model": name, "impl": impl}
+                for phase in ("infer",) + (() if args.no_train else ("train",)):
+                    row.update(_in_child(args, name, impl, phase))
+            else:
+                row = _run_phase(args, name, impl, None)
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     result = {"env": _env(device),

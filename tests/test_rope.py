@@ -1,0 +1,170 @@
+"""``ppma.ops.rope`` (the fused RoPE of queries and keys) against ``ppma.ops.reference.rope_ref`` and the module
+formula ``ppma.nn.rope.apply_rotary``: forward and gradients over the CPU sweep's shapes, all dtypes, gradcheck,
+second derivatives, opcheck, ``torch.compile`` and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ppma
+from op_utils import SWEEPS, TOLERANCES, assert_close, needs_ext
+from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
+from ppma.ops.reference import rope_ref
+
+SHAPES = sorted({(b, h, w, g, d) for b, h, w, g, d, _ in SWEEPS["cpu"].shapes} | {(2, 3, 5, 2, 6)})
+
+
+def _inputs(shape, dtype, table_dtype=None, seed=0, requires_grad=False):
+    B, H, W, G, d = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+    table_dtype = table_dtype or torch.promote_types(dtype, torch.float32)
+    sin, cos = rotary_sin_cos(rotary_angle(d).to(table_dtype), H, W)
+    return x, sin, cos
+
+
+def test_reference_is_the_module_formula():
+    """``rope_ref`` with scale 1 is ``apply_rotary`` (the official ``theta_shift``); the scale applies first."""
+    x, sin, cos = _inputs((2, 3, 4, 2, 8), torch.float64)
+    torch.testing.assert_close(rope_ref(x, sin, cos), apply_rotary(x, sin, cos), rtol=0, atol=0)
+    torch.testing.assert_close(rope_ref(x, sin, cos, 0.25), apply_rotary(x * 0.25, sin, cos), rtol=0, atol=0)
+
+
+def test_reference_transpose_is_the_adjoint_and_inverse():
+    """``<y, T(x)> = <T^T(y), x>``, and for true sin/cos tables ``T^T`` undoes ``T`` (a rotation)."""
+    x, sin, cos = _inputs((2, 3, 4, 2, 8), torch.float64)
+    y = torch.randn_like(x)
+    lhs = (y * rope_ref(x, sin, cos, 0.5)).sum()
+    rhs = (rope_ref(y, sin, cos, 0.5, transpose=True) * x).sum()
+    torch.testing.assert_close(lhs, rhs)
+    torch.testing.assert_close(rope_ref(rope_ref(x, sin, cos), sin, cos, transpose=True), x)
+    # general tables (sin of a pair not equal): the adjoint identity still holds
+    s2, c2 = torch.randn_like(sin), torch.randn_like(cos)
+    torch.testing.assert_close((y * rope_ref(x, s2, c2)).sum(), (rope_ref(y, s2, c2, transpose=True) * x).sum())
+
+
+@needs_ext
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference(shape, dtype, transpose):
+    """Forward and input gradient of the fused op match the reference, in the input dtype, for a non-trivial
+    scale; low precision inputs with fp32 tables come back in their own dtype."""
+    x, sin, cos = _inputs(shape, dtype, requires_grad=True)
+    xr = x.detach().requires_grad_()
+    y = ppma.ops.rope(x, sin, cos, 0.3, transpose)
+    y_ref = rope_ref(xr, sin, cos, 0.3, transpose)
+    assert y.dtype == dtype and y.is_contiguous()
+    assert_close(y, y_ref, dtype, "rope")
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    (gx_ref,) = torch.autograd.grad(y_ref, xr, gy)
+    assert gx.dtype == dtype
+    assert_close(gx, gx_ref, dtype, "rope grad x", grad=True)
+
+
+@needs_ext
+def test_fp64_bitwise_equal_to_module_formula():
+    """In fp64 the kernel computes the formula's products and sums in the formula's order: bit-exact."""
+    x, sin, cos = _inputs((2, 7, 9, 3, 16), torch.float64)
+    assert torch.equal(ppma.ops.rope(x, sin, cos), apply_rotary(x, sin, cos))
+    assert torch.equal(ppma.ops.rope(x, sin, cos, 0.125), apply_rotary(x * 0.125, sin, cos))
+
+
+@needs_ext
+def test_noncontiguous_and_fp64_tables():
+    x, sin, cos = _inputs((2, 4, 5, 2, 8), torch.float32, table_dtype=torch.float64)
+    xt = x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert not xt.is_contiguous()
+    y = ppma.ops.rope(xt, sin, cos, 0.5)
+    assert y.dtype == torch.float32
+    assert_close(y, rope_ref(x, sin, cos, 0.5), torch.float32, "rope (fp64 tables, strided x)")
+
+
+@needs_ext
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gradcheck_including_tables(transpose):
+    """First and second derivatives in fp64, including those of the tables (general, unpaired values)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 2, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    sin = torch.randn(3, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    cos = torch.randn(3, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def f(x, sin, cos):
+        return ppma.ops.rope(x, sin, cos, 0.7, transpose)
+
+    assert torch.autograd.gradcheck(f, (x, sin, cos))
+    assert torch.autograd.gradgradcheck(f, (x, sin, cos))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_opcheck(dtype):
+    x, sin, cos = _inputs((2, 5, 6, 2, 8), dtype, requires_grad=True)
+    torch.library.opcheck(torch.ops.ppma.rope, (x, sin, cos, 0.5, False))
+    torch.library.opcheck(torch.ops.ppma.rope, (x, sin, cos, 1.0, True))
+
+
+@needs_ext
+def test_no_tensor_saved_without_table_grads():
+    """A backward needs only the tables when they take no gradient: ``x`` is not kept alive."""
+    x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float32, requires_grad=True)
+    y = ppma.ops.rope(x, sin, cos)
+    saved = [t for t in (getattr(y.grad_fn, name, None) for name in dir(y.grad_fn) if name.startswith("_saved"))
+             if isinstance(t, torch.Tensor)]
+    assert all(t.data_ptr() != x.data_ptr() for t in saved)
+    with torch.inference_mode():
+        assert ppma.ops.rope(x, sin, cos).grad_fn is None
+
+
+@needs_ext
+def test_compile_fullgraph():
+    import torch._dynamo
+
+    x, sin, cos = _inputs((2, 5, 6, 2, 8), torch.float32, requires_grad=True)
+
+    def f(x):
+        return ppma.ops.rope(x, sin, cos, 0.5).square().sum()
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = cf(x)
+    (g,) = torch.autograd.grad(loss, x)
+    xr = x.detach().requires_grad_()
+    ref = f(xr)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(g, torch.autograd.grad(ref, xr)[0])
+    torch._dynamo.reset()
+
+
+def test_reference_impl_switch():
+    """``use_impl("reference")`` runs ``rope_ref``; both give the same numbers."""
+    x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float64)
+    with ppma.ops.use_impl("reference"):
+        y_ref = ppma.ops.rope(x, sin, cos, 0.5)
+    torch.testing.assert_close(ppma.ops.rope(x, sin, cos, 0.5), y_ref, rtol=TOLERANCES[torch.float64][0], atol=0)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((torch.zeros(2, 3, 4, 8), torch.zeros(3, 4, 8), torch.zeros(3, 4, 8)), "x must be"),
+        ((torch.zeros(1, 3, 4, 2, 7), torch.zeros(3, 4, 7), torch.zeros(3, 4, 7)), "d even"),
+        ((torch.zeros(1, 3, 4, 2, 8), torch.zeros(4, 3, 8), torch.zeros(3, 4, 8)), "sin must be"),
+        ((torch.zeros(1, 3, 4, 2, 8), torch.zeros(3, 4, 8), torch.zeros(3, 4)), "cos must be"),
+        ((torch.zeros(1, 3, 4, 2, 8), torch.zeros(3, 4, 8), torch.zeros(3, 4, 8, dtype=torch.float64)), "one dtype"),
+        ((torch.zeros(1, 3, 4, 2, 8, dtype=torch.long), torch.zeros(3, 4, 8), torch.zeros(3, 4, 8)), "floating"),
+    ],
+)
+def test_bad_arguments_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        ppma.ops.rope(*args)
+
+
+def test_bad_scale_and_transpose_named():
+    x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float32)
+    with pytest.raises(ValueError, match="scale"):
+        ppma.ops.rope(x, sin, cos, "1")
+    with pytest.raises(ValueError, match="transpose"):
+        ppma.ops.rope(x, sin, cos, 1.0, 1)
