@@ -1,4 +1,4 @@
-"""The paper's mask ablation (spec §7.4) plus PADRe, as a small-data sanity run on the digits demo.
+"""The paper's mask ablation (docs/model.md §7.4) plus PADRe, as a small-data sanity run on the digits demo.
 
 Trains the digits demo (``configs/classification/demo_digits.yaml``) once per mask and once with PADRe as the
 token mixer of every stage, all with the same seed, data split and budget, and writes one table: parameters and

@@ -1,6 +1,6 @@
 """Benchmark of the fused ppma operators against the pure-PyTorch reference (the official formulation).
 
-Two levels, at the real stage shapes of PPMA-T/S/B (spec §4.1):
+Two levels, at the real stage shapes of PPMA-T/S/B (docs/model.md §4.1):
 
 * ``op``: ``polyline_attention`` / ``criss_cross_attention`` (``ppma.ops``) vs ``ppma.ops.reference`` on
   the same inputs, forward and forward+backward;
@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 import ppma  # noqa: E402
 from ppma.ops import reference  # noqa: E402
 
-# Spec §4.1: (channels, heads) per stage and the criss-cross flag per stage.
+# docs/model.md §4.1: (channels, heads) per stage and the criss-cross flag per stage.
 VARIANTS = {
     "T": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), chunk=(True, True, False, False)),
     "S": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), chunk=(True, True, True, False)),

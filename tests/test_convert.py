@@ -1,4 +1,4 @@
-"""Official checkpoint conversion and loading (spec §5)."""
+"""Official checkpoint conversion and loading (docs/model.md §5)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ppma.models.convert import select_state_dict
 
 warnings.filterwarnings("ignore", message="ppma._C is not available")
 
-# spec §5.1: every official key matches one of these
+# docs/model.md §5.1: every official key matches one of these
 OFFICIAL_PATTERNS = [
     r"patch_embed\.proj\.(0|3|6|9)\.(weight|bias)",
     r"patch_embed\.proj\.(1|4|7|10)\.(weight|bias|running_mean|running_var|num_batches_tracked)",
@@ -225,7 +225,7 @@ def test_strict_loading_names_the_differences(tmp_path):
 
 def _mm_official(official: dict, outnorms=(64, 128, 256, 512)) -> dict:
     """An mmseg 0.x-style checkpoint: backbone in the official naming (its classifier deleted, outnorms added,
-    spec §4.2), neck/heads, mmcv 1.x meta, optimiser."""
+    docs/model.md §4.2), neck/heads, mmcv 1.x meta, optimiser."""
     sd = {"backbone." + k: v for k, v in official.items() if not k.startswith(("proj.", "norm.", "head."))}
     sd.update({f"backbone.outnorm{i}.{p}": torch.randn(c) for i, c in enumerate(outnorms) for p in ("weight", "bias")})
     sd["decode_head.lateral_convs.0.conv.weight"] = torch.randn(8, 32, 1, 1)

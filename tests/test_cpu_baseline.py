@@ -1,4 +1,4 @@
-"""The CPU kernels' baseline x86-64 path (design §5): the AVX+FMA variants are chosen at run time, and
+"""The CPU kernels' baseline x86-64 path (docs/design.md §5): the AVX+FMA variants are chosen at run time, and
 ``PPMA_CPU_BASELINE=1`` forces the baseline code (what CPUs without AVX/FMA run). This reruns the CPU cases of
 the per-op reference comparisons in a fresh process on that path."""
 

@@ -1,4 +1,4 @@
-"""``pretrained=True`` through the Hugging Face hub (``ppma.models.hub``, spec §5.2), without network: an
+"""``pretrained=True`` through the Hugging Face hub (``ppma.models.hub``, docs/model.md §5.2), without network: an
 official-format ``best.pth`` (written from the official-like model, ``tests/official_like.py``) is placed in a local
 hub cache, and a fresh process with ``HF_HUB_OFFLINE=1`` builds the models from it."""
 
@@ -41,7 +41,7 @@ def write_hub_cache(cache: os.PathLike, filename: str, checkpoint, repo_id: str 
 
 
 def official_best_pth(model: torch.nn.Module, raw: dict) -> dict:
-    """The layout of the official ``best.pth`` (spec §5.2): raw weights under ``models``, EMA under
+    """The layout of the official ``best.pth`` (docs/model.md §5.2): raw weights under ``models``, EMA under
     ``model_ema``, with optimiser state, an ``argparse.Namespace`` and the accuracies beside them."""
     return {
         "models": raw,

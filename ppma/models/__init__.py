@@ -1,4 +1,4 @@
-"""PPMA-T/S/B backbones (spec §4), ``create_model``, checkpoint conversion (spec §5) and FLOP counting.
+"""PPMA-T/S/B backbones (docs/model.md §4), ``create_model``, checkpoint conversion (docs/model.md §5) and FLOP counting.
 
 When timm is importable, importing this package also registers ``ppma_tiny/small/base`` with timm
 (``ppma.models.timm``); set ``PPMA_NO_TIMM=1`` to skip that. mmengine registration lives in

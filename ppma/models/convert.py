@@ -1,6 +1,6 @@
-"""Official PPMA checkpoints <-> our module names (spec §5), and checkpoint loading.
+"""Official PPMA checkpoints <-> our module names (docs/model.md §5), and checkpoint loading.
 
-Official names (``PPMA.py:PPMAViT``, spec §5.1) map one to one onto ours::
+Official names (``PPMA.py:PPMAViT``, docs/model.md §5.1) map one to one onto ours::
 
     patch_embed.proj.{0,3,6,9}                 stem.conv{1,2,3,4}
     patch_embed.proj.{1,4,7,10}                stem.bn{1,2,3,4}
@@ -49,7 +49,7 @@ __all__ = [
 
 _logger = logging.getLogger("ppma")
 
-#: Checkpoint keys tried in order for ImageNet evaluation: the reported accuracies are EMA maxima (spec §5.2).
+#: Checkpoint keys tried in order for ImageNet evaluation: the reported accuracies are EMA maxima (docs/model.md §5.2).
 EVAL_KEYS = ("model_ema", "model", "models", "state_dict")
 #: Keys tried in order for downstream initialisation, mirroring the official backbones' ``key='model'``.
 DOWNSTREAM_KEYS = ("model", "models", "model_ema", "state_dict")
@@ -115,7 +115,7 @@ def _is_state_dict(obj) -> bool:
 
 
 def select_state_dict(checkpoint, key: str | Sequence[str] | None = None) -> tuple[dict, str | None]:
-    """Pick the weights out of a checkpoint (spec §5.2).
+    """Pick the weights out of a checkpoint (docs/model.md §5.2).
 
     Args:
         checkpoint: a bare state dict, or a dict holding one under ``model``, ``models``, ``model_ema`` or
@@ -142,7 +142,7 @@ def select_state_dict(checkpoint, key: str | Sequence[str] | None = None) -> tup
 def convert_official_state_dict(
     checkpoint, key: str | Sequence[str] | None = None, verbose: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Convert an official PPMA checkpoint (classification or mmdet/mmseg) to our naming (spec §5).
+    """Convert an official PPMA checkpoint (classification or mmdet/mmseg) to our naming (docs/model.md §5).
 
     Strips ``module.`` and ``backbone.`` prefixes (keeping only ``backbone.*`` entries when an mm
     checkpoint also holds a neck and heads), renames every key (see the module docstring) and reshapes
@@ -189,7 +189,7 @@ def convert_official_state_dict(
 
 
 def convert_to_official_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`convert_official_state_dict`: our naming -> the official names of spec §5.1."""
+    """Inverse of :func:`convert_official_state_dict`: our naming -> the official names of docs/model.md §5.1."""
     out = {}
     for k, v in state_dict.items():
         new = _rename(k, _OURS_TO_OFFICIAL)
@@ -324,7 +324,7 @@ def read_checkpoint(source: str | os.PathLike, map_location="cpu") -> dict:
         map_location: as for ``torch.load``.
 
     Returns:
-        The loaded object (a dict for every checkpoint layout of spec §5.2).
+        The loaded object (a dict for every checkpoint layout of docs/model.md §5.2).
     """
     source = os.fspath(source)
     scheme = source.split("://", 1)[0] if "://" in source else ""
@@ -429,11 +429,11 @@ _PLAIN = (str, int, float, bool, type(None))
 
 
 def convert_mm_checkpoint(checkpoint: Mapping, verbose: bool = True) -> dict:
-    """An official MMSegmentation 0.x / MMDetection 2.x checkpoint (spec §5.2: UPerNet ADE20K / Cityscapes
+    """An official MMSegmentation 0.x / MMDetection 2.x checkpoint (docs/model.md §5.2: UPerNet ADE20K / Cityscapes
     ``iter_160000.pth``, Mask R-CNN ``epoch_12.pth`` / ``epoch_36.pth``) -> a checkpoint that ppma's
     MMSegmentation 1.x / MMDetection 3.x configs load with ``load_from``.
 
-    - ``backbone.*`` is renamed to our naming (spec §5.1; ``outnorm{i}`` -> ``out_norms.{i}``, layer scales
+    - ``backbone.*`` is renamed to our naming (docs/model.md §5.1; ``outnorm{i}`` -> ``out_norms.{i}``, layer scales
       reshaped). A backbone already in our naming passes through, so converting twice changes nothing.
     - Neck and head parameters keep their names: UPerHead / FCNHead (mmseg 0.x -> 1.x) and FPN, RPNHead and
       StandardRoIHead with Shared2FCBBoxHead / FCNMaskHead (mmdet 2.x -> 3.x) did not rename any parameter; the

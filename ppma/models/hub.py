@@ -1,4 +1,4 @@
-"""The official PPMA checkpoints on the Hugging Face hub (spec §5.2), fetched through the ``huggingface_hub`` client.
+"""The official PPMA checkpoints on the Hugging Face hub (docs/model.md §5.2), fetched through the ``huggingface_hub`` client.
 
 Downloads go through ``huggingface_hub.hf_hub_download`` and therefore its cache and settings: files land once in
 ``$HF_HUB_CACHE`` (default ``~/.cache/huggingface/hub``, or ``$HF_HOME/hub``) as
@@ -16,7 +16,7 @@ import os
 __all__ = ["HF_REPO_ID", "CLASSIFICATION_FILES", "DOWNSTREAM_FILES", "official_files", "download_official",
            "download_hf"]
 
-#: The official release (spec §5.2).
+#: The official release (docs/model.md §5.2).
 HF_REPO_ID = "ZhongchenZhao/PPMA"
 
 #: ImageNet-1K classification checkpoints (``best.pth``: ``models``, ``model_ema``, optimiser state, ``args``, ...).

@@ -1,4 +1,4 @@
-"""PPMA as an mmengine backbone for MMDetection 3.x / MMSegmentation 1.x (spec §4.2).
+"""PPMA as an mmengine backbone for MMDetection 3.x / MMSegmentation 1.x (docs/model.md §4.2).
 
 Importing this module registers ``PPMA`` in mmengine's root ``MODELS`` registry (which the mmdet and
 mmseg registries fall back to) and, when they are importable, in ``mmdet.registry.MODELS`` and
@@ -25,7 +25,7 @@ ARCHS = {"tiny": "ppma_tiny", "small": "ppma_small", "base": "ppma_base"}
 
 
 class PPMABackbone(BaseModule):
-    """Multi-scale PPMA backbone: NCHW features at strides 4, 8, 16, 32 (spec §4.2).
+    """Multi-scale PPMA backbone: NCHW features at strides 4, 8, 16, 32 (docs/model.md §4.2).
 
     Every returned stage output goes through its own LayerNorm (``out_norms.{i}``, eps 1e-5, default
     init; official ``outnorm{i}``) before it is permuted to NCHW.
@@ -81,7 +81,7 @@ class PPMABackbone(BaseModule):
 
         Only the expected differences are accepted: the classification head (``head.*``, official
         ``proj``/``norm``/``head``) and stages or out-norms this backbone does not build may be extra, the
-        out-norms (new in the dense-prediction backbone, spec §4.2) may be missing. Anything else, such as a
+        out-norms (new in the dense-prediction backbone, docs/model.md §4.2) may be missing. Anything else, such as a
         PPMA-T checkpoint given to a PPMA-S config, raises instead of training a mostly random backbone.
         """
         cfg = self.init_cfg

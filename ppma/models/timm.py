@@ -1,7 +1,7 @@
 """Registration of ``ppma_tiny``, ``ppma_small`` and ``ppma_base`` with timm (imported by ``ppma.models``
 when timm is importable): ``timm.create_model("ppma_tiny", features_only=True)`` and friends.
 
-``pretrained=True`` loads the official ImageNet-1K weights (spec §5.2) through timm's Hugging Face hub support:
+``pretrained=True`` loads the official ImageNet-1K weights (docs/model.md §5.2) through timm's Hugging Face hub support:
 the pretrained configs name ``hf_hub_id="ZhongchenZhao/PPMA"`` and the ``hf_hub_filename`` of each ``best.pth``,
 so the file is downloaded once into the hub cache (``HF_HUB_CACHE``; ``HF_HUB_OFFLINE=1`` and ``HF_ENDPOINT``
 work as for any hub model) and converted on the fly by :func:`checkpoint_filter_fn`. The EMA weights
@@ -22,7 +22,7 @@ __all__ = ["checkpoint_filter_fn", "default_cfgs"]
 
 
 def checkpoint_filter_fn(state_dict, model: PPMA):
-    """Convert an official checkpoint (or a dict holding one, spec §5.2) to our naming; from a ``best.pth``
+    """Convert an official checkpoint (or a dict holding one, docs/model.md §5.2) to our naming; from a ``best.pth``
     holding both, the EMA weights (``model_ema``, :data:`~ppma.models.EVAL_KEYS` order)."""
     if isinstance(state_dict, dict) and any(k in state_dict for k in EVAL_KEYS):
         return convert_official_state_dict(state_dict)

@@ -1,4 +1,4 @@
-"""PPMA attention module: projections, LePE, RoPE, path decays and the polyline attention ops (spec §3)."""
+"""PPMA attention module: projections, LePE, RoPE, path decays and the polyline attention ops (docs/model.md §3)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ __all__ = ["PPMAAttention", "MaskedAttentionOp", "LinearAttentionOp", "ATTENTION
 # mode -> the op it runs: "full" is the official "whole" mode, "criss_cross" the official "chunk" mode.
 _MODE_OPS = {"full": ops.polyline_attention, "criss_cross": ops.criss_cross_attention}
 ATTENTION_MODES = tuple(_MODE_OPS)
-# What the attention computes (docs/ops.md): "softmax" is PPMA's masked softmax attention (spec §3); "linear"
-# the polyline masked linear attention PPMLA (spec §2 A.7), O(N) over the whole map whatever the mode.
+# What the attention computes (docs/ops.md): "softmax" is PPMA's masked softmax attention (docs/model.md §3); "linear"
+# the polyline masked linear attention PPMLA (docs/model.md §2 A.7), O(N) over the whole map whatever the mode.
 ATTENTION_KINDS = ("softmax", "linear")
 # Which mask the attention applies (MASKS, from ppma.nn.masks; docs/ops.md "Masks"): "polyline" is the 2-D
-# polyline path mask (spec §1), the others the paper's ablation masks (spec §7.4).
+# polyline path mask (docs/model.md §1), the others the paper's ablation masks (docs/model.md §7.4).
 
 
 class MaskedAttentionOp(nn.Module):
-    """The polyline attention operator of one mode as a module without parameters (spec §1.6):
+    """The polyline attention operator of one mode as a module without parameters (docs/model.md §1.6):
     ``forward(q, k, v, log_alpha, log_beta)`` is ``ppma.ops.polyline_attention`` (``mode="full"``) or
     ``ppma.ops.criss_cross_attention`` (``mode="criss_cross"``) with the fixed ``scale``.
 
@@ -52,7 +52,7 @@ class MaskedAttentionOp(nn.Module):
 
 
 class LinearAttentionOp(nn.Module):
-    """The polyline masked linear attention (PPMLA, spec §2 A.7) of a ``attention="linear"`` layer as a module
+    """The polyline masked linear attention (PPMLA, docs/model.md §2 A.7) of a ``attention="linear"`` layer as a module
     without parameters: ``forward(q, k, v, log_alpha, log_beta)`` maps ``q`` and ``k`` to non-negative features
     with ``elu(x) + 1`` and runs ``ppma.ops.polyline_linear_attention`` (normalised) over all tokens.
 
@@ -68,7 +68,7 @@ class LinearAttentionOp(nn.Module):
 
 
 class PPMAAttention(nn.Module):
-    """Polyline path masked attention (spec §3.2-§3.4).
+    """Polyline path masked attention (docs/model.md §3.2-§3.4).
 
     ``q, k, v = Linear(x)``; ``lepe = DWConv5x5(v)``; ``k = k * d**-0.5``; RoPE on ``q`` and the scaled
     ``k``; log-decays from ``x`` (``PathDecay``); then

@@ -1,4 +1,4 @@
-"""The PPMA transformer block (spec §4, the official ``BasicBlock``)."""
+"""The PPMA transformer block (docs/model.md §4, the official ``BasicBlock``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ppma.nn.layers import ConvFFN, DropPath, DWConv2d, LayerScale
 
 __all__ = ["PPMABlock", "MIXERS"]
 
-# The token mixer of a block: "attention" is PPMAAttention (spec §3), "padre" PADRe's polynomial mixer.
+# The token mixer of a block: "attention" is PPMAAttention (docs/model.md §3), "padre" PADRe's polynomial mixer.
 MIXERS = ("attention", "padre")
 
 

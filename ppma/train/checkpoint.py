@@ -100,7 +100,7 @@ def _pick_state(ckpt: dict, key: str, path: str):
 
 def load_model_from_checkpoint(path: str, *, model_name=None, key="auto", num_classes=None):
     """Build the model for checkpoint ``path`` and load its weights: a ``ppma-train`` checkpoint carries its
-    config; an official PPMA checkpoint (spec §5.2) is converted by ``ppma.models.convert_official_state_dict``
+    config; an official PPMA checkpoint (docs/model.md §5.2) is converted by ``ppma.models.convert_official_state_dict``
     into ``model_name`` (default ``ppma_tiny``) with ``num_classes`` (default 1000). ``key`` picks the weights
     (``auto``: ``model_ema`` when present, then ``model``, ``models``, ``state_dict``).
 

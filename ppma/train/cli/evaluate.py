@@ -5,7 +5,7 @@ Our checkpoints (written by ``ppma-train``) carry their config, so only the data
     ppma-eval --checkpoint outputs/demo_digits/best.pth --data digits
     ppma-eval --checkpoint outputs/ppma_tiny_imagenet/best.pth --data /path/to/imagenet
 
-Official PPMA checkpoints (spec §5.2) are converted by ``ppma.models.convert_official_state_dict``::
+Official PPMA checkpoints (docs/model.md §5.2) are converted by ``ppma.models.convert_official_state_dict``::
 
     ppma-eval --checkpoint PPMA_T_202502251000/best.pth --model ppma_tiny --data /path/to/imagenet
 
