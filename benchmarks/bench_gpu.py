@@ -1,4 +1,4 @@
-"""Op benchmark of ppma's fused attention ops on a GPU (design §6): the table of issue 9.
+"""Op benchmark of ppma's fused attention ops on a GPU (docs/design.md §6): the table of issue 9.
 
 For each case, on the same inputs and in one process: the eager reference (``ppma.ops.reference``), the reference
 under ``torch.compile``, FlexAttention with the same bias as a ``score_mod`` (``polyline_attention`` only: two
@@ -68,7 +68,7 @@ def make_inputs(shape, dtype, device, grad: bool, seed: int = 0, nonneg_qk: bool
 def _flex_two_pass(qf, kf, vf, cr, cc, W: int, scale: float):
     """Both softmaxes of polyline_attention as FlexAttention passes: score_mod adds M (first pass) and M^T
     (second) from the prefix sums cr, cc [B, heads, N], M[p, s] = R_i(j, l) + C_l(i, k) with
-    R_i(j, l) = -|cr(i, j) - cr(i, l)|, C_l(i, k) = -|cc(k, l) - cc(i, l)| (spec §1.5; abs() is exact for
+    R_i(j, l) = -|cr(i, j) - cr(i, l)|, C_l(i, k) = -|cc(k, l) - cc(i, l)| (docs/model.md §1.5; abs() is exact for
     log-decays <= 0, the benchmark's inputs)."""
     from torch.nn.attention.flex_attention import flex_attention
 

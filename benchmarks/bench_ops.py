@@ -1,6 +1,6 @@
 """Benchmark of the fused ppma operators against the pure-PyTorch reference (the official formulation).
 
-Two levels, at the real stage shapes of PPMA-T/S/B (spec §4.1):
+Two levels, at the real stage shapes of PPMA-T/S/B (docs/model.md §4.1):
 
 * ``op``: ``polyline_attention`` / ``criss_cross_attention`` (``ppma.ops``) vs ``ppma.ops.reference`` on
   the same inputs, forward and forward+backward;

@@ -1,51 +1,54 @@
 #!/usr/bin/env bash
-# GPU checks of ppma in steps, each meant to finish well inside one 10-minute command on a bare GPU machine
-# (python3 with a CUDA build of torch, nvcc, timm and triton; no network). Every step tees its log into $OUT
-# (default ./gpu_out). benchmarks/README.md lists the order of the steps and how to run them.
+# The GPU checks of ppma on a machine with an NVIDIA GPU, a CUDA build of torch and the CUDA toolkit (nvcc), in steps
+# that can be run one by one (benchmarks/README.md gives the order and what each step needs). Run from anywhere:
 #
-#   bash benchmarks/gpu_check.sh env          # GPU, driver, python3, torch, nvcc, packages the tests import
-#   bash benchmarks/gpu_check.sh build        # builds ppma._C for sm_90 (MAX_JOBS=16) in place, smoke-tests it, and
-#                                             # saves the library as $OUT/ppma_C.tgz: later steps unpack
-#                                             # .gpu/ppma_C.tgz when ppma/_C*.so is missing, so a later call can
-#                                             # carry the archive instead of rebuilding
-#   bash benchmarks/gpu_check.sh test         # the CUDA op tests (default sweep)
-#   bash benchmarks/gpu_check.sh test-full    # the same with PPMA_TEST_FULL=1
-#   bash benchmarks/gpu_check.sh test-cpu     # the CPU op tests on that machine (the same build)
+#   bash benchmarks/gpu_check.sh env          # GPU, driver, python, torch, nvcc and the packages the tests import
+#   bash benchmarks/gpu_check.sh build        # pip install --no-build-isolation -e . with the CUDA kernels, then a
+#                                             # smoke test of every op on the GPU
+#   bash benchmarks/gpu_check.sh test         # the CUDA cases of the op tests and tests/test_cuda_paths.py
+#   bash benchmarks/gpu_check.sh test-full    # the same with PPMA_TEST_FULL=1 (the long sweeps)
+#   bash benchmarks/gpu_check.sh test-cpu     # the CPU op tests with the same build
 #   bash benchmarks/gpu_check.sh bench-quick  # op table, one shape per op
-#   bash benchmarks/gpu_check.sh bench        # the whole op table -> benchmarks/results/ops_<gpu>_<versions>.{md,json}
+#   bash benchmarks/gpu_check.sh bench        # the whole op table -> <results>/ops_<gpu>_torch<v>_cuda<v>.{md,json}
 #   bash benchmarks/gpu_check.sh models [NAMES...]  # ppma-benchmark (default ppma_tiny ppma_small ppma_base), batch
 #                                             # 64, 224^2, AMP fp16, fused vs reference, inference and training
+#                                             # -> <results>/throughput_<gpu>_fp16_b64[_NAMES].{md,json}
+#
+# Options (environment variables):
+#   PPMA_RESULTS_DIR   where the tables and the step logs go (default: benchmarks/results; logs in <results>/logs/)
+#   PYTHON             the Python to use (default: python3)
+#   MAX_JOBS           parallel compile jobs of the build step (default: the number of CPU cores)
+#   TORCH_CUDA_ARCH_LIST  GPU architectures to build for (default: the visible GPU's, e.g. 9.0 on an H100)
+#   PPMA_BUILD_INPLACE=1  build step: python setup.py build_ext --inplace instead of an editable pip install
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
+RESULTS=${PPMA_RESULTS_DIR:-benchmarks/results}
+LOGS="$RESULTS/logs"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 step=${1:-}
 shift || true
 
-log() {  # log <name> <command...>: run, tee into $OUT/<name>.log, keep the command's exit status
-  "${@:2}" 2>&1 | tee "$OUT/$1.log"
+log() {  # log <name> <command...>: run the command, tee its output into <results>/logs/<name>.log, keep its status
+  mkdir -p "$LOGS"
+  "${@:2}" 2>&1 | tee "$LOGS/$1.log"
   return "${PIPESTATUS[0]}"
 }
 
-ensure_lib() {  # ppma/_C*.so from a carried archive (the build step's $OUT/ppma_C.tgz copied to .gpu/)
-  if ! ls ppma/_C*.so >/dev/null 2>&1; then
-    if [ -f .gpu/ppma_C.tgz ]; then
-      tar -xzf .gpu/ppma_C.tgz
-    else
-      echo "gpu_check: no ppma/_C*.so and no .gpu/ppma_C.tgz: run the build step first" >&2
-      exit 1
-    fi
-  fi
+require_cuda_build() {  # the later steps need ppma._C with its CUDA kernels
   "$PY" -c "import ppma, ppma._ext as e, sys; sys.exit(0 if e.has_cuda_kernels() else 1)" || {
-    echo "gpu_check: ppma._C has no CUDA kernels (or does not load)" >&2
+    echo "gpu_check: ppma._C has no CUDA kernels (or does not load): run 'bash benchmarks/gpu_check.sh build' first" >&2
     exit 1
   }
 }
 
-gpu_tag() {
-  "$PY" -c "import re, torch; n = torch.cuda.get_device_name(); print(re.sub(r'[^A-Za-z0-9.+-]+', '-', n))"
+gpu_tag() {  # the GPU's name, safe for a file name
+  "$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.+-]+', '-', torch.cuda.get_device_name()))"
+}
+
+versions_tag() {  # <gpu>_torch<version>_cuda<version>, as bench_gpu.py names its tables
+  "$PY" -c "import re, torch
+print(re.sub(r'[^A-Za-z0-9.+-]+', '-', f'{torch.cuda.get_device_name()}_torch{torch.__version__}_cuda{torch.version.cuda}'))"
 }
 
 case "$step" in
@@ -55,16 +58,20 @@ case "$step" in
       $PY -m pip list 2>/dev/null | grep -iE '^(torch|triton|timm|numpy|pyyaml|pytest|hypothesis|expecttest|safetensors|mmengine|setuptools|ninja) '"
     ;;
   build)
-    # TORCH_CUDA_ARCH_LIST=9.0: only the GPU at hand (H100 / H200), half the device code of the default 8.0;9.0
-    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+    if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+      # only the GPU at hand: half the device code (and compile time) of the default 8.0;9.0
+      TORCH_CUDA_ARCH_LIST=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || exit 1
+    fi
+    export TORCH_CUDA_ARCH_LIST MAX_JOBS=${MAX_JOBS:-$(nproc)}
+    echo "build: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS"
     start=$(date +%s)
-    log build "$PY" setup.py build_ext --inplace || { tail -60 "$OUT/build.log"; exit 1; }
-    echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
-    strip --strip-debug ppma/_C*.so 2>/dev/null || true
-    ls -l ppma/_C*.so | tee -a "$OUT/build.log"
-    tar -czf "$OUT/ppma_C.tgz" ppma/_C*.so
-    ls -l "$OUT/ppma_C.tgz" | tee -a "$OUT/build.log"
-    ensure_lib
+    if [ "${PPMA_BUILD_INPLACE:-0}" = 1 ]; then
+      log build "$PY" setup.py build_ext --inplace || { tail -60 "$LOGS/build.log"; exit 1; }
+    else
+      log build "$PY" -m pip install --no-build-isolation -e . || { tail -60 "$LOGS/build.log"; exit 1; }
+    fi
+    echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOGS/build.log"
+    require_cuda_build
     log build-smoke "$PY" -c "
 import torch, ppma
 q = torch.randn(1, 4, 5, 2, 32, device='cuda', dtype=torch.bfloat16)
@@ -77,40 +84,38 @@ print('smoke ok', out.shape, out2.shape, out3.shape, *(float(o.float().abs().sum
 "
     ;;
   test | test-full)
-    ensure_lib
+    require_cuda_build
     [ "$step" = test-full ] && export PPMA_TEST_FULL=1
-    # the CUDA cases of the device-parametrised op tests (ids with "cuda"), every test of tests/test_cuda_paths.py
-    # (tensor-core path, launch limits, packed lines), and the models on CUDA where tests/test_models.py has them
+    # the CUDA cases of the device-parametrised op tests (ids with "cuda") and every test of tests/test_cuda_paths.py
+    # (tensor-core path, launch limits, packed lines)
     files=$(ls tests/test_cuda_paths.py tests/test_polyline_attention.py tests/test_criss_cross_attention.py \
       tests/test_polyline_scan.py tests/test_polyline_linear_attention.py 2>/dev/null | tr '\n' ' ')
     log "$step" "$PY" -m pytest -q -rs --durations=15 $files -k cuda
     ;;
   test-cpu)
-    ensure_lib
+    require_cuda_build
     files=$(ls tests/test_polyline_attention.py tests/test_criss_cross_attention.py tests/test_polyline_scan.py \
       tests/test_polyline_linear_attention.py tests/test_reference.py 2>/dev/null | tr '\n' ' ')
     log test-cpu "$PY" -m pytest -q -rs $files -k "not cuda"
     ;;
   bench-quick)
-    ensure_lib
-    log bench-quick "$PY" benchmarks/bench_gpu.py --quick --out "$OUT/ops-quick_$(gpu_tag)"
+    require_cuda_build
+    log bench-quick "$PY" benchmarks/bench_gpu.py --quick --out "$RESULTS/ops-quick_$(gpu_tag)"
     ;;
   bench)
-    ensure_lib
-    log bench "$PY" benchmarks/bench_gpu.py
-    cp benchmarks/results/ops_*"$(gpu_tag)"* "$OUT/" 2>/dev/null
+    require_cuda_build
+    log bench "$PY" benchmarks/bench_gpu.py --out "$RESULTS/ops_$(versions_tag)"
     ;;
   models)
-    ensure_lib
+    require_cuda_build
     names=${*:-ppma_tiny ppma_small ppma_base}
-    out="benchmarks/results/throughput_$(gpu_tag)_fp16_b64"
+    out="$RESULTS/throughput_$(gpu_tag)_fp16_b64"
     [ $# -gt 0 ] && out="${out}_$(echo "$names" | tr ' ' '-')"
     log models "$PY" -m ppma.train.cli.benchmark --model $names --amp fp16 --batch-size 64 --img-size 224 \
       --warmup 10 --iters 30 --output "$out"
-    cp "$out".* "$OUT/" 2>/dev/null
     ;;
   *)
-    sed -n '2,21p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
     ;;
 esac

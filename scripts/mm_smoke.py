@@ -124,7 +124,7 @@ def write_coco(root, classes, n=4, h=128, w=160, seed=1):
 
 
 def write_official_classification_checkpoint(arch: str, path: str):
-    """The official best.pth layout (spec §5.2) for a randomly initialised PPMA of ``arch``."""
+    """The official best.pth layout (docs/model.md §5.2) for a randomly initialised PPMA of ``arch``."""
     from ppma.models import MODEL_CONFIGS, PPMA, convert_to_official_state_dict
 
     torch.manual_seed(0)
@@ -230,7 +230,7 @@ def _is_number(v) -> bool:
 
 def _official_mm_checkpoint(ckpt_path: str, classes, out_path: str):
     """Lay a trained MMEngine checkpoint out as the official mmseg 0.x / mmdet 2.x files are: backbone.* in the
-    official names (spec §5.1, outnorm{i}), neck and heads as they are, an mmcv 1.x style meta."""
+    official names (docs/model.md §5.1, outnorm{i}), neck and heads as they are, an mmcv 1.x style meta."""
     from ppma.models import convert_to_official_state_dict, read_checkpoint
 
     ckpt = read_checkpoint(ckpt_path)

@@ -1,4 +1,4 @@
-"""An independent, literal re-statement of the official PPMA classification model (spec §1.4-§1.6, §3, §4,
+"""An independent, literal re-statement of the official PPMA classification model (docs/model.md §1.4-§1.6, §3, §4,
 module names of §5.1), used as a parity oracle for ``ppma.models``. It imports nothing from ``ppma``.
 
 It follows the official formulation step by step: the decay module builds the 1-D log-masks with
@@ -6,7 +6,7 @@ cumsum/tril/triu (``generate_structed_mask_1d``, the cumsum *including* the firs
 expands them to the dense (B, heads, N, N) V2H mask through a 6-D repeat/permute, "chunk" mode runs
 two masked softmaxes and four matmuls with values, RoPE is ``x * cos + rotate_every_two(x) * sin`` with
 ``k`` pre-scaled by ``d ** -0.5``, and downsampling sits at the end of stages 0-2.
-This is not the official code (which is not part of this project); it is written from the spec.
+This is not the official code (which is not part of this project); it is written from docs/model.md.
 """
 
 from __future__ import annotations

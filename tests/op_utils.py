@@ -1,4 +1,4 @@
-"""What every op test shares (design §5): the devices, the swept shapes and dtypes per device, the one per-dtype
+"""What every op test shares (docs/design.md §5): the devices, the swept shapes and dtypes per device, the one per-dtype
 tolerance table and its error metric, the input builders, and the generic op tests as base classes that each
 ``tests/test_<op>.py`` subclasses (the way torchvision's ``test/test_ops.py`` does with ``RoIOpTester``).
 
@@ -457,7 +457,7 @@ class OpTests:
             inputs[ia + 1][:, 1::2] = value
         if value != 0.0 and dtype == torch.float32:
             # fp32 prefix sums of magnitude ~1e4 carry ~1e-3 absolute rounding, in the reference as in the
-            # kernel (design §2: fp32 prefix sums); compare both with the fp64 truth at the bf16 tolerance.
+            # kernel (docs/design.md §2: fp32 prefix sums); compare both with the fp64 truth at the bf16 tolerance.
             check_against_reference(self.fn, self.ref, inputs, extra, names=self.grad_names, dtype=dtype,
                                     device=device, tol_dtype=torch.bfloat16, ref_fp64=True)
         else:

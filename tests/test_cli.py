@@ -82,7 +82,7 @@ def test_train_imagefolder_with_the_imagenet_recipe(tmp_path):
                  " num_heads: [1, 2, 2, 2]}", "--impl", "reference"]) == 0
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1]
-    assert records[0]["lr"] == pytest.approx(1e-6)  # warm-up from 1e-6, stepped at the epoch end (spec §6.1)
+    assert records[0]["lr"] == pytest.approx(1e-6)  # warm-up from 1e-6, stepped at the epoch end (docs/model.md §6.1)
     assert all(r["test_ema_acc1"] is not None for r in records)
 
 
@@ -171,7 +171,7 @@ def test_attention_row_is_the_models_attention():
     lb = -torch.rand(H, W, generator=g, dtype=torch.float64)
     query = (2, 3)
     p = query[0] * W + query[1]
-    # full attention: 0.5 softmax(S + M) + 0.5 softmax(S + M^T), row p (spec §1.6)
+    # full attention: 0.5 softmax(S + M) + 0.5 softmax(S + M^T), row p (docs/model.md §1.6)
     M = polyline_log_mask(la[None, :, :, None], lb[None, :, :, None])[0, 0]
     S = (q.reshape(-1, d) @ k.reshape(-1, d).T) * d**-0.5
     expect = 0.5 * torch.softmax(S[p] + M[p], -1) + 0.5 * torch.softmax(S[p] + M[:, p], -1)

@@ -1,4 +1,4 @@
-"""``ppma.ops.criss_cross_attention`` (the official "chunk" mode, spec §3.3) on every available device: the
+"""``ppma.ops.criss_cross_attention`` (the official "chunk" mode, docs/model.md §3.3) on every available device: the
 fused op against its reference over the swept shapes and dtypes, every gradient, and its contract (op_utils
 holds the tests shared by every op)."""
 

@@ -1,4 +1,4 @@
-"""The CUDA kernels of ``csrc/kernels`` run on the CPU through a host emulator, against the reference (design §5).
+"""The CUDA kernels of ``csrc/kernels`` run on the CPU through a host emulator, against the reference (docs/design.md §5).
 
 No GPU is needed: ``tests/cuda_emu/emu.h`` turns the CUDA built-ins the kernels use (threads and blocks, barriers,
 warp shuffles, ``mma.sync.m16n8k16``, ``ldmatrix``, ``cp.async``) into host code, with the fragment layouts taken

@@ -23,14 +23,14 @@ SHAPES = [(1, 3, 4, 2, 8, 8), (2, 4, 3, 1, 8, 6), (1, 1, 5, 2, 8, 8), (1, 5, 1, 
 
 
 def _seg(seq, p, r):
-    """sum of seq[min(p, r) + 1 .. max(p, r)] (the edge convention of spec §1.2)."""
+    """sum of seq[min(p, r) + 1 .. max(p, r)] (the edge convention of docs/model.md §1.2)."""
     lo, hi = min(p, r), max(p, r)
     return sum((seq[n] for n in range(lo + 1, hi + 1)), torch.zeros_like(seq[0]))
 
 
 def _v2h(la, lb, H, W):
     """V2H polyline log-mask of one image and head: row segment in the query's row, column segment in the
-    key's column (spec §1.3, Eq. 3)."""
+    key's column (docs/model.md §1.3, Eq. 3)."""
     M = torch.zeros(H * W, H * W, dtype=la.dtype)
     for i in range(H):
         for j in range(W):
@@ -167,7 +167,7 @@ def test_order_masks_match_definition(hw):
 
 def test_rmt_gamma_schedule():
     """RMT's formula log(1 - 2^(-init - range * h / heads)), and the per-stage schedules of the variants
-    (spec §4.1: init 2, ranges 4, 4, 6, 6 for T and S, 5, 5, 6, 6 for B)."""
+    (docs/model.md §4.1: init 2, ranges 4, 4, 6, 6 for T and S, 5, 5, 6, 6 for B)."""
     want = [math.log(1 - 2 ** (-2 - 6 * h / 8)) for h in range(8)]
     torch.testing.assert_close(rmt_log_gammas(8, 2.0, 6.0), torch.tensor(want, dtype=torch.float64))
     for name, ranges in (("ppma_tiny", (4, 4, 6, 6)), ("ppma_base", (5, 5, 6, 6))):

@@ -1,4 +1,4 @@
-"""mmengine backbone registration and the MMDetection / MMSegmentation configs (spec §4.2, §6.2, §6.3)."""
+"""mmengine backbone registration and the MMDetection / MMSegmentation configs (docs/model.md §4.2, §6.2, §6.3)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_config_backbone_builds(path):
 
 @pytest.mark.parametrize("arch", ["tiny", "small", "base"])
 def test_cityscapes_configs(arch):
-    """spec §6.3: 19 classes, 1024x1024 crops, slide test stride 768 at (2048, 1024), batch 1 per GPU,
+    """docs/model.md §6.3: 19 classes, 1024x1024 crops, slide test stride 768 at (2048, 1024), batch 1 per GPU,
     evaluation every 4k of 160k iterations, the ADE20K optimiser."""
     cfg = Config.fromfile(os.path.join(ROOT, "configs", "segmentation", f"upernet_ppma_{arch}_1024x1024_160k_cityscapes.py"))
     m = cfg.model

@@ -1,5 +1,5 @@
 """The PPMA model: variants, parameter counts, GMACs, timm-style API, sizes, AMP, checkpointing,
-fused vs reference (spec §4, design §3)."""
+fused vs reference (docs/model.md §4, docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def small_model(**kw) -> PPMA:
 
 
 EXPECTED = {
-    # name: (params, state-dict entries, GMACs at 224^2) -- spec §4.1
+    # name: (params, state-dict entries, GMACs at 224^2) -- docs/model.md §4.1
     "ppma_tiny": (14_335_272, 412, 2.696),
     "ppma_small": (26_969_472, 787, 4.896),
     "ppma_base": (54_158_524, 1253, 10.593),

@@ -1,6 +1,6 @@
 """Parity of ``ppma.models.PPMA`` with an independent re-statement of the official model
 (``tests/official_like.py``): same logits and the same gradient for every parameter, after converting the
-official-named weights with ``convert_official_state_dict`` (spec §3, §4, §5)."""
+official-named weights with ``convert_official_state_dict`` (docs/model.md §3, §4, §5)."""
 
 from __future__ import annotations
 

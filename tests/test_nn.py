@@ -1,4 +1,4 @@
-"""ppma.nn modules: path decays (spec §1.4), rotary embedding (spec §3.1), attention contract (spec §3.2)."""
+"""ppma.nn modules: path decays (docs/model.md §1.4), rotary embedding (docs/model.md §3.1), attention contract (docs/model.md §3.2)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_path_decay_init_and_values():
     la, lb = m(x)
     assert la.shape == lb.shape == (2, 5, 7, 8) and la.dtype == torch.float64
     assert torch.all(la < 0) and torch.all(lb < 0)
-    # literal formula of spec §1.4: head g reads channels [g*hd, (g+1)*hd)
+    # literal formula of docs/model.md §1.4: head g reads channels [g*hd, (g+1)*hd)
     xh = x.view(2, 5, 7, 8, 8)
     u = xh @ m.dt_linear.weight.T
     expect = F.softplus(u + m.dt_bias[:, None]) * -torch.exp(m.A_log)[:, None]

@@ -1,4 +1,4 @@
-"""``ppma.ops.polyline_attention`` (the official "whole" mode, spec §3.4) on every available device: the fused
+"""``ppma.ops.polyline_attention`` (the official "whole" mode, docs/model.md §3.4) on every available device: the fused
 op against its reference over the swept shapes and dtypes, every gradient, and its contract (op_utils holds
 the tests shared by every op)."""
 

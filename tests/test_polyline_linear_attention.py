@@ -1,4 +1,4 @@
-"""``ppma.ops.polyline_linear_attention`` (PPMLA, spec §2 Theorem 3 / A.7, docs/ops.md) on every available device,
+"""``ppma.ops.polyline_linear_attention`` (PPMLA, docs/model.md §2 Theorem 3 / A.7, docs/ops.md) on every available device,
 with and without normalisation: the fused op against its dense reference over the swept shapes and dtypes,
 every gradient, the scan form against ``polyline_scan``, and the contract every op keeps (op_utils)."""
 

@@ -1,4 +1,4 @@
-"""``ppma.ops.polyline_scan`` (``L x`` by Algorithm 1, spec §2) on every available device, for ``L`` and ``L^T``:
+"""``ppma.ops.polyline_scan`` (``L x`` by Algorithm 1, docs/model.md §2) on every available device, for ``L`` and ``L^T``:
 the fused op against its reference over the swept shapes and dtypes, every gradient, and its contract
 (op_utils holds the tests shared by every op)."""
 

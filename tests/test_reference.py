@@ -1,4 +1,4 @@
-"""The reference ops against the definitions of the spec (§1.3-§1.6, §2, §3.3-§3.4).
+"""The reference ops against the definitions of docs/model.md (§1.3-§1.6, §2, §3.3-§3.4).
 
 Everything here is fp64 and compares the reference with independent, literal constructions: explicit products
 of decays (Eq. 3), the official tril/triu segment sums, block-diagonal row/column matrices (Theorem 1) and dense
@@ -47,7 +47,7 @@ def explicit_v2h_mask(alpha, beta):
 
 
 def explicit_h2v_mask(alpha, beta):
-    """L~[(i,j),(k,l)] = alpha_{k,j:l} * beta_{i:k,j}: along row k first, then along column j (spec §1.3)."""
+    """L~[(i,j),(k,l)] = alpha_{k,j:l} * beta_{i:k,j}: along row k first, then along column j (docs/model.md §1.3)."""
     H, W = alpha.shape
     L = torch.zeros(H * W, H * W)
     for i, j, k, l in itertools.product(range(H), range(W), range(H), range(W)):
@@ -135,7 +135,7 @@ def test_transpose_is_h2v_path(H, W):
 
 @pytest.mark.parametrize("H,W", GRIDS)
 def test_dense_mask_matches_official_repeat_permute(H, W):
-    """The official 'whole' mask: repeat the row and column masks to (B,nh,H,H,W,W), permute, view (spec §1.5)."""
+    """The official 'whole' mask: repeat the row and column masks to (B,nh,H,H,W,W), permute, view (docs/model.md §1.5)."""
     _, _, _, la, lb = make_inputs(2, H, W, 2, 4, seed=2)
     mask_w = official_segsum(la.permute(0, 1, 3, 2))  # (B, H, nh, W, W)
     mask_h = official_segsum(lb.permute(0, 2, 3, 1))  # (B, W, nh, H, H)
@@ -179,7 +179,7 @@ def test_scan_equals_dense_product(H, W, transpose):
 
 @pytest.mark.parametrize("n", [1, 2, 6, 11])
 def test_scan_1d_equals_linear_recurrences(n):
-    """The dense 1-D product equals the forward/backward recurrences of spec §2."""
+    """The dense 1-D product equals the forward/backward recurrences of docs/model.md §2."""
     d = -torch.rand(n) * 2
     x = torch.randn(n, 3)
     a = d.exp()
@@ -200,7 +200,7 @@ def test_scan_1d_equals_linear_recurrences(n):
 @pytest.mark.parametrize("H,W", GRIDS)
 @pytest.mark.parametrize("G,d", HEADS_DIMS)
 def test_polyline_attention_definition(H, W, G, d):
-    """out = 0.5 RowNorm(softmax(S) * L) v + 0.5 RowNorm(softmax(S) * L^T) v (spec §1.6), built from explicit L."""
+    """out = 0.5 RowNorm(softmax(S) * L) v + 0.5 RowNorm(softmax(S) * L^T) v (docs/model.md §1.6), built from explicit L."""
     B = 2
     q, k, v, la, lb = make_inputs(B, H, W, G, d, dv=d + 1, seed=5)
     scale = 0.37
@@ -221,7 +221,7 @@ def test_polyline_attention_definition(H, W, G, d):
 @pytest.mark.parametrize("H,W", GRIDS)
 @pytest.mark.parametrize("G,d", HEADS_DIMS)
 def test_criss_cross_equals_dense_block_form(H, W, G, d):
-    """out = 0.5 (B_big A_big) v + 0.5 (A_big B_big) v with block-diagonal row/column attentions (spec §1.6)."""
+    """out = 0.5 (B_big A_big) v + 0.5 (A_big B_big) v with block-diagonal row/column attentions (docs/model.md §1.6)."""
     B = 2
     q, k, v, la, lb = make_inputs(B, H, W, G, d, seed=6)
     scale = d**-0.5
@@ -253,7 +253,7 @@ def test_criss_cross_equals_dense_block_form(H, W, G, d):
 
 
 def test_official_chunk_mode_literal():
-    """The official chunk formulation (spec §3.3): qk_w/qk_h + masks, softmax, P_h @ (P_w @ v) and P_w @ (P_h @ v)."""
+    """The official chunk formulation (docs/model.md §3.3): qk_w/qk_h + masks, softmax, P_h @ (P_w @ v) and P_w @ (P_h @ v)."""
     B, H, W, G, d = 2, 5, 6, 2, 8
     q, k, v, la, lb = make_inputs(B, H, W, G, d, seed=7)
     scale = d**-0.5
@@ -274,7 +274,7 @@ def test_official_chunk_mode_literal():
 
 
 def test_official_whole_mode_literal():
-    """The official whole formulation (spec §3.4) with the official mask (d_0 included in the cumsum)."""
+    """The official whole formulation (docs/model.md §3.4) with the official mask (d_0 included in the cumsum)."""
     B, H, W, G, d = 2, 4, 5, 2, 8
     q, k, v, la, lb = make_inputs(B, H, W, G, d, seed=8)
     N = H * W

@@ -28,7 +28,7 @@ def test_registered_and_pretrained_cfg():
     assert cfg["interpolation"] == "bicubic" and cfg["num_classes"] == 1000
     assert tuple(cfg["mean"]) == timm.data.IMAGENET_DEFAULT_MEAN and cfg["classifier"] == "head.fc"
     for name, folder in (("ppma_tiny", "PPMA_T_202502251000"), ("ppma_small", "PPMA_S_202504021000"),
-                         ("ppma_base", "PPMA_B_202504101400")):  # spec §5.2: the official release
+                         ("ppma_base", "PPMA_B_202504101400")):  # docs/model.md §5.2: the official release
         cfg = timm.models.get_pretrained_cfg(name).to_dict()
         assert cfg["hf_hub_id"] == "ZhongchenZhao/PPMA"
         assert cfg["hf_hub_filename"] == f"checkpoints/classification/{folder}/best.pth"

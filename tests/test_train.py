@@ -157,7 +157,7 @@ def test_config_values_and_free_form_overrides():
 
 
 def test_weight_decay_groups():
-    """Weight decay on matrices and conv kernels only, never on 1-D parameters or biases (spec §6.1)."""
+    """Weight decay on matrices and conv kernels only, never on 1-D parameters or biases (docs/model.md §6.1)."""
     from ppma.train.build import build_optimizer
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),

@@ -1,4 +1,4 @@
-# Mask R-CNN + FPN with PPMA-S on COCO, 3x multi-scale schedule (spec §6.2), MMDetection 3.x.
+# Mask R-CNN + FPN with PPMA-S on COCO, 3x multi-scale schedule (docs/model.md §6.2), MMDetection 3.x.
 # Pretrained weights: the official ImageNet checkpoint (classification/PPMA_S_202504021000/best.pth); the backbone
 # loads its raw (non-EMA) weights, the `model` or `models` entry, as the official downstream code does.
 _base_ = [

@@ -1,4 +1,4 @@
-# Mask R-CNN + FPN with PPMA-T on COCO, 1x schedule (spec §6.2), MMDetection 3.x.
+# Mask R-CNN + FPN with PPMA-T on COCO, 1x schedule (docs/model.md §6.2), MMDetection 3.x.
 # Pretrained weights: the official ImageNet checkpoint (classification/PPMA_T_202502251000/best.pth); the backbone
 # loads its raw (non-EMA) weights, the `model` or `models` entry, as the official downstream code does.
 _base_ = [

@@ -1,4 +1,4 @@
-# UPerNet + PPMA-B on Cityscapes, 1024x1024 crops, 160k iterations, batch 8 (spec §6.3), MMSegmentation 1.x.
+# UPerNet + PPMA-B on Cityscapes, 1024x1024 crops, 160k iterations, batch 8 (docs/model.md §6.3), MMSegmentation 1.x.
 # Pretrained weights: the official ImageNet checkpoint (classification/PPMA_B_202504101400/best.pth); the backbone
 # loads its raw (non-EMA) weights, the `model` or `models` entry, as the official downstream code does.
 _base_ = [

@@ -1,4 +1,4 @@
-# UPerNet + PPMA-T on ADE20K, 512x512 crops, 160k iterations (spec §6.3), MMSegmentation 1.x.
+# UPerNet + PPMA-T on ADE20K, 512x512 crops, 160k iterations (docs/model.md §6.3), MMSegmentation 1.x.
 # Pretrained weights: the official ImageNet checkpoint (classification/PPMA_T_202502251000/best.pth); the backbone
 # loads its raw (non-EMA) weights, the `model` or `models` entry, as the official downstream code does.
 _base_ = [

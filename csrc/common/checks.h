@@ -1,5 +1,5 @@
 // Argument checks of the ppma host functions (CPU and CUDA): every message names the argument and
-// prints the offending shapes, dtypes or devices (style rule 7).
+// prints the offending shapes, dtypes or devices (docs/design.md §2.5).
 #pragma once
 
 #include <ATen/core/Tensor.h>

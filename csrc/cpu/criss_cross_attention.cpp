@@ -1,4 +1,4 @@
-// CPU kernels of ppma::criss_cross_attention (the official "chunk" mode, spec §3.3) and its backward.
+// CPU kernels of ppma::criss_cross_attention (the official "chunk" mode, docs/model.md §3.3) and its backward.
 //
 // Per (batch, head): row attention A_i = softmax(S + R_i) inside every row (W x W) and column attention
 // B_l = softmax(S + C_l) inside every column (H x H); out = 0.5 B (A v) + 0.5 A (B v). The maps live

@@ -1,4 +1,4 @@
-// CPU kernels of ppma::polyline_attention (the official "whole" mode, spec §3.4;
+// CPU kernels of ppma::polyline_attention (the official "whole" mode, docs/model.md §3.4;
 // docs/ops.md "polyline_attention") and its backward.
 //
 // Per (batch, head) and tile of TQ queries, the logits against all N keys are computed once by the
@@ -56,7 +56,7 @@ inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int
 }
 
 // X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
-// biases: X1[a][s] = S + M, X2[a][s] = S + M' (spec: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T).
+// biases: X1[a][s] = S + M, X2[a][s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T).
 template <typename T>
 inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
                        T* __restrict X2) {

@@ -1,4 +1,4 @@
-// CPU kernels of ppma::polyline_linear_attention (PPMLA, spec §2 Theorem 3 and A.7; docs/ops.md
+// CPU kernels of ppma::polyline_linear_attention (PPMLA, docs/model.md §2 Theorem 3 and A.7; docs/ops.md
 // "polyline_linear_attention") and its backward: time O(N d C) and memory linear in N = H W.
 //
 // Scan form. With v' = [v, 1] (C = dv + 1 channels; C = dv without normalisation) and X_s = k_s ⊗ v'_s

@@ -1,4 +1,4 @@
-// CPU kernels of ppma::polyline_scan (spec §2, Algorithm 1; docs/ops.md "polyline_scan") and its backward: linear-time first-order
+// CPU kernels of ppma::polyline_scan (docs/model.md §2, Algorithm 1; docs/ops.md "polyline_scan") and its backward: linear-time first-order
 // recurrences along the columns (log_beta) and rows (log_alpha) of every (batch, head).
 //
 // One line of n positions with log-decays a_0..a_{n-1} (a_0 unused) and A_ts = exp(c_max - c_min):

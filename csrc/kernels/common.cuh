@@ -1,7 +1,7 @@
 // Device helpers shared by the ppma CUDA kernels: element conversions, the thread-group dot products, the
 // row-aligned tiling, the prefix-sum kernel and the reverse-cumsum kernel that turns prefix-sum gradients into
 // log-decay gradients. The math they share with the CPU kernels (accumulation type, token addressing, prefix-sum
-// conventions, segment bias) is in common/math.h. Torch-free (style rule 4).
+// conventions, segment bias) is in common/math.h. Torch-free (docs/design.md §1).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,4 +1,4 @@
-// Parameter structs of the ppma CUDA kernels (style rule 4): plain pointers, sizes, element strides,
+// Parameter structs of the ppma CUDA kernels (docs/design.md §1): plain pointers, sizes, element strides,
 // scale and flags. No torch types, so the kernels can be compiled and reused without torch.
 //
 // Conventions shared by every kernel:

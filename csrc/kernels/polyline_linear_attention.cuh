@@ -1,4 +1,4 @@
-// polyline_linear_attention (PPMLA, spec §2 Theorem 3 and A.7; docs/ops.md "polyline_linear_attention") and its
+// polyline_linear_attention (PPMLA, docs/model.md §2 Theorem 3 and A.7; docs/ops.md "polyline_linear_attention") and its
 // backward on CUDA: the scan form of the CPU kernel (csrc/cpu/polyline_linear_attention.cpp, whose header states
 // the math), parallelised over channel slices.
 //

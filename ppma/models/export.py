@@ -4,7 +4,7 @@
   :class:`~torch.export.ExportedProgram` keeps them as ``torch.ops.ppma.*`` nodes (running it needs ppma
   imported); with ``impl="reference"`` the program holds only ATen ops.
 - ONNX has no ``ppma`` operators, so :func:`export_onnx` always traces the pure-PyTorch reference ops (the same
-  numbers, spec §1.6: dense masks per stage, so memory grows with the square of the tokens). The image size is
+  numbers, docs/model.md §1.6: dense masks per stage, so memory grows with the square of the tokens). The image size is
   fixed at export (the reference ops specialise on it); the batch size can stay dynamic.
 
 Needs the ``export`` extra for ONNX: ``pip install onnx onnxscript onnxruntime``.

@@ -1,4 +1,4 @@
-"""FLOP formulas of the fused ppma ops for ``torch.utils.flop_counter.FlopCounterMode`` (spec §4.1).
+"""FLOP formulas of the fused ppma ops for ``torch.utils.flop_counter.FlopCounterMode`` (docs/model.md §4.1).
 
 Counting convention (the one behind the official 2.696 / 4.896 / 10.593 GMACs at 224², fvcore style):
 convolutions and matrix products only (``aten.convolution``, ``aten.mm``/``addmm``/``bmm``); no softmax,

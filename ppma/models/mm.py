@@ -1,4 +1,4 @@
-"""PPMA as an mmengine backbone for MMDetection 3.x / MMSegmentation 1.x (spec §4.2).
+"""PPMA as an mmengine backbone for MMDetection 3.x / MMSegmentation 1.x (docs/model.md §4.2).
 
 Importing this module registers ``PPMA`` in mmengine's root ``MODELS`` registry (which the mmdet and
 mmseg registries fall back to) and, when they are importable, in ``mmdet.registry.MODELS`` and
@@ -25,7 +25,7 @@ ARCHS = {"tiny": "ppma_tiny", "small": "ppma_small", "base": "ppma_base"}
 
 
 class PPMABackbone(BaseModule):
-    """Multi-scale PPMA backbone: NCHW features at strides 4, 8, 16, 32 (spec §4.2).
+    """Multi-scale PPMA backbone: NCHW features at strides 4, 8, 16, 32 (docs/model.md §4.2).
 
     Every returned stage output goes through its own LayerNorm (``out_norms.{i}``, eps 1e-5, default
     init; official ``outnorm{i}``) before it is permuted to NCHW.

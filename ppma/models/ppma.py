@@ -1,4 +1,4 @@
-"""The PPMA-T/S/B backbone (spec §4): stem -> 4 stages of PPMA blocks -> classification head.
+"""The PPMA-T/S/B backbone (docs/model.md §4): stem -> 4 stages of PPMA blocks -> classification head.
 
 Follows timm's backbone contract (``forward_features``, ``forward_head``, ``forward_intermediates``,
 ``feature_info``, ``reset_classifier``, ``set_grad_checkpointing``) with our own module names; official
@@ -124,7 +124,7 @@ def apply_overrides(cfg: "PPMAConfig", overrides: dict, where: str) -> "PPMAConf
 
 @dataclass(frozen=True)
 class PPMAConfig:
-    """Architecture of a PPMA model (spec §4.1). Per-stage tuples have 4 entries.
+    """Architecture of a PPMA model (docs/model.md §4.1). Per-stage tuples have 4 entries.
 
     Attributes:
         embed_dims: channels per stage.
@@ -141,7 +141,7 @@ class PPMAConfig:
         mlp: per stage, the FFN's two linear layers (``ppma.nn.MLPS``; ``"standard"`` is the official model,
             ``"monarch"`` the Surrogate FFN Block's Monarch matrices). One string means every stage.
         init_values, heads_ranges: per stage, RMT's decay schedule ``log g_h = log(1 - 2^(-init_value -
-            heads_range h / heads))``, used by ``mask="manhattan"`` only (the official factories' values, spec
+            heads_range h / heads))``, used by ``mask="manhattan"`` only (the official factories' values, docs/model.md
             §4.1, which the official code does not use).
         layer_init_values: initial layer-scale value.
         drop_path_rate: stochastic depth, linearly increasing from 0 over all blocks.
@@ -282,7 +282,7 @@ class PPMAStage(nn.Module):
 
 
 def _init_weights(module: nn.Module) -> None:
-    """Official effective init (spec §3.6): trunc_normal(0.02) for every Linear, bias 0; LayerNorm 1/0."""
+    """Official effective init (docs/model.md §3.6): trunc_normal(0.02) for every Linear, bias 0; LayerNorm 1/0."""
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
@@ -293,7 +293,7 @@ def _init_weights(module: nn.Module) -> None:
 
 
 class PPMA(nn.Module):
-    """PPMA vision backbone and classifier (spec §4).
+    """PPMA vision backbone and classifier (docs/model.md §4).
 
     ``forward(x: [B, in_chans, H, W]) -> [B, num_classes]``; any ``H, W`` (odd sizes round up at every
     stride-2 conv). ``forward_features`` returns the last stage map ``[B, embed_dims[3], H/32, W/32]``.
@@ -351,7 +351,7 @@ class PPMA(nn.Module):
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         """Names of the decay-module parameters ``dt_bias`` and ``A_log`` (1-D, which timm's optimiser
-        factory skips anyway, as in the official recipe, spec §1.4)."""
+        factory skips anyway, as in the official recipe, docs/model.md §1.4)."""
         return {n for n, _ in self.named_parameters() if n.endswith((".dt_bias", ".A_log"))}
 
     @torch.jit.ignore
@@ -470,15 +470,15 @@ def _variant(name: str, **overrides) -> PPMA:
 
 
 def ppma_tiny(**overrides) -> PPMA:
-    """PPMA-T: 14,335,272 parameters, 2.696 GMACs at 224² (spec §4.1)."""
+    """PPMA-T: 14,335,272 parameters, 2.696 GMACs at 224² (docs/model.md §4.1)."""
     return _variant("ppma_tiny", **overrides)
 
 
 def ppma_small(**overrides) -> PPMA:
-    """PPMA-S: 26,969,472 parameters, 4.896 GMACs at 224² (spec §4.1)."""
+    """PPMA-S: 26,969,472 parameters, 4.896 GMACs at 224² (docs/model.md §4.1)."""
     return _variant("ppma_small", **overrides)
 
 
 def ppma_base(**overrides) -> PPMA:
-    """PPMA-B: 54,158,524 parameters, 10.593 GMACs at 224² (spec §4.1)."""
+    """PPMA-B: 54,158,524 parameters, 10.593 GMACs at 224² (docs/model.md §4.1)."""
     return _variant("ppma_base", **overrides)

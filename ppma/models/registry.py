@@ -1,4 +1,4 @@
-"""``create_model``: build a PPMA variant by name, optionally with weights (spec §4.1, §5)."""
+"""``create_model``: build a PPMA variant by name, optionally with weights (docs/model.md §4.1, §5)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def create_model(
             ``hf://<repo>/<path>`` (read by :func:`ppma.checkpoint.read_checkpoint`); loading it implies
             ``pretrained``.
         checkpoint_key: entry of the checkpoint to load (default: ``model_ema`` if present: ``best.pth`` is
-            saved when the EMA accuracy peaks and the paper reports EMA accuracy, spec §5.2).
+            saved when the EMA accuracy peaks and the paper reports EMA accuracy, docs/model.md §5.2).
         revision: branch, tag or commit of the hub repository (default ``main``).
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
             ``mlp_ratios``, ``mixer`` (per stage, or one string: ``"criss_cross"``, ``"full"``, ``"linear"``,

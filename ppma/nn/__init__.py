@@ -1,4 +1,4 @@
-"""PPMA modules: path decays, rotary embedding, attention, block and layers (spec §1.4, §3, §4)."""
+"""PPMA modules: path decays, rotary embedding, attention, block and layers (docs/model.md §1.4, §3, §4)."""
 
 from ppma.nn.layers import MLPS, ClassifierHead, ConvFFN, ConvStem, DropPath, DWConv2d, LayerScale, PatchMerging
 from ppma.nn.monarch import MonarchLinear

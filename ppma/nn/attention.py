@@ -1,4 +1,4 @@
-"""PPMA attention module: projections, LePE, RoPE, path decays and the polyline attention ops (spec §3)."""
+"""PPMA attention module: projections, LePE, RoPE, path decays and the polyline attention ops (docs/model.md §3)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ SOFTMAX_MIXERS = tuple(_SOFTMAX_OPS)
 # ... and "linear", the polyline masked linear attention PPMLA (spec §2 A.7), O(N) over the whole map.
 ATTENTION_MIXERS = (*SOFTMAX_MIXERS, "linear")
 # Which mask the attention applies (MASKS, from ppma.nn.masks; docs/ops.md "Masks"): "polyline" is the 2-D
-# polyline path mask (spec §1), the others the paper's ablation masks (spec §7.4).
+# polyline path mask (docs/model.md §1), the others the paper's ablation masks (docs/model.md §7.4).
 
 
 class MaskedAttentionOp(nn.Module):
@@ -69,7 +69,7 @@ class LinearAttentionOp(nn.Module):
 
 
 class PPMAAttention(nn.Module):
-    """Polyline path masked attention (spec §3.2-§3.4).
+    """Polyline path masked attention (docs/model.md §3.2-§3.4).
 
     ``q, k, v = Linear(x)``; ``lepe = DWConv5x5(v)``; ``k = k * d**-0.5``; RoPE on ``q`` and the scaled
     ``k``; log-decays from ``x`` (``PathDecay``); then

@@ -1,4 +1,4 @@
-"""The PPMA transformer block (spec §4, the official ``BasicBlock``)."""
+"""The PPMA transformer block (docs/model.md §4, the official ``BasicBlock``)."""
 
 from __future__ import annotations
 

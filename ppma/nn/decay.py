@@ -1,4 +1,4 @@
-"""Per-token path decays of PPMA (spec §1.4; the official ``PathEmbeding2D``)."""
+"""Per-token path decays of PPMA (docs/model.md §1.4; the official ``PathEmbeding2D``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["PathDecay"]
 
 
 class PathDecay(nn.Module):
-    """Horizontal and vertical log-decays of every token, Mamba2's Δ/A parametrisation (spec §1.4).
+    """Horizontal and vertical log-decays of every token, Mamba2's Δ/A parametrisation (docs/model.md §1.4).
 
     ``log_alpha = softplus(x_g . w_alpha + dt_bias[g]) * (-exp(A_log[g]))`` and the same for ``log_beta``
     with ``w_beta``, where ``x_g`` is the ``head_dim``-channel slice of head ``g``. ``dt_linear`` is one
@@ -51,7 +51,7 @@ class PathDecay(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Mamba2-style init (spec §1.4). ``dt_linear`` is re-initialised by the model's weight init."""
+        """Mamba2-style init (docs/model.md §1.4). ``dt_linear`` is re-initialised by the model's weight init."""
         nn.init.trunc_normal_(self.dt_linear.weight, std=0.02)
         dt = torch.exp(
             torch.rand(self.num_heads) * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min)
@@ -66,7 +66,7 @@ class PathDecay(nn.Module):
             raise ValueError(f"{type(self).__name__}: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
         B, H, W, _ = x.shape
         u = self.dt_linear(x.reshape(B, H, W, self.num_heads, self.head_dim))  # [B, H, W, heads, directions]
-        # softplus/exp in fp32 (fp64 for fp64), like the official code under autocast (spec §3.5).
+        # softplus/exp in fp32 (fp64 for fp64), like the official code under autocast (docs/model.md §3.5).
         ct = torch.float64 if u.dtype == torch.float64 else torch.float32
         A = -torch.exp(self.A_log.to(ct))
         d = F.softplus(u.to(ct) + self.dt_bias.to(ct)[:, None]) * A[:, None]

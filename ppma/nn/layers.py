@@ -1,4 +1,4 @@
-"""Building blocks of the PPMA backbone (spec §4): depthwise convs, FFN, stem, patch merging, head."""
+"""Building blocks of the PPMA backbone (docs/model.md §4): depthwise convs, FFN, stem, patch merging, head."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class LayerScale(nn.Module):
 
 
 class ConvFFN(nn.Module):
-    """``fc2(h + dwconv3x3(h))`` with ``h = GELU(fc1(x))`` (spec §4, the official ``FeedForwardNetwork``).
+    """``fc2(h + dwconv3x3(h))`` with ``h = GELU(fc1(x))`` (docs/model.md §4, the official ``FeedForwardNetwork``).
 
     ``[B, H, W, C] -> [B, H, W, C]``; hidden width ``hidden_dim``. ``mlp`` (one of :data:`MLPS`) chooses ``fc1``
     and ``fc2``: ``"standard"`` dense ``nn.Linear`` layers, ``"monarch"`` the Surrogate FFN Block's
@@ -109,7 +109,7 @@ class ConvFFN(nn.Module):
 
 
 class ConvStem(nn.Module):
-    """Four 3x3 convs (strides 2, 1, 2, 1) with BatchNorm and GELU between (spec §4, stride 4).
+    """Four 3x3 convs (strides 2, 1, 2, 1) with BatchNorm and GELU between (docs/model.md §4, stride 4).
 
     ``[B, in_chans, H, W] -> [B, ceil(H/4), ceil(W/4), out_dim]`` (channels last).
     """
@@ -161,7 +161,7 @@ def _check_pool(global_pool: str, num_classes: int) -> None:
 
 
 class ClassifierHead(nn.Module):
-    """``fc(avgpool(swish(BN(proj(x)))))`` (spec §4 classification head).
+    """``fc(avgpool(swish(BN(proj(x)))))`` (docs/model.md §4 classification head).
 
     ``x: [B, C, H, W]`` -> logits ``[B, num_classes]`` (or the pooled ``[B, hidden_dim]`` with
     ``pre_logits=True``). ``num_classes=0`` makes ``fc`` the identity. ``global_pool=""`` (timm's "no pooling",

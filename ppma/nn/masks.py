@@ -1,4 +1,4 @@
-"""The ablation masks of the PPMA paper (spec §7.4) as selectable masks of :class:`ppma.nn.PPMAAttention`.
+"""The ablation masks of the PPMA paper (docs/model.md §7.4) as selectable masks of :class:`ppma.nn.PPMAAttention`.
 
 Every mask is a pair of log-masks ``(M_a, M_b)`` over the ``N = H W`` tokens (row-major flat index) and two
 direction weights ``(w_a, w_b)``, used the same way by both attention modes (docs/ops.md, "Masks"):
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 MASKS = ("polyline", "none", "manhattan", "v2h", "shared", "cross_scan", "hilbert")
-# RMT's decay schedule (initial_value, heads_range) of the PPMA-T/S stages (spec §4.1); PPMA-B: ranges 5, 5, 6, 6.
+# RMT's decay schedule (initial_value, heads_range) of the PPMA-T/S stages (docs/model.md §4.1); PPMA-B: ranges 5, 5, 6, 6.
 RMT_GAMMA = (2.0, 4.0)
 
 

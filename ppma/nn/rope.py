@@ -1,4 +1,4 @@
-"""Rotary position embedding over the raster index (spec §3.1; the official ``RotaryPositionEmbedding2D``)."""
+"""Rotary position embedding over the raster index (docs/model.md §3.1; the official ``RotaryPositionEmbedding2D``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def apply_rotary(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
 
 
 class RotaryEmbedding2D(nn.Module):
-    """RMT-style rotary embedding over the flattened raster index ``p = i * W + j`` (spec §3.1).
+    """RMT-style rotary embedding over the flattened raster index ``p = i * W + j`` (docs/model.md §3.1).
 
     Despite the name (kept from the paper) the positions are 1-D: ``sin(p * angle)``, ``cos(p * angle)``
     with ``angle = 1 / 10000 ** linspace(0, 1, d/2)``, each value repeated twice (interleaved pairs).

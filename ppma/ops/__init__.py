@@ -1,4 +1,4 @@
-"""Public functional API of the PPMA operators (design §2).
+"""Public functional API of the PPMA operators (docs/design.md §2).
 
 ``q, k: [B, H, W, heads, d]``, ``v: [B, H, W, heads, dv]``, ``log_alpha, log_beta: [B, H, W, heads]``.
 Each function runs the fused ``torch.ops.ppma`` kernel when ``ppma._C`` is built for the tensors' device,

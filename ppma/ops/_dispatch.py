@@ -1,4 +1,4 @@
-"""Which implementation the public ops run (design §2): the fused ``torch.ops.ppma`` kernels or the
+"""Which implementation the public ops run (docs/design.md §2): the fused ``torch.ops.ppma`` kernels or the
 pure-PyTorch reference of ``ppma.ops.reference``, and the opt-in check of the log-decays.
 
 One process-wide switch, owned here and read by the op wrappers at call time (not thread-local, like

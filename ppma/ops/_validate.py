@@ -1,4 +1,4 @@
-"""Input validation and helpers shared by the public op wrappers and the reference (design §2).
+"""Input validation and helpers shared by the public op wrappers and the reference (docs/design.md §2).
 
 Errors name the argument and print the shapes / dtypes / devices / values. The default checks only compare
 types, shapes, dtypes and devices, so they trace under ``torch.compile`` with dynamic shapes without

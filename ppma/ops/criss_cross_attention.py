@@ -1,4 +1,4 @@
-"""``ppma.ops.criss_cross_attention``: the official "chunk" mode (spec §3.3, design §2).
+"""``ppma.ops.criss_cross_attention``: the official "chunk" mode (docs/model.md §3.3, docs/design.md §2).
 
 The fused kernel is ``torch.ops.ppma.criss_cross_attention``; its fake (meta) kernel and autograd
 formula are registered here, next to the wrapper.
@@ -34,7 +34,7 @@ def criss_cross_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """``out = 0.5 B (A v) + 0.5 A (B v)`` with ``A`` the decay-masked row attention and ``B`` the column
-    attention (spec §1.6). ``[B, H, W, heads, d]`` inputs -> ``[B, H, W, heads, dv]``.
+    attention (docs/model.md §1.6). ``[B, H, W, heads, d]`` inputs -> ``[B, H, W, heads, dv]``.
 
     Args:
         q, k: ``[B, H, W, heads, d]``; v: ``[B, H, W, heads, dv]`` (same dtype and device).

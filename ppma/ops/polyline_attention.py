@@ -1,4 +1,4 @@
-"""``ppma.ops.polyline_attention``: the official "whole" mode (spec §3.4, design §2).
+"""``ppma.ops.polyline_attention``: the official "whole" mode (docs/model.md §3.4, docs/design.md §2).
 
 The fused kernel is ``torch.ops.ppma.polyline_attention``; its fake (meta) kernel and autograd formula
 are registered here, next to the wrapper (extension-cpp pattern).
@@ -34,7 +34,7 @@ def polyline_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """``out = 0.5 softmax(S + M) v + 0.5 softmax(S + M^T) v`` with ``S = scale q k^T`` and ``M`` the
-    V2H polyline log-mask (spec §1.6). ``[B, H, W, heads, d]`` inputs -> ``[B, H, W, heads, dv]``.
+    V2H polyline log-mask (docs/model.md §1.6). ``[B, H, W, heads, d]`` inputs -> ``[B, H, W, heads, dv]``.
 
     Args:
         q, k: ``[B, H, W, heads, d]``; v: ``[B, H, W, heads, dv]`` (same dtype and device).

@@ -1,5 +1,5 @@
 """``ppma.ops.polyline_linear_attention``: polyline path masked linear attention, PPMLA, in O(N)
-(spec §2, Theorem 3 and A.7; docs/ops.md "polyline_linear_attention").
+(docs/model.md §2, Theorem 3 and A.7; docs/ops.md "polyline_linear_attention").
 
 The fused kernel is ``torch.ops.ppma.polyline_linear_attention`` (CPU and CUDA); its fake (meta) kernel and
 autograd formula are registered here, next to the wrapper.

@@ -1,4 +1,4 @@
-"""``ppma.ops.polyline_scan``: the linear-time polyline product ``L x`` (spec §2, Algorithm 1).
+"""``ppma.ops.polyline_scan``: the linear-time polyline product ``L x`` (docs/model.md §2, Algorithm 1).
 
 The fused kernel is ``torch.ops.ppma.polyline_scan``; its fake (meta) kernel and autograd formula are
 registered here, next to the wrapper.

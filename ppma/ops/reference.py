@@ -1,16 +1,16 @@
 """Pure-PyTorch reference of every ppma operator: the test oracle, the documentation and the fallback.
 
-Everything here follows the official PPMA code (spec §1.4-§1.6, §3.3, §3.4), not the paper's equations
-where they differ (spec §9). It is written for clarity and builds the masks explicitly, as the official
+Everything here follows the official PPMA code (docs/model.md §1.4-§1.6, §3.3, §3.4), not the paper's equations
+where they differ (docs/model.md §9). It is written for clarity and builds the masks explicitly, as the official
 code does; the fused kernels in ``csrc/`` compute the same numbers without them.
 
-Conventions (design §2):
+Conventions (docs/design.md §2):
 
 * Feature maps are channels-last with heads last: ``q, k: [B, H, W, heads, d]``,
   ``v: [B, H, W, heads, dv]``, ``log_alpha, log_beta: [B, H, W, heads]``.
 * Tokens are flattened row-major: token ``(i, j)`` has index ``i * W + j``.
 * ``log_alpha`` is the horizontal log-decay, used along rows; ``log_beta`` the vertical one, used along
-  columns. The decay of token ``n`` sits on the edge between ``n - 1`` and ``n`` (spec §1.2), so
+  columns. The decay of token ``n`` sits on the edge between ``n - 1`` and ``n`` (docs/model.md §1.2), so
   ``log_alpha[:, :, 0]`` and ``log_beta[:, 0]`` never enter any mask and receive exactly zero gradient.
 * Log-decays below ``LOG_DECAY_FLOOR = -1e4`` (down to ``-inf``, a decay of exactly 0) count as the floor,
   as in the kernels: ``exp(-1e4)`` is 0 in every dtype, so a path through such an edge has weight 0, and
@@ -20,7 +20,7 @@ Conventions (design §2):
   (``[b, g, l, i, k] = log beta_{i:k, l}``).
 
 Low-precision inputs (fp16, bf16) are computed in fp32 and cast back, like the official code under
-autocast (spec §3.5); fp64 stays fp64.
+autocast (docs/model.md §3.5); fp64 stays fp64.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------
-# Decays (spec §1.4)
+# Decays (docs/model.md §1.4)
 # ----------------------------------------------------------------------------------------------
 
 
 def path_log_decays_ref(
     x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, num_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-decays of the official decay module (``PathEmbeding2D``, spec §1.4).
+    """Log-decays of the official decay module (``PathEmbeding2D``, docs/model.md §1.4).
 
     Args:
         x: the attention block's normalised input, ``[B, H, W, C]``; head ``g`` reads channels
@@ -90,7 +90,7 @@ def path_log_decays_ref(
 
 
 # ----------------------------------------------------------------------------------------------
-# 1-D segment sums and masks (spec §1.5)
+# 1-D segment sums and masks (docs/model.md §1.5)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -103,7 +103,7 @@ def prefix_sum_excl_first(d: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
     The official code includes ``d_0`` in the cumulative sum; every mask entry is a difference
     ``c_max - c_min`` in which ``d_0`` cancels, so leaving it out gives the same masks (up to rounding,
-    more precisely) and makes the gradient of ``d_0`` exactly zero (spec §1.2). Values below
+    more precisely) and makes the gradient of ``d_0`` exactly zero (docs/model.md §1.2). Values below
     ``LOG_DECAY_FLOOR`` count as the floor (NaN stays NaN).
     """
     d = d.movedim(dim, -1).clamp_min(LOG_DECAY_FLOOR)
@@ -112,7 +112,7 @@ def prefix_sum_excl_first(d: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def segsum_1d(d: torch.Tensor) -> torch.Tensor:
-    """Symmetric 1-D log-mask of a sequence of log-decays along the last axis (spec §1.5).
+    """Symmetric 1-D log-mask of a sequence of log-decays along the last axis (docs/model.md §1.5).
 
     ``S[..., t, s] = sum_{min(t,s) < n <= max(t,s)} d_n = log prod a_n`` (0 on the diagonal), built as
     ``c_max - c_min`` from the prefix sums, written in position order so that the gradient is defined
@@ -139,7 +139,7 @@ def col_log_mask(log_beta: torch.Tensor) -> torch.Tensor:
 
 
 def polyline_log_mask(log_alpha: torch.Tensor, log_beta: torch.Tensor) -> torch.Tensor:
-    """Dense V2H polyline log-mask ``M = log L`` (spec §1.3, Eq. 3), ``[B, heads, N, N]``.
+    """Dense V2H polyline log-mask ``M = log L`` (docs/model.md §1.3, Eq. 3), ``[B, heads, N, N]``.
 
     ``M[b, g, (i,j), (k,l)] = log alpha_{i, j:l} + log beta_{i:k, l}``: from key ``(k,l)`` go along column
     ``l`` to row ``i``, then along row ``i`` to column ``j``. Its transpose ``M^T`` is the H2V mask.
@@ -159,7 +159,7 @@ def polyline_mask(log_alpha: torch.Tensor, log_beta: torch.Tensor, transpose: bo
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention (spec §3.3, §3.4)
+# Attention (docs/model.md §3.3, §3.4)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -171,7 +171,7 @@ def polyline_attention_ref(
     log_beta: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Polyline path masked attention, the official "whole" mode (spec §1.6, §3.4).
+    """Polyline path masked attention, the official "whole" mode (docs/model.md §1.6, §3.4).
 
     ``S = scale * q k^T`` over all ``N = H W`` tokens of each head, ``M`` the V2H log-mask,
     ``out = (0.5 softmax(S + M) + 0.5 softmax(S + M^T)) v``. Shapes: ``q, k [B, H, W, heads, d]``,
@@ -201,7 +201,7 @@ def criss_cross_attention_ref(
     log_beta: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Criss-cross polyline attention, the official "chunk" mode (spec §1.6, §3.3).
+    """Criss-cross polyline attention, the official "chunk" mode (docs/model.md §1.6, §3.3).
 
     Row attention ``A_i = softmax(scale q_i k_i^T + log alpha-mask of row i)`` (W x W) and column attention
     ``B_l = softmax(scale q_l k_l^T + log beta-mask of column l)`` (H x H);
@@ -236,7 +236,7 @@ def polyline_linear_attention_ref(
     normalize: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Polyline path masked linear attention, PPMLA (spec §2, Theorem 3 and A.7; docs/ops.md), dense.
+    """Polyline path masked linear attention, PPMLA (docs/model.md §2, Theorem 3 and A.7; docs/ops.md), dense.
 
     Per batch and head, with ``q, k`` already non-negative features (the caller maps them), ``A = q k^T``
     (no scale) and ``L = exp(M)`` the V2H polyline mask (``L^T`` the H2V mask)::
@@ -269,7 +269,7 @@ def polyline_linear_attention_ref(
 
 
 # ----------------------------------------------------------------------------------------------
-# Polyline scans (spec §2, Algorithm 1)
+# Polyline scans (docs/model.md §2, Algorithm 1)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -285,7 +285,7 @@ def scan_1d_ref(x: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
 def polyline_scan_ref(
     x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor, transpose: bool = False
 ) -> torch.Tensor:
-    """Polyline product ``y = L x`` by Algorithm 1 (spec §2): without materialising ``L``.
+    """Polyline product ``y = L x`` by Algorithm 1 (docs/model.md §2): without materialising ``L``.
 
     ``transpose=False``: scan every column with ``log_beta`` (``Z_{:,l} = B^l X_{:,l}``), then every row
     with ``log_alpha`` (``Y_{i,:} = A^i Z_{i,:}``): ``y = L x`` with ``L`` the V2H mask.

@@ -1,4 +1,4 @@
-"""Training, evaluation, benchmarking and visualisation for PPMA classifiers (spec §6.1).
+"""Training, evaluation, benchmarking and visualisation for PPMA classifiers (docs/model.md §6.1).
 
 The library: ``config`` (the typed config schema, :func:`~ppma.train.config.load_config`), ``trainer``
 (:func:`~ppma.train.trainer.train` in named steps), ``engine`` (one training epoch, evaluation), ``build``

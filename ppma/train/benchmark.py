@@ -1,4 +1,4 @@
-"""Model throughput by the paper's protocol (spec §7.5), plus training speed and peak memory.
+"""Model throughput by the paper's protocol (docs/model.md §7.5), plus training speed and peak memory.
 
 Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then about ``iters`` timed
 ones (:func:`ppma.timing.measure_time`, synchronised clocks); images/s = batch / mean time per iteration. Training: forward + backward + AdamW step on

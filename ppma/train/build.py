@@ -1,4 +1,4 @@
-"""Model, optimiser, scheduler, loss and mixup construction from a config (spec §6.1)."""
+"""Model, optimiser, scheduler, loss and mixup construction from a config (docs/model.md §6.1)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def scaled_lr(optim_cfg, total_batch: int) -> float:
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Parameter groups of the official recipe (spec §6.1, timm 0.5.4 ``add_weight_decay``): no weight decay
+    """Parameter groups of the official recipe (docs/model.md §6.1, timm 0.5.4 ``add_weight_decay``): no weight decay
     on 1-D parameters (norms, ``dt_bias``, ``A_log``), biases and ``model.no_weight_decay()``; decay on everything
     else. Layer-scale ``gamma`` is 1-D here but ``[1, 1, 1, C]`` in the official model, where it is decayed: so
     it is decayed here too."""

@@ -1,7 +1,7 @@
 """Training configuration: a typed schema, YAML files and command-line overrides.
 
 The schema is :class:`TrainConfig`, one dataclass per section (``model``, ``data``, ``aug``, ``optim``,
-``sched``, ``ema``, ``train``); its defaults reproduce the official ImageNet-1K recipe (spec §6.1). A config is
+``sched``, ``ema``, ``train``); its defaults reproduce the official ImageNet-1K recipe (docs/model.md §6.1). A config is
 built by :func:`load_config` in layers: the defaults, then a YAML file (``configs/classification/*.yaml``, any
 subset of the sections), then ``--set section.key=value`` assignments (YAML values), then the dedicated
 command-line flags. OmegaConf structured configs do the merging and the type checks; every layer is strict:
@@ -43,7 +43,7 @@ class ModelConfig:
     # None: ppma.create_model. "package.module:callable": any factory with create_model's signature
     # (name, pretrained=False, num_classes=..., drop_path_rate=..., checkpoint_path=..., **overrides).
     factory: Optional[str] = None
-    # None: the variant's own rate (0.1 / 0.15 / 0.4 for T / S / B, spec §4.1).
+    # None: the variant's own rate (0.1 / 0.15 / 0.4 for T / S / B, docs/model.md §4.1).
     drop_path_rate: Optional[float] = None
     # Any keyword of ppma.create_model: embed_dims, depths, num_heads, mlp_ratios, mixer (docs/ops.md, "Glossary"),
     # layerscale, mask, layer_init_values, in_chans (fused or reference ops: the --impl flag). Free-form
@@ -82,7 +82,7 @@ class DataConfig:
 
 @dataclass
 class AugConfig:
-    # ImageFolder training pipeline (timm create_transform, spec §6.1)
+    # ImageFolder training pipeline (timm create_transform, docs/model.md §6.1)
     scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
     hflip: float = 0.5
     color_jitter: float = 0.4
@@ -108,7 +108,7 @@ class AugConfig:
 @dataclass
 class OptimConfig:
     opt: str = "adamw"
-    # lr = base_lr * total_batch / base_batch (linear scaling, spec §6.1) unless lr is set.
+    # lr = base_lr * total_batch / base_batch (linear scaling, docs/model.md §6.1) unless lr is set.
     base_lr: float = 5.0e-4
     base_batch: int = 512
     lr: Optional[float] = None
@@ -125,7 +125,7 @@ class SchedConfig:
     warmup_lr: float = 1.0e-6
     min_lr: float = 1.0e-5
     # False: timm CosineLRScheduler stepped once per epoch, at the end of epoch e with t = e (the official
-    # DeiT-style loop, spec §6.1: epochs 0 and 1 both run at warmup_lr).
+    # DeiT-style loop, docs/model.md §6.1: epochs 0 and 1 both run at warmup_lr).
     # True: stepped every iteration on the fractional epoch (smoother, for short runs).
     per_iteration: bool = False
 

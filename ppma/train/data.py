@@ -1,7 +1,7 @@
 """Datasets, transforms and samplers for ``ppma-train`` / ``ppma-eval``.
 
 * ``imagefolder``: ``<path>/train/<class>/*`` and ``<path>/val/<class>/*``, with timm's ImageNet
-  pipelines (spec §6.1): RandomResizedCrop + flip + RandAugment + RandomErasing for training,
+  pipelines (docs/model.md §6.1): RandomResizedCrop + flip + RandAugment + RandomErasing for training,
   Resize(img_size / crop_pct) + CenterCrop for evaluation.
 * ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, no download), upsampled
   bilinearly to ``img_size`` once and held as one tensor; a fixed stratified split. Augmentation is a
@@ -133,7 +133,7 @@ class BatchAffine(nn.Module):
 
 
 def build_train_transform(cfg):
-    """timm's training pipeline for ImageFolder data (spec §6.1)."""
+    """timm's training pipeline for ImageFolder data (docs/model.md §6.1)."""
     from ppma._compat import ensure_torchvision
 
     ensure_torchvision()

@@ -1,4 +1,4 @@
-"""``train(cfg)``: image-classification training (spec §6.1), in named steps.
+"""``train(cfg)``: image-classification training (docs/model.md §6.1), in named steps.
 
 :func:`train` reads as the recipe: :func:`setup` (threads, device, process group, output folder, seeds) ->
 :func:`build_loaders` (datasets, sampler, loader) -> :func:`build_training` (model, EMA, DDP, optimiser,
@@ -234,7 +234,7 @@ def run_epoch(cfg: TrainConfig, rt: Runtime, data: Loaders, parts: Training, pro
         channels_last=cfg.train.channels_last, progress=cfg.train.progress,
     )
     if not cfg.sched.per_iteration:
-        parts.scheduler.step(epoch)  # official loop: step(epoch) at the end of the epoch (spec §6.1)
+        parts.scheduler.step(epoch)  # official loop: step(epoch) at the end of the epoch (docs/model.md §6.1)
     record = {"epoch": epoch, "train_loss": stats["train_loss"], "lr": stats["lr"]}
     # without SyncBN each process tracks its own BatchNorm statistics: evaluate rank 0's everywhere
     D.broadcast_buffers(parts.module)

@@ -1,4 +1,4 @@
-"""Learned decays, polyline masks and masked attention maps of a PPMA model (spec §2 C.1, paper B.6).
+"""Learned decays, polyline masks and masked attention maps of a PPMA model (docs/model.md §2 C.1, paper B.6).
 
 :func:`capture_attention` records a forward pass's attention inputs and ``PathDecay`` outputs;
 :func:`mask_row` gives a query's row of the polyline mask ``L`` (or ``L^T``) and :func:`attention_row` its
@@ -26,7 +26,7 @@ def mask_row(log_alpha: torch.Tensor, log_beta: torch.Tensor, query: tuple[int, 
 
     ``log_alpha, log_beta: [H, W]`` of one head. ``L[p, s] = (L^T e_p)[s]``, so the row of ``L`` is one
     ``polyline_scan`` with ``transpose=True`` of the one-hot vector ``e_p``, and the row of ``L^T`` one
-    ``polyline_scan`` without transpose (spec §2, Algorithm 1)."""
+    ``polyline_scan`` without transpose (docs/model.md §2, Algorithm 1)."""
     from ppma.ops import polyline_scan
 
     H, W = log_alpha.shape

@@ -1,4 +1,4 @@
-# COCO 2017 instance segmentation data, 1x pipeline (single scale 1333x800) (spec §6.2), MMDetection 3.x.
+# COCO 2017 instance segmentation data, 1x pipeline (single scale 1333x800) (docs/model.md §6.2), MMDetection 3.x.
 dataset_type = "CocoDataset"
 data_root = "data/coco/"
 backend_args = None

@@ -1,4 +1,4 @@
-# COCO 2017 instance segmentation data with the 3x multi-scale training pipeline (spec §6.2), MMDetection 3.x:
+# COCO 2017 instance segmentation data with the 3x multi-scale training pipeline (docs/model.md §6.2), MMDetection 3.x:
 # the 1x data (coco_instance.py) with another train pipeline.
 _base_ = "coco_instance.py"
 

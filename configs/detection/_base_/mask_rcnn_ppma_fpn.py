@@ -1,4 +1,4 @@
-# Mask R-CNN + FPN with a PPMA backbone (spec §6.2), MMDetection 3.x: the model shared by every detection config.
+# Mask R-CNN + FPN with a PPMA backbone (docs/model.md §6.2), MMDetection 3.x: the model shared by every detection config.
 # The backbone is registered by `ppma.models.mm`. Each variant config sets what depends on the PPMA size:
 # model.backbone.arch, .drop_path_rate, .init_cfg (the official ImageNet checkpoint) and model.neck.in_channels.
 custom_imports = dict(imports=["ppma.models.mm"], allow_failed_imports=False)

@@ -1,4 +1,4 @@
-# Optimizer and 1x schedule (12 epochs) for the detection configs (spec §6.2), MMDetection 3.x.
+# Optimizer and 1x schedule (12 epochs) for the detection configs (docs/model.md §6.2), MMDetection 3.x.
 optim_wrapper = dict(
     type="OptimWrapper",
     optimizer=dict(type="AdamW", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.05),

@@ -1,4 +1,4 @@
-# 3x schedule (36 epochs, LR steps at epochs 27 and 33) for the detection configs (spec §6.2), MMDetection 3.x:
+# 3x schedule (36 epochs, LR steps at epochs 27 and 33) for the detection configs (docs/model.md §6.2), MMDetection 3.x:
 # the 1x schedule's optimizer and warm-up, trained three times as long.
 _base_ = "schedule_1x.py"
 

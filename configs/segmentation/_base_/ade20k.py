@@ -1,4 +1,4 @@
-# ADE20K data (150 classes), 512x512 training crops, sliding-window and multi-scale test (spec §6.3),
+# ADE20K data (150 classes), 512x512 training crops, sliding-window and multi-scale test (docs/model.md §6.3),
 # MMSegmentation 1.x.
 dataset_type = "ADE20KDataset"
 data_root = "data/ade/ADEChallengeData2016"

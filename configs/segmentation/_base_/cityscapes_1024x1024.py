@@ -1,4 +1,4 @@
-# Cityscapes data (19 classes), 1024x1024 training crops, sliding-window test at (2048, 1024) (spec §6.3),
+# Cityscapes data (19 classes), 1024x1024 training crops, sliding-window test at (2048, 1024) (docs/model.md §6.3),
 # MMSegmentation 1.x. Layout: leftImg8bit/{train,val}/<city>/*_leftImg8bit.png and
 # gtFine/{train,val}/<city>/*_gtFine_labelTrainIds.png (cityscapesscripts' createTrainIdLabelImgs).
 # The official 0.x configs wrapped the training set in RepeatDataset(times=500) to make long epochs; here the

@@ -1,4 +1,4 @@
-# Optimizer and 160k-iteration schedule for the segmentation configs (spec §6.3), MMSegmentation 1.x.
+# Optimizer and 160k-iteration schedule for the segmentation configs (docs/model.md §6.3), MMSegmentation 1.x.
 optim_wrapper = dict(
     type="OptimWrapper",
     optimizer=dict(type="AdamW", lr=6e-5, betas=(0.9, 0.999), weight_decay=0.05),

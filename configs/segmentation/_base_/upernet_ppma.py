@@ -1,4 +1,4 @@
-# UPerNet with a PPMA backbone, 512x512 crops (spec §6.3), MMSegmentation 1.x: the model shared by every
+# UPerNet with a PPMA backbone, 512x512 crops (docs/model.md §6.3), MMSegmentation 1.x: the model shared by every
 # segmentation config. The backbone is registered by `ppma.models.mm`. Each variant config sets what depends on
 # the PPMA size: model.backbone.arch, .drop_path_rate, .init_cfg (the official ImageNet checkpoint),
 # model.decode_head.in_channels (the four stage dims) and model.auxiliary_head.in_channels (the third).

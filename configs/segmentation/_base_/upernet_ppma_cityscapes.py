@@ -1,4 +1,4 @@
-# UPerNet with a PPMA backbone for Cityscapes (spec §6.3), MMSegmentation 1.x: the model of upernet_ppma.py with
+# UPerNet with a PPMA backbone for Cityscapes (docs/model.md §6.3), MMSegmentation 1.x: the model of upernet_ppma.py with
 # 19 classes, 1024x1024 crops and a sliding-window test of stride 768. Each variant config sets what depends on
 # the PPMA size, as for ADE20K.
 _base_ = "upernet_ppma.py"

@@ -1,4 +1,4 @@
-"""``ppma-benchmark``: model throughput by the paper's protocol (spec §7.5) plus training speed and memory.
+"""``ppma-benchmark``: model throughput by the paper's protocol (docs/model.md §7.5) plus training speed and memory.
 
 Inference: batch 64, 224x224, ``model.eval()``, ``torch.inference_mode()``, ``--warmup`` untimed iterations,
 then about ``--iters`` timed ones (:func:`ppma.timing.measure_time`: ``torch.utils.benchmark``, synchronised

@@ -1,4 +1,4 @@
-"""``ppma-train`` / ``python -m ppma.train``: image classification training (spec §6.1).
+"""``ppma-train`` / ``python -m ppma.train``: image classification training (docs/model.md §6.1).
 
 Single process::
 

@@ -1,4 +1,4 @@
-"""``ppma-visualize``: learned decays, polyline masks and masked attention maps (spec §2 C.1, paper B.6).
+"""``ppma-visualize``: learned decays, polyline masks and masked attention maps (docs/model.md §2 C.1, paper B.6).
 
 For one input (an image file or a digits test sample) and a chosen attention block and head, writes PNGs:
 
