@@ -1,4 +1,4 @@
-"""The paper's mask ablation (spec §7.4) plus PADRe and the structured-matrix blocks, as a small-data sanity run on
+"""The paper's mask ablation (docs/model.md §7.4) plus PADRe and the structured-matrix blocks, as a small-data sanity run on
 the digits demo.
 
 Trains the digits demo (``configs/classification/demo_digits.yaml``) once per mask, once with PADRe as the token

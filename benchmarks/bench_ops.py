@@ -50,7 +50,7 @@ from ppma.models import MODEL_CONFIGS  # noqa: E402
 from ppma.ops import reference  # noqa: E402
 from ppma.timing import measure_time  # noqa: E402
 
-# Spec §4.1: (channels, heads) per stage and the mixer per stage.
+# docs/model.md §4.1: (channels, heads) per stage and the mixer per stage.
 VARIANTS = {
     "T": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), mixer=MODEL_CONFIGS["ppma_tiny"].mixer),
     "S": dict(dims=(64, 128, 256, 512), heads=(4, 4, 8, 16), mixer=MODEL_CONFIGS["ppma_small"].mixer),

@@ -90,7 +90,7 @@ def test_attention_contract(mixer):
 
 @pytest.mark.parametrize("mixer", ["full", "criss_cross"])
 def test_attention_matches_literal_formula(mixer):
-    """q/k/v projections, LePE on v, k scaled by d^-0.5 before RoPE, out = proj(attn + lepe) (spec §3.2)."""
+    """q/k/v projections, LePE on v, k scaled by d^-0.5 before RoPE, out = proj(attn + lepe) (docs/model.md §3.2)."""
     torch.manual_seed(0)
     attn = PPMAAttention(16, 2, mixer=mixer).double()
     with torch.no_grad():

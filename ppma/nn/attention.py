@@ -16,14 +16,14 @@ __all__ = ["PPMAAttention", "MaskedAttentionOp", "LinearAttentionOp", "SOFTMAX_M
 # is the official "whole" mode, "criss_cross" the official "chunk" mode.
 _SOFTMAX_OPS = {"full": ops.polyline_attention, "criss_cross": ops.criss_cross_attention}
 SOFTMAX_MIXERS = tuple(_SOFTMAX_OPS)
-# ... and "linear", the polyline masked linear attention PPMLA (spec §2 A.7), O(N) over the whole map.
+# ... and "linear", the polyline masked linear attention PPMLA (docs/model.md §2 A.7), O(N) over the whole map.
 ATTENTION_MIXERS = (*SOFTMAX_MIXERS, "linear")
 # Which mask the attention applies (MASKS, from ppma.nn.masks; docs/ops.md "Masks"): "polyline" is the 2-D
 # polyline path mask (docs/model.md §1), the others the paper's ablation masks (docs/model.md §7.4).
 
 
 class MaskedAttentionOp(nn.Module):
-    """The masked softmax attention operator of one mixer as a module without parameters (spec §1.6):
+    """The masked softmax attention operator of one mixer as a module without parameters (docs/model.md §1.6):
     ``forward(q, k, v, log_alpha, log_beta)`` is ``ppma.ops.polyline_attention`` (``mixer="full"``) or
     ``ppma.ops.criss_cross_attention`` (``mixer="criss_cross"``) with the fixed ``scale``.
 
@@ -53,7 +53,7 @@ class MaskedAttentionOp(nn.Module):
 
 
 class LinearAttentionOp(nn.Module):
-    """The polyline masked linear attention (PPMLA, spec §2 A.7) of a ``mixer="linear"`` layer as a module
+    """The polyline masked linear attention (PPMLA, docs/model.md §2 A.7) of a ``mixer="linear"`` layer as a module
     without parameters: ``forward(q, k, v, log_alpha, log_beta)`` maps ``q`` and ``k`` to non-negative features
     with ``elu(x) + 1`` and runs ``ppma.ops.polyline_linear_attention`` (normalised) over all tokens.
 
