@@ -8,6 +8,9 @@ cannot run on 3-D tensors, so the same contract is restated here for the 3-D lay
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,6 +207,41 @@ class Op3DTests:
         for t, b in zip(inputs, before):
             assert torch.equal(t.detach(), b)
         assert_thread_invariant(lambda *a: self.fn(*a, *self.extra(variant)), inputs)
+
+    def case_results(self, variant, dtype: torch.dtype, threads: int) -> list[torch.Tensor]:
+        """``[out, *gradients]`` of the op on the seeded determinism case (B * heads = 4) on ``threads`` threads."""
+        inputs = self.inputs((2, 3, 5, 4, 2, 8, 8), dtype, decay_scale=1.0, seed=7)
+        n = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = self.fn(*inputs, *self.extra(variant))
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(out.dtype)
+            return [out.detach(), *torch.autograd.grad(out, inputs, g)]
+        finally:
+            torch.set_num_threads(n)
+
+    @needs_ext
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+    def test_bitwise_across_threads_and_processes(self, dtype, variant, tmp_path):
+        """The same seeded inputs give bitwise the same outputs and gradients on 1 and 3 threads and in a fresh
+        child process (the kernels own fixed slices and summation orders; nothing depends on the process)."""
+        here = [self.case_results(variant, dtype, t) for t in (1, 3)]
+        path = tmp_path / "child.pt"
+        cls = type(self)
+        code = (f"import ast, importlib, torch\n"
+                f"cls = getattr(importlib.import_module({cls.__module__!r}), {cls.__name__!r})\n"
+                f"res = cls().case_results(ast.literal_eval({repr(variant)!r}), torch.{str(dtype).split('.')[-1]}, 3)\n"
+                f"torch.save(res, {str(path)!r})\n")
+        tests_dir = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "PYTHONPATH": tests_dir + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        res = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(tests_dir),
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        child = torch.load(path)
+        names = ("out",) + tuple(self.grad_names)
+        for name, a, b, c in zip(names, here[0], here[1], child):
+            assert torch.equal(a, b), f"{self.op}: {name} differs between 1 and 3 threads"
+            assert torch.equal(b, c), f"{self.op}: {name} differs in a child process"
 
     # ---------------------------------------------------------------- registration and tracing
     @needs_ext
