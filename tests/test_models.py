@@ -102,7 +102,7 @@ def test_mixer_options_broadcast_and_errors():
     """``mixer`` takes one string for every stage or one entry per stage; unknown names raise."""
     cfg = create_model("ppma_tiny", mixer="full", **TINY_KW).cfg
     assert cfg.mixer == ("full",) * 4 and cfg.mask == "polyline"
-    assert MIXERS == ("criss_cross", "full", "linear", "padre")
+    assert MIXERS == ("criss_cross", "full", "linear", "padre", "sab")
     assert "criss_cross" not in {f.name for f in dataclasses.fields(cfg)}  # deprecated: translated, not stored
     with pytest.raises(ValueError, match="mixer: 'mlp'"):
         create_model("ppma_tiny", mixer=("full", "full", "mlp", "full"))

@@ -93,7 +93,7 @@ def test_rope_3d_with_one_frame_is_2d():
 
 
 def test_module_errors_named():
-    with pytest.raises(ValueError, match="mode must be"):
+    with pytest.raises(ValueError, match=r"mixer must be one of \('axial', 'full', 'linear'\), got 'diagonal'"):
         PPMAAttention3D(16, 2, "diagonal")
     with pytest.raises(ValueError, match="mask must be"):
         PPMAAttention3D(16, 2, mask="manhattan")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import DWConv2d
+from ppma.nn.layers import DWConv2d, autocast_enabled
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
 
@@ -142,7 +142,7 @@ class PPMAAttention(nn.Module):
             rope = rotary_sin_cos(angle, H, W)
         sin, cos = rope
         dev = x.device.type
-        if torch.is_autocast_enabled(dev) and x.dtype == torch.float32:
+        if autocast_enabled(dev) and x.dtype == torch.float32:
             # cast once for the four projections below, which autocast would each cast on their own
             x = x.to(torch.get_autocast_dtype(dev))
         q, k, v = self.q(x), self.k(x), self.v(x)

@@ -14,6 +14,14 @@ __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMe
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
 MLPS = ("standard", "monarch")
 
+# Device types that have an autocast state (torch.is_autocast_enabled raises for others, e.g. "meta").
+_AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types without autocast (``meta``)."""
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+
 
 class DWConv2d(nn.Module):
     """Depthwise ``k x k`` convolution (stride 1, same padding, with bias) on channels-last maps.
@@ -36,7 +44,7 @@ class DWConv2d(nn.Module):
         """
         conv = self.conv
         xc = x.permute(0, 3, 1, 2)
-        if residual and x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(x.device.type):
+        if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
             weight = conv.weight.clone()
             weight[:, :, c, c] += 1.0
