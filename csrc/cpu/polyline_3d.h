@@ -18,6 +18,7 @@
 
 #include "common/checks.h"
 #include "common/math.h"
+#include "cpu/line_scan.h"
 #include "cpu/simd.h"
 
 namespace ppma {
@@ -88,77 +89,7 @@ struct Grid3 {
   int64_t step(int axis) const { return token_stride(axis) * G; }
 };
 
-// ---------------------------------------------------------------------------------------------
-// One line (docs/ops.md "polyline_scan"): y = A x with A_ts = exp(c_max - c_min), a_0 unused.
-//   f_0 = x_0, f_t = e^{a_t} f_{t-1} + x_t;  g_{n-1} = 0, g_t = e^{a_{t+1}} (g_{t+1} + x_{t+1});  y = f + g.
-// Backward (A symmetric): grad_x = A grad_y; grad a_s = e^{a_s} (f_{s-1}(x) . F_s(gy) + f_{s-1}(gy) . F_s(x)),
-// F_t(u) = sum_{i >= t} A_ti u_i; grad a_0 = 0. Rows of c contiguous values at strides xs / ys.
-// ---------------------------------------------------------------------------------------------
-template <typename T>
-void scan_line(int64_t n, int64_t c, const T* x, int64_t xs, const T* a, int64_t as, T* y, int64_t ys, T* e, T* g) {
-  for (int64_t t = 1; t < n; ++t) e[t] = std::exp(a[t * as]);
-  std::copy(x, x + c, y);
-  for (int64_t t = 1; t < n; ++t) {
-    const T et = e[t];
-    const T* xt = x + t * xs;
-    const T* yp = y + (t - 1) * ys;
-    T* yt = y + t * ys;
-#pragma omp simd
-    for (int64_t u = 0; u < c; ++u) yt[u] = et * yp[u] + xt[u];
-  }
-  std::fill(g, g + c, T(0));
-  for (int64_t t = n - 2; t >= 0; --t) {
-    const T en = e[t + 1];
-    const T* xn = x + (t + 1) * xs;
-    T* yt = y + t * ys;
-#pragma omp simd
-    for (int64_t u = 0; u < c; ++u) {
-      g[u] = en * (g[u] + xn[u]);
-      yt[u] += g[u];
-    }
-  }
-}
-
-template <typename T>
-void scan_line_backward(int64_t n, int64_t c, const T* z, int64_t zs, const T* gy, int64_t gys, const T* a,
-                        int64_t as, T* gz, int64_t gzs, T* ga, int64_t gas, T* e, T* fz, T* fg, T* Fz, T* Fg) {
-  for (int64_t t = 1; t < n; ++t) e[t] = std::exp(a[t * as]);
-  std::copy(z, z + c, fz);
-  std::copy(gy, gy + c, fg);
-  for (int64_t t = 1; t < n; ++t) {
-    const T et = e[t];
-    const T* zt = z + t * zs;
-    const T* gt = gy + t * gys;
-    T* fzt = fz + t * c;
-    T* fgt = fg + t * c;
-#pragma omp simd
-    for (int64_t u = 0; u < c; ++u) {
-      fzt[u] = et * fzt[u - c] + zt[u];
-      fgt[u] = et * fgt[u - c] + gt[u];
-    }
-  }
-  for (int64_t t = n - 1; t >= 0; --t) {
-    const T* zt = z + t * zs;
-    const T* gt = gy + t * gys;
-    if (t == n - 1) {
-      std::copy(zt, zt + c, Fz);
-      std::copy(gt, gt + c, Fg);
-    } else {
-      const T en = e[t + 1];
-#pragma omp simd
-      for (int64_t u = 0; u < c; ++u) {
-        Fz[u] = zt[u] + en * Fz[u];
-        Fg[u] = gt[u] + en * Fg[u];
-      }
-    }
-    T* gzt = gz + t * gzs;
-    const T* fgt = fg + t * c;
-#pragma omp simd
-    for (int64_t u = 0; u < c; ++u) gzt[u] = fgt[u] + Fg[u] - gt[u];
-    if (t >= 1) ga[t * gas] = e[t] * (dot(c, fz + (t - 1) * c, Fg) + dot(c, fg + (t - 1) * c, Fz));
-  }
-  ga[0] = T(0);
-}
+// scan_line / scan_line_backward: one line's scan and its backward (cpu/line_scan.h).
 
 // y = A x on every line along `axis`; a: the decays of that axis. Each line is one independent task.
 template <typename T>
