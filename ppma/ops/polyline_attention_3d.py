@@ -60,7 +60,8 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
     # Only `out` is returned by the public wrapper; out_v2h and lse are saved statistics.
     no_double_backward(_OP)
     grads = torch.ops.ppma.polyline_attention_3d_backward(grad_out, *ctx.saved_tensors, ctx.scale)
-    return input_grads(ctx, grads)
+    # the reference's floor rule for the decay gradients (docs/ops.md "Edges"), as the 2-D ops
+    return input_grads(ctx, grads, log_decays=tuple(zip((3, 4, 5), ctx.saved_tensors[3:6])))
 
 
 if _ext.has_ext() and hasattr(torch.ops.ppma, _OP):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ppma import _ext
-from ppma.ops._validate import check_linear_options, check_same_device, is_empty, lse_dtype, no_double_backward
+from ppma.ops._validate import check_linear_options, check_same_device, input_grads, is_empty, lse_dtype, no_double_backward
 from ppma.ops._validate_3d import run_fused_3d, check_attention_inputs_3d
 from ppma.ops.reference_3d import polyline_linear_attention_3d_ref
 
@@ -64,7 +64,8 @@ def _backward(ctx, grad_out, grad_stats):
     no_double_backward(_OP)
     grads = torch.ops.ppma.polyline_linear_attention_3d_backward(grad_out, *ctx.saved_tensors, ctx.normalize,
                                                                  ctx.eps)
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:6])) + (None, None)
+    # the reference's floor rule for the decay gradients (docs/ops.md "Edges"), as the 2-D ops
+    return input_grads(ctx, grads, log_decays=tuple(zip((3, 4, 5), ctx.saved_tensors[3:6])), trailing=2)
 
 
 if _ext.has_ext() and hasattr(torch.ops.ppma, _OP):

@@ -58,7 +58,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y):
     no_double_backward(_OP)
     grads = torch.ops.ppma.polyline_scan_3d_backward(grad_y, *ctx.saved_tensors, ctx.transpose)
-    return input_grads(ctx, grads)
+    # the reference's floor rule for the decay gradients (docs/ops.md "Edges"), as the 2-D ops
+    return input_grads(ctx, grads, log_decays=tuple(zip((1, 2, 3), ctx.saved_tensors[1:4])))
 
 
 if _ext.has_ext() and hasattr(torch.ops.ppma, _OP):
