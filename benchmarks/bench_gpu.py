@@ -7,7 +7,8 @@ kernels switched off, ``PPMA_CUDA_TENSOR_CORES=0``). Forward and forward + backw
 median time after warm-up (``ppma.timing.measure_time``, on ``torch.utils.benchmark``) and peak memory above the
 inputs; ratios reference / fused.
 
-Cases: ``polyline_attention`` bf16, batch 8, 4 heads, head dim 32, at 32x32, 48x48 and 64x64 tokens (1024-4096);
+Cases: ``polyline_attention`` bf16, 4 heads, head dim 32 and 64, at 32x32 to 128x128 tokens (1024-16384; batch 8 up to
+4096 tokens, then 2 and 1);
 ``criss_cross_attention`` bf16 at the PPMA-T stage 1 and 2 shapes with batch 64 (56x56, 4 heads of 16; 28x28,
 4 heads of 32); ``polyline_linear_attention`` bf16 (non-negative q, k; normalised) at 64x64, 128x128 and 256x256
 tokens, 4 heads of 32, also against the softmax ``polyline_attention`` on the same inputs. Writes ``<out>.md`` and
@@ -39,7 +40,8 @@ from ppma.timing import measure_time
 ops.set_impl("fused", cuda_kernels=True)
 
 # (name, [B, H, W, heads, d]) per op; quick and CPU smoke sizes below
-PA_SHAPES = [(8, 32, 32, 4, 32), (8, 48, 48, 4, 32), (8, 64, 64, 4, 32)]
+PA_SHAPES = [(8, 32, 32, 4, 32), (8, 48, 48, 4, 32), (8, 64, 64, 4, 32), (2, 96, 96, 4, 32), (1, 128, 128, 4, 32),
+             (8, 32, 32, 4, 64), (8, 64, 64, 4, 64), (1, 128, 128, 4, 64)]
 CC_SHAPES = [(64, 56, 56, 4, 16), (64, 28, 28, 4, 32)]
 LA_SHAPES = [(8, 64, 64, 4, 32), (2, 128, 128, 4, 32), (1, 256, 256, 4, 32)]
 CPU_PA_SHAPES = [(1, 6, 7, 2, 16)]

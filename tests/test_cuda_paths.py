@@ -46,6 +46,26 @@ def test_polyline_attention_tensor_cores_vs_cuda_cores(monkeypatch):
         assert err < (1e-4 if name == "lse" else 2e-2), f"{name}: {err:.2e}"
 
 
+@pytest.mark.parametrize("grad_scale", [1e-4, 1e-6, 1e3])
+def test_polyline_attention_fp16_small_and_large_gradients(grad_scale):
+    """fp16 on the tensor cores with small or large output gradients (the backward packs dS to 16 bits before its
+    products; the autograd formula scales dO by a power of two first): every gradient within the fp16 tolerance,
+    or within 2.5x the error of merely rounding the float64 gradient to its dtype where that is larger (at
+    dO ~ 1e-6 the true gradients are fp16 subnormals)."""
+    import ppma.ops
+
+    q, k, v, la, lb = (t.requires_grad_() for t in _inputs((2, 16, 16, 2, 32, 32), torch.float16, seed=5))
+    out = ppma.ops.polyline_attention(q, k, v, la, lb, 0.18)
+    go = (torch.randn(out.shape, device="cuda") * grad_scale).half()
+    grads = torch.autograd.grad(out, (q, k, v, la, lb), go)
+    _, wgrads = _ref_grads("polyline_attention", (q, k, v, la, lb), 0.18, go)
+    for name, a, w in zip(("q", "k", "v", "log_alpha", "log_beta"), grads, wgrads):
+        floor = rel_err(w.to(a.dtype), w)
+        assert torch.isfinite(a).all(), f"grad {name}: non-finite"
+        err = rel_err(a, w)
+        assert err <= max(2e-2, 2.5 * floor), f"grad {name} (dO ~ {grad_scale:g}): {err:.3e}, rounding {floor:.3e}"
+
+
 @pytest.mark.parametrize("path", ["tensor_cores", "cuda_cores"])
 def test_polyline_attention_deterministic_large(path, monkeypatch):
     """4096 tokens in bf16: right numbers, and two backward runs bitwise equal (no atomics anywhere)."""

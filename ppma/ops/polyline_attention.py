@@ -76,10 +76,28 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
     # Only `out` is returned by the public wrapper; out_v2h and lse are saved statistics.
     no_double_backward(_OP)
     q, k, v, log_alpha, log_beta, out, out_v2h, lse = ctx.saved_tensors
+    gscale = _fp16_grad_scale(grad_out)
+    if gscale is not None:  # in fp32: the scale itself may exceed fp16's range
+        grad_out = (grad_out.float() * gscale).to(grad_out.dtype)
     grads = torch.ops.ppma.polyline_attention_backward(
         grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, ctx.scale
     )
+    if gscale is not None:
+        grads = tuple((g.float() / gscale).to(g.dtype) for g in grads)
     return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)))
+
+
+def _fp16_grad_scale(grad_out: torch.Tensor) -> torch.Tensor | None:
+    """A power of two that brings ``max |grad_out|`` into [1, 2) for fp16 on CUDA, else None.
+
+    The tensor-core backward rounds ``dS`` to fp16 before its products (docs/ops.md "polyline_attention"); for
+    output gradients much smaller than 1 (unscaled fp16 training) ``dS`` would fall below fp16's normal range and
+    lose its bits. Scaling by a power of two and dividing the gradients by it afterwards is exact (no sync: the
+    scale stays a device tensor); an all-zero or non-finite ``grad_out`` keeps the scale 1."""
+    if grad_out.dtype != torch.float16 or grad_out.device.type != "cuda":
+        return None
+    e = torch.floor(torch.log2(grad_out.detach().abs().amax().float()))
+    return torch.where(torch.isfinite(e), torch.exp2(-e), torch.ones_like(e))
 
 
 if _ext.has_ext():
