@@ -36,7 +36,7 @@ import ppma.ops as ops
 from ppma.ops import reference as ref
 from ppma.timing import measure_time
 
-# This benchmark measures the CUDA kernels, which are opt-in until they pass their tests on a GPU.
+# This benchmark measures the CUDA kernels (the default; PPMA_CUDA_KERNELS=0 in the shell would switch them off).
 ops.set_impl("fused", cuda_kernels=True)
 
 # (name, [B, H, W, heads, d]) per op; quick and CPU smoke sizes below
@@ -281,21 +281,29 @@ def main(argv=None) -> int:
         pa, cc, la = (PA_SHAPES[:1], CC_SHAPES[1:], LA_SHAPES[:1]) if args.quick else (PA_SHAPES, CC_SHAPES, LA_SHAPES)
     rows: list[dict] = []
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    out = args.out or default_out(env)
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    md = ""
     for op, shapes in (("polyline_attention", pa), ("criss_cross_attention", cc), ("polyline_linear_attention", la)):
         if op in args.ops:
             for shape in shapes:
                 run_case(op, shape, dtype, device, args.warmup, args.reps, rows)
+                # the tables so far, after every case: a run stopped early (a time limit) keeps what it measured
+                md = write_tables(out, env, rows, args)
+    print(md)
+    print(f"written: {out}.md, {out}.json")
+    return 0
+
+
+def write_tables(out: str, env: dict, rows: list[dict], args) -> str:
+    """Write ``<out>.json`` and ``<out>.md`` for the rows measured so far; returns the markdown."""
     summ = summary(rows)
-    out = args.out or default_out(env)
-    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump({"env": env, "settings": vars(args), "rows": rows, "summary": summ}, f, indent=2)
     md = markdown(env, rows, summ, args)
     with open(out + ".md", "w") as f:
         f.write(md)
-    print(md)
-    print(f"written: {out}.md, {out}.json")
-    return 0
+    return md
 
 
 if __name__ == "__main__":

@@ -72,6 +72,20 @@ case "$step" in
     fi
     echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOGS/build.log"
     require_cuda_build
+    # C++ errors must reach Python as exceptions: an extension linked against another C++ runtime than torch's
+    # (e.g. a compiler wrapper that links libstdc++ statically) crashes on the first error instead
+    if ! "$PY" -c "
+import torch, ppma
+q = torch.randn(1, 2, 2, 1, 16)
+try:
+    torch.ops.ppma.polyline_attention(q, q, q, q[..., 0, :0], q[..., 0, :0], 0.1)
+except RuntimeError:
+    pass
+" ; then
+      echo "gpu_check: ppma._C crashed on a C++ error instead of raising it: rebuild with the system compiler that" \
+           "torch was built with, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ bash benchmarks/gpu_check.sh build" >&2
+      exit 1
+    fi
     log build-smoke "$PY" -c "
 import torch, ppma
 q = torch.randn(1, 4, 5, 2, 32, device='cuda', dtype=torch.bfloat16)

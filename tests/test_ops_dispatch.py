@@ -109,17 +109,18 @@ class _OnDevice:
         self.device = torch.device(device)
 
 
-def test_cuda_kernels_are_opt_in(monkeypatch):
-    # Until the CUDA kernels have passed on a GPU (CUDA_KERNELS_VERIFIED), "fused" runs the reference on CUDA
-    # tensors with a one-time notice naming both ways to opt in; CPU tensors keep the CPU kernels.
+def test_cuda_kernels_can_be_switched_off(monkeypatch):
+    # The CUDA kernels passed their tests on a GPU (CUDA_KERNELS_VERIFIED), so "fused" runs them by default; switched
+    # off, CUDA tensors run the reference with a one-time notice naming both ways back; CPU tensors keep the CPU
+    # kernels either way.
     from ppma.ops import _dispatch
 
-    assert ppma.ops.CUDA_KERNELS_VERIFIED is False
+    assert ppma.ops.CUDA_KERNELS_VERIFIED is True
     monkeypatch.setattr(_dispatch, "_FUSED_DEVICES", frozenset({"cpu", "meta", "cuda"}))
     monkeypatch.setattr(_dispatch, "_cuda_kernels", False)
     monkeypatch.setattr(_dispatch, "_WARNED", set())
     cuda = _OnDevice("cuda")
-    with pytest.warns(UserWarning, match=r"PPMA_CUDA_KERNELS=1.*set_impl\(\"fused\", cuda_kernels=True\)"):
+    with pytest.warns(UserWarning, match=r"switched off.*unset PPMA_CUDA_KERNELS.*set_impl\(\"fused\", cuda_kernels=True\)"):
         assert not _dispatch.run_fused(cuda)
     import warnings
 
@@ -140,7 +141,7 @@ def test_cuda_kernels_are_opt_in(monkeypatch):
     assert not _dispatch.run_fused(cuda)
 
 
-@pytest.mark.parametrize("value, expected", [(None, "False"), ("0", "False"), ("1", "True")])
+@pytest.mark.parametrize("value, expected", [(None, "True"), ("", "True"), ("0", "False"), ("1", "True")])
 def test_cuda_kernels_env(value, expected):
     env = {k: v for k, v in os.environ.items() if k != "PPMA_CUDA_KERNELS"}
     if value is not None:

@@ -13,10 +13,10 @@ One process-wide switch, owned here and read by the op wrappers at call time (no
 that never call Python of ours). ``"fused"`` runs the compiled kernels where ``ppma._C`` has them for the
 tensors' device and the reference elsewhere (one warning per device). Both give the same numbers.
 
-The CUDA kernels are opt-in until they have passed their tests on a GPU (``CUDA_KERNELS_VERIFIED``; the GPU run
-that passes them flips it): by default CUDA tensors run the reference, with a one-time notice saying how to opt
-in, ``PPMA_CUDA_KERNELS=1`` in the environment or ``ppma.ops.set_impl("fused", cuda_kernels=True)``. The CPU
-kernels are the default wherever they are built.
+The CUDA kernels run by default: they have passed their tests on a GPU (``CUDA_KERNELS_VERIFIED``; an NVIDIA
+H200, benchmarks/results/gpu_tests_NVIDIA-H200.md). ``PPMA_CUDA_KERNELS=0`` in the environment or
+``ppma.ops.set_impl("fused", cuda_kernels=False)`` switches them off (CUDA tensors then run the reference, with a
+one-time notice), e.g. to compare the two on a new GPU. The CPU kernels are the default wherever they are built.
 
 Everything the wrappers read on their traced path is a plain module-level value decided at import, so
 ``torch.compile(fullgraph=True)`` traces them; dynamo guards on the values it reads (changing the switch
@@ -53,19 +53,20 @@ def _checked(impl) -> str:
     return impl
 
 
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "0").strip().lower()
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
     if value not in ("0", "1", "true", "false", ""):
         raise ValueError(f"ppma: environment variable {name} must be 0 or 1, got {value!r}")
-    return value in ("1", "true")
+    return default if value == "" else value in ("1", "true")
 
 
-# Whether the CUDA kernels have passed their tests on a GPU. Until then they run only when asked for.
-CUDA_KERNELS_VERIFIED = False
+# Whether the CUDA kernels have passed their tests on a GPU (the default for CUDA tensors when True; while False
+# they ran only when asked for). Set by the first GPU run that passed them (benchmarks/results/gpu_tests_*.md).
+CUDA_KERNELS_VERIFIED = True
 
 _impl: str = _checked(os.environ.get("PPMA_IMPL", "fused"))
 _check_decays: bool = _env_flag("PPMA_CHECK_DECAYS")
-_cuda_kernels: bool = CUDA_KERNELS_VERIFIED or _env_flag("PPMA_CUDA_KERNELS")
+_cuda_kernels: bool = _env_flag("PPMA_CUDA_KERNELS", default=CUDA_KERNELS_VERIFIED)
 
 # Device types the compiled library serves. "meta" inputs run the registered fake kernels (shapes only).
 _FUSED_DEVICES: frozenset[str] = frozenset()
@@ -81,9 +82,9 @@ def set_impl(impl: str, *, cuda_kernels: bool | None = None) -> None:
     """Make every ``ppma.ops`` call run ``impl``: ``"fused"`` (the compiled kernels, falling back to the
     reference where none is built for the device) or ``"reference"`` (``ppma.ops.reference``, pure PyTorch).
 
-    ``cuda_kernels=True`` opts in to the CUDA kernels, which are not the default on CUDA tensors until they have
-    passed their tests on a GPU (``CUDA_KERNELS_VERIFIED``; ``PPMA_CUDA_KERNELS=1`` does the same at import);
-    ``False`` opts out; ``None`` keeps the current choice."""
+    ``cuda_kernels=False`` switches the CUDA kernels off (CUDA tensors run the reference; ``PPMA_CUDA_KERNELS=0``
+    does the same at import), ``True`` back on (the default since they passed their tests on a GPU,
+    ``CUDA_KERNELS_VERIFIED``); ``None`` keeps the current choice."""
     global _impl, _cuda_kernels
     _impl = _checked(impl)
     if cuda_kernels is not None:
@@ -147,21 +148,21 @@ def run_fused(t: torch.Tensor) -> bool:
         return False
     if t.device.type in _FUSED_DEVICES:
         if t.device.type == "cuda" and not _cuda_kernels:
-            _notice_cuda_opt_in()
+            _notice_cuda_off()
             return False
         return True
     _warn_fallback(t.device.type)
     return False
 
 
-def _notice_cuda_opt_in() -> None:
-    if "cuda-opt-in" in _WARNED:
+def _notice_cuda_off() -> None:
+    if "cuda-off" in _WARNED:
         return
-    _WARNED.add("cuda-opt-in")
+    _WARNED.add("cuda-off")
     warnings.warn(
-        "ppma: the CUDA kernels have not yet passed their tests on a GPU, so CUDA tensors run the pure-PyTorch "
-        "reference ops (same numbers, N x N masks). To run the CUDA kernels, set PPMA_CUDA_KERNELS=1 or call "
-        'ppma.ops.set_impl("fused", cuda_kernels=True).',
+        "ppma: the CUDA kernels are switched off (PPMA_CUDA_KERNELS=0 or set_impl(\"fused\", cuda_kernels=False)), "
+        "so CUDA tensors run the pure-PyTorch reference ops (same numbers, N x N masks). To run the CUDA kernels, "
+        'unset PPMA_CUDA_KERNELS or call ppma.ops.set_impl("fused", cuda_kernels=True).',
         UserWarning,
         stacklevel=4,
     )
