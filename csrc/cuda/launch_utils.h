@@ -72,6 +72,9 @@ inline Strides4 strides4(const at::Tensor& t) {
 inline GridSizes grid_sizes(const at::Tensor& q, int64_t dv) {
   for (int i = 0; i < 4; ++i)
     TORCH_CHECK(q.size(i) <= INT32_MAX, "ppma: dimension ", i, " of ", q.sizes(), " is too large");
+  // the kernels index a map's tokens (H * W) in int
+  TORCH_CHECK(q.size(1) * q.size(2) <= INT32_MAX, "ppma: H * W = ", q.size(1) * q.size(2), " tokens of ", q.sizes(),
+              " is more than the CUDA kernels index (2^31 - 1)");
   GridSizes s;
   s.B = int(q.size(0));
   s.H = int(q.size(1));
