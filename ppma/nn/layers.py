@@ -43,8 +43,8 @@ def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tenso
     linear, which adds the bias (and applies the GELU) inside the product; ATen's ``addmm`` first copies the
     bias into the output and GELU is one more pass. The products then sum in another order: the result equals
     ``F.linear`` up to float32 rounding. Everywhere else (training, autocast, ``torch.compile``, which fuses on
-    its own, tracing and export, a layer with forward hooks, other devices and dtypes) it is ``layer(x)`` and
-    ``F.gelu``.
+    its own, tracing and export, a layer with forward hooks, an active dispatch mode such as a FLOP counter,
+    other devices and dtypes) it is ``layer(x)`` and ``F.gelu``.
     """
     if (
         _ONEDNN_LINEAR
@@ -53,6 +53,7 @@ def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tenso
         and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()  # observers (FLOP counters) see the aten op
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and layer.weight.dtype == torch.float32
