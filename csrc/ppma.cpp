@@ -30,6 +30,11 @@ TORCH_LIBRARY(ppma, m) {
       "polyline_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
       " Tensor log_beta, Tensor out, Tensor out_v2h, Tensor lse, float scale)"
       " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
+  // polyline_attention's output alone, without the statistics of the backward pass (no_grad / inference_mode;
+  // CPU kernel only: the wrapper runs it for CPU tensors when no gradient is needed).
+  m.def(
+      "polyline_attention_inference(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
+      " -> Tensor");
   m.def(
       "criss_cross_attention(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
       " -> (Tensor out, Tensor lse)");

@@ -115,3 +115,46 @@ def test_block_residual_structure():
     # with zero layer scale both branches vanish: only the CPE residual remains
     torch.testing.assert_close(blk(x), x + blk.cpe(x))
     assert blk.mlp.fc1.out_features == 32 and blk.norm1.eps == blk.norm2.eps == 1e-6
+
+
+def test_linear_inference_path():
+    """``ppma.nn.layers.linear``: the layer's own output (bit for bit) whenever autograd records it or autocast is on;
+    oneDNN's fused bias (+ GELU) for CPU float32 inference where torch has it, equal up to float32 rounding."""
+    from ppma.nn import layers
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 40)
+    x = torch.randn(2, 5, 7, 48)
+    want, want_gelu = lin(x), F.gelu(lin(x))
+    assert torch.equal(layers.linear(x, lin), want) and torch.equal(layers.linear(x, lin, gelu=True), want_gelu)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(layers.linear(x, lin), lin(x))
+    for ctx in (torch.no_grad(), torch.inference_mode()):
+        with ctx:
+            for gelu, ref in ((False, want), (True, want_gelu)):
+                got = layers.linear(x, lin, gelu=gelu)
+                assert got.shape == ref.shape and got.dtype == torch.float32
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # float64 and non-Linear modules keep the plain path
+        assert torch.equal(layers.linear(x.double(), lin.double(), gelu=True), F.gelu(lin(x.double())))
+        lin.float()
+        ident = torch.nn.Identity()
+        assert torch.equal(layers.linear(x, ident), x)
+        seen = []
+        handle = lin.register_forward_hook(lambda mod, inp, out: seen.append(out))
+        assert torch.equal(layers.linear(x, lin), want) and len(seen) == 1, "a hooked layer must be called"
+        handle.remove()
+
+
+def test_model_inference_matches_training_path():
+    """PPMA-T's logits under ``inference_mode`` (oneDNN linears, the statistics-free attention op) equal those of the
+    graph-recording forward up to float32 rounding."""
+    import ppma
+
+    torch.manual_seed(0)
+    model = ppma.create_model("ppma_tiny", num_classes=10).eval()
+    x = torch.randn(1, 3, 64, 64)
+    want = model(x)
+    with torch.inference_mode():
+        got = model(x)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)

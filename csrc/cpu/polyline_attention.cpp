@@ -55,42 +55,47 @@ inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int
   *have = bg;
 }
 
-// X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
-// biases: X1[a][s] = S + M, X2[a][s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T).
+// Row p of the logits: y1 holds S = scale * q_p k^T against all N keys. Adds the biases: y1[s] = S + M,
+// y2[s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T).
 template <typename T>
-inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
-                       T* __restrict X2) {
+inline void add_biases_row(const PAData<T>& D, int64_t bg, int64_t p, T* __restrict y1r, T* __restrict y2r) {
   const int64_t N = D.N, W = D.W, H = D.H;
   const T* cr = D.cr + bg * N;
   const T* cc = D.cc + bg * N;
-  for (int64_t a = 0; a < tq; ++a) {
-    const int64_t p = p0 + a, i = p / W, j = p % W;
-    const T* crI = cr + i * W;
-    const T* ccI = cc + i * W;
-    const T crIj = crI[j];
-    for (int64_t k = 0; k < H; ++k) {
-      T* __restrict y1 = X1 + a * N + k * W;
-      T* __restrict y2 = X2 + a * N + k * W;
-      const T* crK = cr + k * W;
-      const T* ccK = cc + k * W;
-      const T sk = sgn_diff<T>(k, i);  // the column bias C(i, k) = sk * (cc[k] - cc[i]) (0 on the query's row)
-      const T ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
-      const T crKj = crK[j];
-      // line_bias (common/math.h) with its branch hoisted: keys l < j: R = crX[j] - crX[l]; l >= j: crX[l] - crX[j]
+  const int64_t i = p / W, j = p % W;
+  const T* crI = cr + i * W;
+  const T* ccI = cc + i * W;
+  const T crIj = crI[j];
+  for (int64_t k = 0; k < H; ++k) {
+    T* __restrict y1 = y1r + k * W;
+    T* __restrict y2 = y2r + k * W;
+    const T* crK = cr + k * W;
+    const T* ccK = cc + k * W;
+    const T sk = sgn_diff<T>(k, i);  // the column bias C(i, k) = sk * (cc[k] - cc[i]) (0 on the query's row)
+    const T ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
+    const T crKj = crK[j];
+    // line_bias (common/math.h) with its branch hoisted: keys l < j: R = crX[j] - crX[l]; l >= j: crX[l] - crX[j]
 #pragma omp simd
-      for (int64_t l = 0; l < j; ++l) {
-        const T sv = y1[l];
-        y1[l] = sv + (crIj - crI[l]) + sk * (ccK[l] - ccI[l]);
-        y2[l] = sv + (crKj - crK[l]) + ct2;
-      }
+    for (int64_t l = 0; l < j; ++l) {
+      const T sv = y1[l];
+      y1[l] = sv + (crIj - crI[l]) + sk * (ccK[l] - ccI[l]);
+      y2[l] = sv + (crKj - crK[l]) + ct2;
+    }
 #pragma omp simd
-      for (int64_t l = j; l < W; ++l) {
-        const T sv = y1[l];
-        y1[l] = sv + (crI[l] - crIj) + sk * (ccK[l] - ccI[l]);
-        y2[l] = sv + (crK[l] - crKj) + ct2;
-      }
+    for (int64_t l = j; l < W; ++l) {
+      const T sv = y1[l];
+      y1[l] = sv + (crI[l] - crIj) + sk * (ccK[l] - ccI[l]);
+      y2[l] = sv + (crK[l] - crKj) + ct2;
     }
   }
+}
+
+// X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
+// biases row by row (add_biases_row): X1 = S + M, X2 = S + M'.
+template <typename T>
+inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
+                       T* __restrict X2) {
+  for (int64_t a = 0; a < tq; ++a) add_biases_row(D, bg, p0 + a, X1 + a * D.N, X2 + a * D.N);
 }
 
 // Logits of a query tile against all keys, both biases added: X1 = S + M, X2 = S + M'. Kt: the keys of the
@@ -152,6 +157,49 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
           oo[e] = T(0.5) * (v1 + v2);
         }
       }
+    });
+  });
+}
+
+// The inference forward (polyline_attention_inference: no gradient will be asked for, so no statistics).
+// Per query row p, both softmaxes are normalised and averaged into one map row,
+//   P[p, :] = 0.5 softmax(S + M)[p, :] + 0.5 softmax(S + M')[p, :],
+// whose product with v is the output: one P v product instead of two, and neither out_v2h nor lse is formed.
+// The row is finished while it is in L1 (biases, maxima, exponentials, the average), so the H2V logits need one
+// row of scratch (x2). Rounding differs from forward_kernel's 0.5 (P1 v / l1 + P2 v / l2) in the last bits.
+template <int L, typename T>
+inline void average_softmaxes_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p, T* __restrict x1,
+                                  T* __restrict x2) {
+  const int64_t N = D.N;
+  add_biases_row(D, bg, p, x1, x2);
+  const T m1 = max_of(N, x1), m2 = max_of(N, x2);
+  const T c1 = T(0.5) / exp_shift_sum(ln, N, x1, m1), c2 = T(0.5) / exp_shift_sum(ln, N, x2, m2);
+#pragma omp simd
+  for (int64_t s = 0; s < N; ++s) x1[s] = c1 * x1[s] + c2 * x2[s];
+}
+
+template <typename T>
+void forward_inference_kernel(const PAData<T>& D, T* out) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv;
+  const int64_t nqb = ceil_div(N, TQ);
+  struct Scratch {
+    std::vector<T> buf;
+    int64_t kt_bg = -1;  // the (batch, head) whose keys Kt holds
+  };
+  parallel_tasks(
+      D.B * G * nqb, [&] { return Scratch{std::vector<T>(TQ * N + N + d * N)}; },
+      [&](int64_t task, Scratch& S) {
+    with_lanes([&](auto ln) {
+      T* X = S.buf.data();  // [tq][N]: the V2H logits, then the averaged map
+      T* x2 = X + TQ * N;   // [N]: one row of H2V logits
+      T* Kt = x2 + N;
+      const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
+      const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
+      transposed_rows(ln, D.k + token_index(N, G, b, 0, g) * d, N, d, G * d, bg, &S.kt_bg, Kt);
+      small_gemm(ln, tq, N, d, D.q + row0 * d, G * d, int64_t(1), Kt, N, X, N, false, D.scale);
+      for (int64_t a = 0; a < tq; ++a) average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2);
+      const T* vb = D.v + token_index(N, G, b, 0, g) * dv;
+      small_gemm(ln, tq, dv, N, X, N, int64_t(1), vb, G * dv, out + row0 * dv, G * dv, false);  // out = P v
     });
   });
 }
@@ -231,26 +279,81 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
   });
 }
 
-// Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16.
-void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
-                             const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor& out_v2h,
-                             at::Tensor& lse) {
+// The inference forward of bf16 q, k, v on the bf16 products (forward_inference_kernel's map P, rounded to bf16
+// once for the single P v product).
+void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
+  const int64_t nqb = ceil_div(N, TQ);
+  struct Scratch {
+    std::vector<float> f;
+    std::vector<uint16_t> h;
+  };
+  parallel_tasks(
+      D.B * G * nqb,
+      [&] { return Scratch{std::vector<float>(TQ * N + N), std::vector<uint16_t>(TQ * 2 * (d2 + N2))}; },
+      [&](int64_t task, Scratch& S) {
+    with_lanes_bf16([&](auto ln) {
+      float* X = S.f.data();  // [tq][N]: the V2H logits, then the averaged map
+      float* x2 = X + TQ * N;
+      uint16_t* Qp = S.h.data();        // [tq][d2][2] the tile's queries, zero padded
+      uint16_t* Pb = Qp + TQ * 2 * d2;  // [tq][N2][2] the map in bf16, zero padded
+      const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
+      const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
+      for (int64_t a = 0; a < tq; ++a) {
+        const uint16_t* qa = P.q + (row0 + a * G) * d;
+        std::copy(qa, qa + d, Qp + a * 2 * d2);
+        if (d % 2) Qp[a * 2 * d2 + d] = 0;
+      }
+      small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X, N, false, D.scale);
+      for (int64_t a = 0; a < tq; ++a) {
+        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2);
+        floats_to_bf16(ln, N, X + a * N, Pb + a * 2 * N2);
+        if (N % 2) Pb[a * 2 * N2 + N] = 0;
+      }
+      small_gemm_bf16(ln, tq, dv, N2, Pb, N2, P.vp + bg * N2 * P.dvp * 2, P.dvp, out + row0 * dv, G * dv, false);
+    });
+  });
+}
+
+// bf16 q, k, v packed for the bf16 products (the tensors that PABf16 points into, kept alive here).
+struct PackedBf16 {
+  at::Tensor qc, kp, vp;
+  PABf16 P;
+
+  PackedBf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+    const int64_t N = H * W, d2 = ceil_div(d, 2), N2 = ceil_div(N, 2), Np = ceil_div(N, 16) * 16,
+                  dvp = ceil_div(dv, 16) * 16;
+    qc = q.contiguous();
+    // keys [B, N, G, d] -> [B, G, d2, Np, 2]; values [B, N, G, dv] -> [B, G, N2, dvp, 2] (zeros in the padding)
+    at::Tensor kq = at::constant_pad_nd(k.reshape({B, N, G, d}), {0, 2 * d2 - d});
+    kp = at::constant_pad_nd(kq.view({B, N, G, d2, 2}).permute({0, 2, 3, 1, 4}), {0, 0, 0, Np - N}).contiguous();
+    at::Tensor vq = at::constant_pad_nd(v.reshape({B, N, G, dv}), {0, 0, 0, 0, 0, 2 * N2 - N});
+    vp = at::constant_pad_nd(vq.view({B, N2, 2, G, dv}).permute({0, 3, 1, 4, 2}), {0, 0, 0, dvp - dv}).contiguous();
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    P = PABf16{bits(qc), bits(kp), bits(vp), d2, Np, N2, dvp};
+  }
+};
+
+PAData<float> bf16_data(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cr, const at::Tensor& cc,
+                        double scale) {
   const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
-  const int64_t N = H * W, d2 = ceil_div(d, 2), N2 = ceil_div(N, 2), Np = ceil_div(N, 16) * 16,
-                dvp = ceil_div(dv, 16) * 16;
-  const at::Tensor qc = q.contiguous();
-  // keys [B, N, G, d] -> [B, G, d2, Np, 2]; values [B, N, G, dv] -> [B, G, N2, dvp, 2] (zeros in the padding)
-  at::Tensor kq = at::constant_pad_nd(k.reshape({B, N, G, d}), {0, 2 * d2 - d});
-  const at::Tensor kp =
-      at::constant_pad_nd(kq.view({B, N, G, d2, 2}).permute({0, 2, 3, 1, 4}), {0, 0, 0, Np - N}).contiguous();
-  at::Tensor vq = at::constant_pad_nd(v.reshape({B, N, G, dv}), {0, 0, 0, 0, 0, 2 * N2 - N});
-  const at::Tensor vp =
-      at::constant_pad_nd(vq.view({B, N2, 2, G, dv}).permute({0, 3, 1, 4, 2}), {0, 0, 0, dvp - dv}).contiguous();
-  const PAData<float> D{nullptr, nullptr, nullptr, cr.data_ptr<float>(), cc.data_ptr<float>(), B, G, H, W, N, d, dv,
-                        static_cast<float>(scale)};
-  auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  const PABf16 P{bits(qc), bits(kp), bits(vp), d2, Np, N2, dvp};
-  forward_kernel_bf16(D, P, out.data_ptr<float>(), out_v2h.data_ptr<float>(), lse.data_ptr<float>());
+  return PAData<float>{nullptr, nullptr, nullptr, cr.data_ptr<float>(), cc.data_ptr<float>(), B, G, H, W, H * W, d,
+                       dv, static_cast<float>(scale)};
+}
+
+// Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16, or
+// forward_inference_kernel_bf16 when out_v2h and lse are undefined (the inference op).
+void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
+                             const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor* out_v2h,
+                             at::Tensor* lse) {
+  const PackedBf16 packed(q, k, v);
+  const PAData<float> D = bf16_data(q, v, cr, cc, scale);
+  if (out_v2h == nullptr) {
+    forward_inference_kernel_bf16(D, packed.P, out.data_ptr<float>());
+  } else {
+    forward_kernel_bf16(D, packed.P, out.data_ptr<float>(), out_v2h->data_ptr<float>(), lse->data_ptr<float>());
+  }
 }
 #endif
 
@@ -442,6 +545,7 @@ void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T
 
 constexpr const char* kOp = "polyline_attention";
 constexpr const char* kOpBwd = "polyline_attention_backward";
+constexpr const char* kOpInf = "polyline_attention_inference";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                                        const at::Tensor& v,
@@ -457,7 +561,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
   if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
       v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
     auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
-    polyline_attention_bf16(q, k, v, cr, cc, scale, out, out_v2h, lse);
+    polyline_attention_bf16(q, k, v, cr, cc, scale, out, &out_v2h, &lse);
     return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
   }
 #endif
@@ -473,6 +577,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
     });
   }
   return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
+}
+
+// polyline_attention without the statistics of the backward pass (docs/ops.md "polyline_attention"): what
+// ppma.ops.polyline_attention runs on the CPU when no gradient is needed (no_grad / inference_mode).
+at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& log_alpha, const at::Tensor& log_beta, double scale) {
+  check_inputs(kOpInf, q, k, v, log_alpha, log_beta);
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const auto acc = acc_type(q);
+  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
+  if (out.numel() == 0) return out.to(v.scalar_type());
+  auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+#ifdef PPMA_SIMD_X86
+  if (q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+      cpu_bf16_dot()) {
+    polyline_attention_bf16(q, k, v, cr, cc, scale, out, nullptr, nullptr);
+    return out.to(v.scalar_type());
+  }
+#endif
+  at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+  AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_inference_cpu", [&] {
+    PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                       cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv,
+                       static_cast<scalar_t>(scale)};
+    forward_inference_kernel<scalar_t>(D, out.data_ptr<scalar_t>());
+  });
+  return out.to(v.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_attention_backward_cpu(
@@ -521,4 +652,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
 TORCH_LIBRARY_IMPL(ppma, CPU, m) {
   m.impl("polyline_attention", &ppma::cpu::polyline_attention_cpu);
   m.impl("polyline_attention_backward", &ppma::cpu::polyline_attention_backward_cpu);
+  m.impl("polyline_attention_inference", &ppma::cpu::polyline_attention_inference_cpu);
 }

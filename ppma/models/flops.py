@@ -117,6 +117,10 @@ def register_flop_formulas() -> bool:
     def _pa(q, k, v, *args, out_shape=None, **kwargs) -> int:
         return polyline_attention_flops(q, v)
 
+    @register_flop_formula(ops.polyline_attention_inference)
+    def _pa_inference(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return polyline_attention_flops(q, v)
+
     @register_flop_formula(ops.criss_cross_attention)
     def _cc(q, k, v, *args, out_shape=None, **kwargs) -> int:
         return criss_cross_attention_flops(q, v)

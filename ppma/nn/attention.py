@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import DWConv2d, autocast_enabled
+from ppma.nn.layers import DWConv2d, autocast_enabled, linear
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
 
@@ -145,7 +145,7 @@ class PPMAAttention(nn.Module):
         if autocast_enabled(dev) and x.dtype == torch.float32:
             # cast once for the four projections below, which autocast would each cast on their own
             x = x.to(torch.get_autocast_dtype(dev))
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)
         lepe = self.lepe(v)
         shape = (B, H, W, self.num_heads, self.head_dim)
         # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
@@ -155,7 +155,7 @@ class PPMAAttention(nn.Module):
         k = ops.rope(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)
         out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta)
-        return self.proj(out.reshape(B, H, W, C).to(v.dtype) + lepe)
+        return linear(out.reshape(B, H, W, C).to(v.dtype) + lepe, self.proj)
 
     def extra_repr(self) -> str:
         extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"

@@ -8,7 +8,8 @@ from torch import nn
 
 from ppma.nn.monarch import MonarchLinear
 
-__all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS"]
+__all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
+           "linear"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
@@ -21,6 +22,48 @@ _AUTOCAST_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "hpu"})
 def autocast_enabled(device_type: str) -> bool:
     """``torch.is_autocast_enabled(device_type)``, False for device types without autocast (``meta``)."""
     return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+
+
+# oneDNN's linear with a fused bias and activation (the op inductor's CPU fusion emits), where this torch build has it.
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as m
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks)
+
+
+def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tensor:
+    """``layer(x)``, followed by the exact (erf) GELU when ``gelu``: the projections of :class:`ConvFFN` and
+    ``PPMAAttention``.
+
+    For CPU float32 inference of an ``nn.Linear`` (no gradient recorded, no autocast, eager) it runs oneDNN's
+    linear, which adds the bias (and applies the GELU) inside the product; ATen's ``addmm`` first copies the
+    bias into the output and GELU is one more pass. The products then sum in another order: the result equals
+    ``F.linear`` up to float32 rounding. Everywhere else (training, autocast, ``torch.compile``, which fuses on
+    its own, tracing and export, a layer with forward hooks, an active dispatch mode such as a FLOP counter,
+    other devices and dtypes) it is ``layer(x)`` and ``F.gelu``.
+    """
+    if (
+        _ONEDNN_LINEAR
+        and type(layer) is nn.Linear
+        and not _has_hooks(layer)  # hooks see the module's call, so it must happen
+        and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()  # observers (FLOP counters) see the aten op
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and layer.weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
+        and not autocast_enabled("cpu")
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "gelu" if gelu else "none", [],
+                                                  "none" if gelu else "")
+    y = layer(x)
+    return F.gelu(y) if gelu else y
 
 
 class DWConv2d(nn.Module):
@@ -112,8 +155,11 @@ class ConvFFN(nn.Module):
         self.fc2 = linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act(self.fc1(x))
-        return self.fc2(self.dwconv(x, residual=True))  # x + dwconv(x)
+        if type(self.act) is nn.GELU and self.act.approximate == "none":
+            x = linear(x, self.fc1, gelu=True)
+        else:
+            x = self.act(self.fc1(x))
+        return linear(self.dwconv(x, residual=True), self.fc2)  # x + dwconv(x)
 
 
 class ConvStem(nn.Module):

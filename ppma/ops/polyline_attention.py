@@ -45,12 +45,23 @@ def polyline_attention(
     Returns:
         ``[B, H, W, heads, dv]`` in the dtype of ``v``. Never materialises an ``N x N`` tensor. Runs the
         compiled kernel or the reference as ``ppma.ops.set_impl`` says; NaN/Inf propagate as in the reference.
+        On the CPU, when no gradient is needed (``torch.no_grad()``, ``torch.inference_mode()`` or inputs
+        that do not require grad) it runs ``torch.ops.ppma.polyline_attention_inference``, which keeps no
+        statistics for a backward pass and forms the output with one ``P v`` product (the same numbers up
+        to float rounding; docs/ops.md "polyline_attention").
     """
     check_attention_inputs(_OP, q, k, v, log_alpha, log_beta)
     scale = resolve_scale(_OP, scale, q.shape[-1])
     if not run_fused(q) or is_empty(q, v):
         return polyline_attention_ref(q, k, v, log_alpha, log_beta, scale)
+    if q.device.type == "cpu" and not _needs_grad(q, k, v, log_alpha, log_beta):
+        return torch.ops.ppma.polyline_attention_inference(q, k, v, log_alpha, log_beta, scale)
     return torch.ops.ppma.polyline_attention(q, k, v, log_alpha, log_beta, scale)[0]
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record the op: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _fake(q, k, v, log_alpha, log_beta, scale):
@@ -58,6 +69,11 @@ def _fake(q, k, v, log_alpha, log_beta, scale):
     B, H, W, G, _ = q.shape
     out = v.new_empty(v.shape)
     return out, v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+
+
+def _fake_inference(q, k, v, log_alpha, log_beta, scale):
+    check_same_device(_OP + "_inference", q=q, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta)
+    return v.new_empty(v.shape)
 
 
 def _fake_backward(grad_out, q, k, v, log_alpha, log_beta, out, out_v2h, lse, scale):
@@ -87,6 +103,13 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
     return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)))
 
 
+def _no_inference_backward(ctx, grad_out):
+    raise RuntimeError(
+        "ppma::polyline_attention_inference keeps no statistics and has no backward; call "
+        "ppma.ops.polyline_attention (which runs it only when no gradient is needed)"
+    )
+
+
 def _fp16_grad_scale(grad_out: torch.Tensor) -> torch.Tensor | None:
     """A power of two that brings ``max |grad_out|`` into [1, 2) for fp16 on CUDA, else None.
 
@@ -103,4 +126,6 @@ def _fp16_grad_scale(grad_out: torch.Tensor) -> torch.Tensor | None:
 if _ext.has_ext():
     torch.library.register_fake("ppma::polyline_attention")(_fake)
     torch.library.register_fake("ppma::polyline_attention_backward")(_fake_backward)
+    torch.library.register_fake("ppma::polyline_attention_inference")(_fake_inference)
+    torch.library.register_autograd("ppma::polyline_attention_inference", _no_inference_backward)
     torch.library.register_autograd("ppma::polyline_attention", _backward, setup_context=_setup_context)
