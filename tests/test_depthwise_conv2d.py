@@ -86,6 +86,14 @@ def test_op_matches_reference(dtype, residual):
         assert_close(a, e, dtype, f"grad_{name}", grad=True)
 
 
+def test_no_double_backward():
+    x = torch.randn(1, 5, 5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 1, 5, 5, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(depthwise_conv2d(x, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
 def test_deterministic_across_thread_counts():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 13, 11, 72, generator=gen)

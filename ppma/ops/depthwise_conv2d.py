@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ppma import _ext
 from ppma.ops import _dispatch
@@ -116,6 +117,7 @@ class _DepthwiseConv2d(torch.autograd.Function):
         return _conv(x, w, bias)
 
     @staticmethod
+    @once_differentiable  # the weight-gradient kernel has no derivative of its own
     def backward(ctx, grad_y):
         x, w = ctx.saved_tensors
         C, k = x.shape[-1], w.shape[-1]
