@@ -46,7 +46,7 @@ class DWConv2d(nn.Module):
         """
         conv = self.conv
         if depthwise_conv2d_uses_kernel(x, conv.weight):
-            # training on the CPU with a >= 5x5 kernel: the weight gradient from ppma's kernel (ppma.ops.depthwise_conv2d)
+            # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
         xc = x.permute(0, 3, 1, 2)
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):

@@ -2,7 +2,7 @@
 maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d").
 
 The forward is torch's convolution (``F.conv2d`` on the NCHW view of a ``[B, H, W, C]`` map, which is channels-last
-in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs ~30x its
+in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs 10-35x its
 forward (the weight and bias gradients; 3 x 3 kernels are fast); on the CPU, in fp32/fp64 and with the "fused"
 implementation, the weight and bias gradients come from ``torch.ops.ppma.depthwise_conv2d_backward`` (one pass
 over the gradient and the input, deterministic) and the input gradient from torch's convolution backward. The
