@@ -50,6 +50,10 @@ TORCH_LIBRARY(ppma, m) {
       " Tensor log_beta, Tensor stats, bool normalize, float eps)"
       " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
   m.def("rope(Tensor x, Tensor sin, Tensor cos, float scale, bool transpose) -> Tensor");
+  // Weight and bias gradients of a depthwise k x k convolution on channels-last [B, H, W, C] maps (CPU).
+  m.def(
+      "depthwise_conv2d_backward(Tensor grad_out, Tensor x, int kernel_size)"
+      " -> (Tensor grad_weight, Tensor grad_bias)");
   m.def("polyline_scan(Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose) -> Tensor");
   m.def(
       "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppma.nn.monarch import MonarchLinear
+from ppma.ops.depthwise_conv2d import depthwise_conv2d
+from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 
 __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
            "linear"]
@@ -86,6 +88,9 @@ class DWConv2d(nn.Module):
         it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits.
         """
         conv = self.conv
+        if depthwise_conv2d_uses_kernel(x, conv.weight):
+            # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
+            return depthwise_conv2d(x, conv.weight, conv.bias, residual)
         xc = x.permute(0, 3, 1, 2)
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2

@@ -1,0 +1,146 @@
+"""``ppma.ops.depthwise_conv2d``: the depthwise ``k x k`` convolution of PPMA's LePE / CPE / FFN on channels-last
+maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d").
+
+The forward is torch's convolution (``F.conv2d`` on the NCHW view of a ``[B, H, W, C]`` map, which is channels-last
+in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs 10-35x its
+forward (the weight and bias gradients; 3 x 3 kernels are fast); on the CPU, in fp32/fp64 and with the "fused"
+implementation, the weight and bias gradients come from ``torch.ops.ppma.depthwise_conv2d_backward`` (one pass
+over the gradient and the input, deterministic) and the input gradient from torch's convolution backward. The
+reference (``ppma.ops.set_impl("reference")``, devices without the kernel, 3 x 3 kernels, low precision,
+autocast, torch.compile) is the plain ``F.conv2d`` with torch's autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ppma import _ext
+from ppma.ops import _dispatch
+
+__all__ = ["depthwise_conv2d", "depthwise_conv2d_ref"]
+
+_OP = "depthwise_conv2d_backward"
+_HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _OP)
+# The smallest kernel whose weight gradient the ppma kernel computes (torch's 3 x 3 backward is fast already).
+MIN_KERNEL = 5
+
+
+def _check(x, weight, bias) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"ppma.ops.depthwise_conv2d: x must be a [B, H, W, C] tensor, got {shape}")
+    C = x.shape[-1]
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 4 or weight.shape[:2] != (C, 1)
+            or weight.shape[2] != weight.shape[3] or weight.shape[2] % 2 == 0):
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"ppma.ops.depthwise_conv2d: weight must be [C, 1, k, k] with C = {C} and k odd, got {shape}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"ppma.ops.depthwise_conv2d: bias must be None or [C] = ({C},), got {shape}")
+
+
+def _folded(weight: torch.Tensor, residual: bool) -> torch.Tensor:
+    """``weight`` with 1 added to the centre tap when ``residual`` (``x + w * x = (w + δ) * x``)."""
+    if not residual:
+        return weight
+    c = weight.shape[-1] // 2
+    weight = weight.clone()
+    weight[:, :, c, c] += 1.0
+    return weight
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    p = weight.shape[-1] // 2
+    return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, 1, p, 1, x.shape[-1]).permute(0, 2, 3, 1).contiguous()
+
+
+def depthwise_conv2d_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: bool = False
+) -> torch.Tensor:
+    """The reference of :func:`depthwise_conv2d`: ``F.conv2d`` (``residual`` folded into the centre tap) with
+    torch's autograd."""
+    _check(x, weight, bias)
+    return _conv(x, _folded(weight, residual), bias)
+
+
+def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`depthwise_conv2d` takes its weight and bias gradients from the ppma kernel for these
+    tensors: a built kernel, the "fused" implementation, CPU tensors of float32/float64, a kernel of at least
+    ``MIN_KERNEL`` taps, no autocast, outside torch.compile, and a gradient to compute."""
+    return (
+        _HAS_OP
+        and _dispatch.get_impl() == "fused"
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and weight.dtype == x.dtype
+        and weight.shape[-1] >= MIN_KERNEL
+        and torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def depthwise_conv2d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: bool = False
+) -> torch.Tensor:
+    """Depthwise ``k x k`` convolution (stride 1, padding ``k // 2``) of a channels-last map:
+    ``[B, H, W, C] -> [B, H, W, C]`` (contiguous), ``x + conv(x)`` with ``residual=True`` (folded into the
+    kernel's centre tap: exact for the identity, the sum rounded once).
+
+    Args:
+        x: ``[B, H, W, C]``.
+        weight: ``[C, 1, k, k]``, ``k`` odd (``nn.Conv2d(C, C, k, groups=C).weight``).
+        bias: ``[C]`` or None.
+        residual: add ``x`` (through the kernel's centre tap).
+
+    The forward is torch's; where :func:`uses_kernel` says so, the weight and bias gradients come from
+    ``torch.ops.ppma.depthwise_conv2d_backward`` (docs/ops.md "depthwise_conv2d"), elsewhere torch's autograd
+    runs (:func:`depthwise_conv2d_ref`). Both give the same gradients up to rounding.
+    """
+    _check(x, weight, bias)
+    if not uses_kernel(x, weight):
+        return _conv(x, _folded(weight, residual), bias)
+    return _DepthwiseConv2d.apply(x, weight, bias, residual)
+
+
+class _DepthwiseConv2d(torch.autograd.Function):
+    """Forward: torch's convolution; backward: torch's input gradient, ppma's weight and bias gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual):
+        w = _folded(weight, residual)
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        return _conv(x, w, bias)
+
+    @staticmethod
+    @once_differentiable  # the weight-gradient kernel has no derivative of its own
+    def backward(ctx, grad_y):
+        x, w = ctx.saved_tensors
+        C, k = x.shape[-1], w.shape[-1]
+        p = k // 2
+        grad_y = grad_y.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # the input gradient alone is torch's fast path (a transposed depthwise convolution)
+            grad_x = torch.ops.aten.convolution_backward(
+                grad_y.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), w, None, [1, 1], [p, p], [1, 1], False, [0, 0], C,
+                [True, False, False],
+            )[0].permute(0, 2, 3, 1)
+        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
+            grad_w, grad_b = torch.ops.ppma.depthwise_conv2d_backward(grad_y, x.contiguous(), k)
+            grad_w = grad_w if ctx.needs_input_grad[1] else None
+            grad_b = grad_b if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _fake_backward(grad_out, x, kernel_size):
+    C = x.shape[-1]
+    return x.new_empty((C, 1, kernel_size, kernel_size)), x.new_empty((C,))
+
+
+if _HAS_OP:
+    torch.library.register_fake("ppma::" + _OP)(_fake_backward)

@@ -1,0 +1,191 @@
+"""``ppma.ops.depthwise_conv2d`` and its CPU weight-gradient kernel ``torch.ops.ppma.depthwise_conv2d_backward``
+(docs/ops.md "depthwise_conv2d"): gradients equal torch's up to rounding, gradcheck, bitwise the same for every
+thread count, every SIMD path, the dispatch rules, and DWConv2d taking the kernel in training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ppma
+from op_utils import assert_close, needs_ext
+from ppma import backends
+from ppma.nn.layers import DWConv2d
+from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_ref, uses_kernel
+from test_cpu_baseline import ROOT, cpu_subprocess_env
+
+pytestmark = needs_ext
+
+# (B, H, W, C, k): C below, at and above the kernel's channel block (16) and group (1024), maps smaller than the
+# kernel, odd sizes.
+SHAPES = [
+    (2, 9, 7, 20, 5),
+    (1, 3, 2, 16, 5),
+    (3, 5, 11, 33, 7),
+    (1, 1, 1, 4, 5),
+    (2, 14, 14, 64, 5),
+    (1, 4, 3, 1040, 5),
+    (2, 6, 5, 8, 9),
+]
+
+
+def _torch_grads(g, x, k):
+    """torch's weight and bias gradients of the depthwise convolution (the reference)."""
+    C, p = x.shape[-1], k // 2
+    w = torch.zeros(C, 1, k, k, dtype=x.dtype)
+    _, gw, gb = torch.ops.aten.convolution_backward(g.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), w, [C], [1, 1],
+                                                    [p, p], [1, 1], False, [0, 0], C, [False, True, True])
+    return gw, gb
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_matches_torch(shape, dtype):
+    B, H, W, C, k = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, H, W, C, generator=gen, dtype=torch.float64)
+    g = torch.randn(B, H, W, C, generator=gen, dtype=torch.float64)
+    want_w, want_b = _torch_grads(g, x, k)
+    gw, gb = torch.ops.ppma.depthwise_conv2d_backward(g.to(dtype), x.to(dtype), k)
+    assert gw.dtype == dtype and gw.shape == (C, 1, k, k) and gb.shape == (C,)
+    assert_close(gw, want_w, dtype, "grad_weight", grad=True)
+    assert_close(gb, want_b, dtype, "grad_bias", grad=True)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck(residual, bias):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 1, 5, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
+    assert uses_kernel(x, w)
+    inputs = (x, w, b) if bias else (x, w)
+    assert torch.autograd.gradcheck(lambda x, w, b=None: depthwise_conv2d(x, w, b, residual), inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("residual", [False, True])
+def test_op_matches_reference(dtype, residual):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, 7, 24, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(24, 1, 5, 5, generator=gen, dtype=dtype, requires_grad=True)
+    b = torch.randn(24, generator=gen, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, 9, 7, 24, generator=gen, dtype=dtype)
+    y = depthwise_conv2d(x, w, b, residual)
+    grads = torch.autograd.grad(y, (x, w, b), g)
+    y_ref = depthwise_conv2d_ref(x, w, b, residual)
+    grads_ref = torch.autograd.grad(y_ref, (x, w, b), g)
+    assert y.is_contiguous() and torch.equal(y, y_ref)
+    assert torch.equal(grads[0], grads_ref[0])  # the input gradient is torch's
+    for name, a, e in zip(("weight", "bias"), grads[1:], grads_ref[1:]):
+        assert_close(a, e, dtype, f"grad_{name}", grad=True)
+
+
+def test_no_double_backward():
+    x = torch.randn(1, 5, 5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 1, 5, 5, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(depthwise_conv2d(x, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
+def test_deterministic_across_thread_counts():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 13, 11, 72, generator=gen)
+    g = torch.randn(4, 13, 11, 72, generator=gen)
+    n = torch.get_num_threads()
+    try:
+        out = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            out.append(torch.ops.ppma.depthwise_conv2d_backward(g, x, 5))
+    finally:
+        torch.set_num_threads(n)
+    for o in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(o, out[0]))
+
+
+_PATH_CODE = """
+import json, torch, ppma
+from ppma import backends
+gen = torch.Generator().manual_seed(4)
+x = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
+g = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
+gw, gb = torch.ops.ppma.depthwise_conv2d_backward(g.float(), x.float(), 5)
+print(json.dumps({"cap": backends.cpu_capability(), "w": gw.double().flatten().tolist(), "b": gb.double().tolist()}))
+"""
+
+
+@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
+def test_every_simd_path(capability):
+    """Each SIMD path the machine has (a fresh process capped at it) matches torch within the fp32 tolerance."""
+    res = subprocess.run([sys.executable, "-c", _PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["cap"] == capability
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
+    want_w, want_b = _torch_grads(g, x, 5)
+    assert_close(torch.tensor(got["w"], dtype=torch.float64).view(40, 1, 5, 5), want_w, torch.float32, "w", grad=True)
+    assert_close(torch.tensor(got["b"], dtype=torch.float64), want_b, torch.float32, "b", grad=True)
+
+
+def test_dispatch_rules():
+    x = torch.randn(1, 4, 4, 8, requires_grad=True)
+    w5 = torch.randn(8, 1, 5, 5, requires_grad=True)
+    assert uses_kernel(x, w5)
+    assert not uses_kernel(x, torch.randn(8, 1, 3, 3))  # torch's 3 x 3 backward is fast
+    assert not uses_kernel(x.detach(), w5.detach())  # nothing to differentiate
+    assert not uses_kernel(x.bfloat16(), w5.bfloat16())
+    with torch.no_grad():
+        assert not uses_kernel(x, w5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not uses_kernel(x, w5)
+    with ppma.ops.use_impl("reference"):
+        assert not uses_kernel(x, w5)
+
+
+def test_dwconv2d_takes_the_kernel_in_training():
+    """DWConv2d (the LePE's 5 x 5) runs the op in training and gives the gradients of the reference."""
+    torch.manual_seed(5)
+    m = DWConv2d(24, 5)
+    x = torch.randn(2, 7, 6, 24, requires_grad=True)
+    grads = {}
+    for impl in ("fused", "reference"):
+        with ppma.ops.use_impl(impl):
+            y = m(x, residual=True)
+            assert (y.grad_fn.name() == "_DepthwiseConv2dBackward") == (impl == "fused")
+            grads[impl] = torch.autograd.grad(y.square().sum(), (x, m.conv.weight, m.conv.bias))
+    for name, a, e in zip(("x", "weight", "bias"), grads["fused"], grads["reference"]):
+        assert_close(a, e, torch.float32, name, grad=True)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((torch.randn(2, 3, 4), torch.randn(4, 1, 5, 5)), "x must be a"),
+        ((torch.randn(1, 3, 4, 4), torch.randn(5, 1, 5, 5)), "weight must be"),
+        ((torch.randn(1, 3, 4, 4), torch.randn(4, 1, 4, 4)), "weight must be"),
+        ((torch.randn(1, 3, 4, 4), torch.randn(4, 1, 5, 5), torch.randn(3)), "bias must be"),
+    ],
+)
+def test_bad_arguments_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        depthwise_conv2d(*args)
+
+
+def test_kernel_bad_arguments_named():
+    x = torch.randn(1, 3, 4, 4)
+    with pytest.raises(RuntimeError, match="kernel_size"):
+        torch.ops.ppma.depthwise_conv2d_backward(x, x, 4)
+    with pytest.raises(RuntimeError, match="grad_out"):
+        torch.ops.ppma.depthwise_conv2d_backward(x[:, :2], x, 5)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        torch.ops.ppma.depthwise_conv2d_backward(x.bfloat16(), x.bfloat16(), 5)
