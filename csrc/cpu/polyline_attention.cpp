@@ -131,31 +131,15 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
       transposed_rows(ln, D.k + token_index(N, G, b, 0, g) * d, N, d, G * d, bg, &S.kt_bg, Kt);
       logits_block(ln, D, bg, p0, tq, Kt, X1, X2);
       T inv1[TQ], inv2[TQ];
-      for (int64_t a = 0; a < tq; ++a) {
-        T* x1 = X1 + a * N;
-        T* x2 = X2 + a * N;
-        const T m1 = max_of(N, x1), m2 = max_of(N, x2);
-        const T l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
-        inv1[a] = T(1) / l1;
-        inv2[a] = T(1) / l2;
-        const int64_t o = token_index(N, G, b, p0 + a, g);
-        lse[o * 2 + 0] = m1 + std::log(l1);
-        lse[o * 2 + 1] = m2 + std::log(l2);
-      }
+      for (int64_t a = 0; a < tq; ++a)
+        softmax_pair_row(ln, N, X1 + a * N, X2 + a * N, inv1 + a, inv2 + a,
+                         lse + token_index(N, G, b, p0 + a, g) * 2);
       const T* vb = D.v + token_index(N, G, b, 0, g) * dv;
       small_gemm(ln, tq, dv, N, X1, N, int64_t(1), vb, G * dv, O1, dv, false);  // P1 v (unnormalised)
       small_gemm(ln, tq, dv, N, X2, N, int64_t(1), vb, G * dv, O2, dv, false);  // P2 v
       for (int64_t a = 0; a < tq; ++a) {
         const int64_t o = token_index(N, G, b, p0 + a, g);
-        T* ov = out_v2h + o * dv;
-        T* oo = out + o * dv;
-        const T i1 = inv1[a], i2 = inv2[a];
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) {
-          const T v1 = O1[a * dv + e] * i1, v2 = O2[a * dv + e] * i2;
-          ov[e] = v1;
-          oo[e] = T(0.5) * (v1 + v2);
-        }
+        average_pair_row(dv, O1 + a * dv, O2 + a * dv, inv1[a], inv2[a], out_v2h + o * dv, out + o * dv);
       }
     });
   });
@@ -249,13 +233,7 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
       for (int64_t a = 0; a < tq; ++a) {
         float* x1 = X1 + a * N;
         float* x2 = X2 + a * N;
-        const float m1 = max_of(N, x1), m2 = max_of(N, x2);
-        const float l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
-        inv1[a] = 1.0f / l1;
-        inv2[a] = 1.0f / l2;
-        const int64_t o = token_index(N, G, b, p0 + a, g);
-        lse[o * 2 + 0] = m1 + std::log(l1);
-        lse[o * 2 + 1] = m2 + std::log(l2);
+        softmax_pair_row(ln, N, x1, x2, inv1 + a, inv2 + a, lse + token_index(N, G, b, p0 + a, g) * 2);
         floats_to_bf16(ln, N, x1, Pb1 + a * 2 * N2);
         floats_to_bf16(ln, N, x2, Pb2 + a * 2 * N2);
         if (N % 2) Pb1[a * 2 * N2 + N] = Pb2[a * 2 * N2 + N] = 0;
@@ -265,15 +243,7 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
       small_gemm_bf16(ln, tq, dv, N2, Pb2, N2, vb, P.dvp, O2, dv, false);  // P2 v
       for (int64_t a = 0; a < tq; ++a) {
         const int64_t o = token_index(N, G, b, p0 + a, g);
-        float* ov = out_v2h + o * dv;
-        float* oo = out + o * dv;
-        const float i1 = inv1[a], i2 = inv2[a];
-#pragma omp simd
-        for (int64_t e = 0; e < dv; ++e) {
-          const float v1 = O1[a * dv + e] * i1, v2 = O2[a * dv + e] * i2;
-          ov[e] = v1;
-          oo[e] = 0.5f * (v1 + v2);
-        }
+        average_pair_row(dv, O1 + a * dv, O2 + a * dv, inv1[a], inv2[a], out_v2h + o * dv, out + o * dv);
       }
     });
   });

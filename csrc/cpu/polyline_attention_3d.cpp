@@ -132,17 +132,9 @@ void forward_kernel(const PA3<T>& D, T* out, T* out_v2h, T* lse) {
         logits_block(D, bg, p0, tq, X1, X2);
         T inv1[TQ], inv2[TQ];
         with_lanes([&](auto ln) {
-          for (int64_t a = 0; a < tq; ++a) {
-            T* x1 = X1 + a * N;
-            T* x2 = X2 + a * N;
-            const T m1 = max_of(N, x1), m2 = max_of(N, x2);
-            const T l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
-            inv1[a] = T(1) / l1;
-            inv2[a] = T(1) / l2;
-            const int64_t o = token_index(N, G, b, p0 + a, g);
-            lse[o * 2 + 0] = m1 + std::log(l1);
-            lse[o * 2 + 1] = m2 + std::log(l2);
-          }
+          for (int64_t a = 0; a < tq; ++a)
+            softmax_pair_row(ln, N, X1 + a * N, X2 + a * N, inv1 + a, inv2 + a,
+                             lse + token_index(N, G, b, p0 + a, g) * 2);
         });
         at::Tensor vb = mat(D.v + token_index(N, G, b, 0, g) * dv, N, dv, G * dv);
         at::Tensor ob1 = mat(O1, tq, dv, dv), ob2 = mat(O2, tq, dv, dv);
@@ -150,11 +142,7 @@ void forward_kernel(const PA3<T>& D, T* out, T* out_v2h, T* lse) {
         gemm(ob2, mat(X2, tq, N, N), vb, 1.0, 0.0);
         for (int64_t a = 0; a < tq; ++a) {
           const int64_t o = token_index(N, G, b, p0 + a, g);
-          for (int64_t e = 0; e < dv; ++e) {
-            const T v1 = O1[a * dv + e] * inv1[a], v2 = O2[a * dv + e] * inv2[a];
-            out_v2h[o * dv + e] = v1;
-            out[o * dv + e] = T(0.5) * (v1 + v2);
-          }
+          average_pair_row(dv, O1 + a * dv, O2 + a * dv, inv1[a], inv2[a], out_v2h + o * dv, out + o * dv);
         }
       });
 }

@@ -206,6 +206,33 @@ inline T max_of(int64_t n, const T* __restrict x) {
   return m;
 }
 
+// The two softmaxes of one query row of polyline attention (docs/ops.md "polyline_attention"): x1, x2 (n logits
+// each) become exp(x - max) in place; returns 1 / sum of each in inv[0], inv[1] and their log-sum-exps in lse[0],
+// lse[1].
+template <int L, typename T>
+PPMA_SIMD_INLINE void softmax_pair_row(Lanes<L> ln, int64_t n, T* __restrict x1, T* __restrict x2, T* inv1, T* inv2,
+                                       T* lse) {
+  const T m1 = max_of(n, x1), m2 = max_of(n, x2);
+  const T l1 = exp_shift_sum(ln, n, x1, m1), l2 = exp_shift_sum(ln, n, x2, m2);
+  *inv1 = T(1) / l1;
+  *inv2 = T(1) / l2;
+  lse[0] = m1 + std::log(l1);
+  lse[1] = m2 + std::log(l2);
+}
+
+// One output row from the two unnormalised products o1 = P1 v, o2 = P2 v (dv each): out_v2h = o1 * inv1 and
+// out = 0.5 (o1 * inv1 + o2 * inv2).
+template <typename T>
+inline void average_pair_row(int64_t dv, const T* __restrict o1, const T* __restrict o2, T inv1, T inv2,
+                             T* __restrict out_v2h, T* __restrict out) {
+#pragma omp simd
+  for (int64_t e = 0; e < dv; ++e) {
+    const T v1 = o1[e] * inv1, v2 = o2[e] * inv2;
+    out_v2h[e] = v1;
+    out[e] = T(0.5) * (v1 + v2);
+  }
+}
+
 template <typename T>
 inline T dot(int64_t n, const T* __restrict x, const T* __restrict y) {
   T s = 0;
