@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 from ppma.nn.monarch import MonarchLinear
 from ppma.ops.depthwise_conv2d import depthwise_conv2d
 from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
+from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
            "linear"]
@@ -31,10 +33,8 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as m
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
 
 
 def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tensor:
@@ -59,7 +59,7 @@ def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tenso
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and layer.weight.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
+        and not records_grad(x, layer.weight)
         and not autocast_enabled("cpu")
     ):
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "gelu" if gelu else "none", [],

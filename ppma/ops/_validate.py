@@ -157,6 +157,11 @@ def is_empty(*tensors: torch.Tensor) -> bool:
     return any(t.numel() == 0 for t in tensors)
 
 
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record an op on ``tensors``: grad mode on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def no_double_backward(op: str) -> None:
     """The backward ops are not differentiable: fail loudly when a graph of the gradient is requested."""
     if torch.is_grad_enabled():

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from ppma import _ext
 from ppma.ops import _dispatch
+from ppma.ops._validate import records_grad
 
 __all__ = ["depthwise_conv2d", "depthwise_conv2d_ref"]
 
@@ -76,8 +77,7 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in (torch.float32, torch.float64)
         and weight.dtype == x.dtype
         and weight.shape[-1] >= MIN_KERNEL
-        and torch.is_grad_enabled()
-        and (x.requires_grad or weight.requires_grad)
+        and records_grad(x, weight)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     )

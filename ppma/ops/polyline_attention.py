@@ -18,6 +18,7 @@ from ppma.ops._validate import (
     is_empty,
     lse_dtype,
     no_double_backward,
+    records_grad,
     resolve_scale,
 )
 from ppma.ops.reference import polyline_attention_ref
@@ -54,14 +55,9 @@ def polyline_attention(
     scale = resolve_scale(_OP, scale, q.shape[-1])
     if not run_fused(q) or is_empty(q, v):
         return polyline_attention_ref(q, k, v, log_alpha, log_beta, scale)
-    if q.device.type == "cpu" and not _needs_grad(q, k, v, log_alpha, log_beta):
+    if q.device.type == "cpu" and not records_grad(q, k, v, log_alpha, log_beta):
         return torch.ops.ppma.polyline_attention_inference(q, k, v, log_alpha, log_beta, scale)
     return torch.ops.ppma.polyline_attention(q, k, v, log_alpha, log_beta, scale)[0]
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd will record the op: grad mode on and an input that requires grad."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _fake(q, k, v, log_alpha, log_beta, scale):
