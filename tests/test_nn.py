@@ -118,8 +118,9 @@ def test_block_residual_structure():
 
 
 def test_linear_inference_path():
-    """``ppma.nn.layers.linear``: the layer's own output (bit for bit) whenever autograd records it or autocast is on;
-    oneDNN's fused bias (+ GELU) for CPU float32 inference where torch has it, equal up to float32 rounding."""
+    """``ppma.nn.layers.linear``: the layer's own output (bit for bit) whenever autograd records it; oneDNN's fused
+    bias (+ GELU) for CPU float32 inference where torch has it, equal up to float32 rounding, and for bf16 inference
+    under CPU autocast where oneDNN has bf16 kernels, equal to autocast's own linear up to bf16 rounding."""
     from ppma.nn import layers
 
     torch.manual_seed(0)
@@ -127,8 +128,20 @@ def test_linear_inference_path():
     x = torch.randn(2, 5, 7, 48)
     want, want_gelu = lin(x), F.gelu(lin(x))
     assert torch.equal(layers.linear(x, lin), want) and torch.equal(layers.linear(x, lin, gelu=True), want_gelu)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        assert torch.equal(layers.linear(x, lin), lin(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layers.linear(x, lin), lin(x)), "training under autocast: the layer's own bf16 result"
+        with torch.no_grad():
+            bf16 = layers._onednn_inference_dtype(x, lin) == torch.bfloat16
+            assert bf16 == layers._ONEDNN_BF16
+            for gelu in (False, True):
+                got = layers.linear(x, lin, gelu=gelu)
+                ref = F.gelu(lin(x).float()) if gelu else lin(x).float()
+                assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+                torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+                if bf16:  # oneDNN's bf16 linear and autocast's differ in summation order and in where GELU rounds
+                    assert not torch.equal(got, lin(x))
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        assert torch.equal(layers.linear(x, lin), lin(x)), "fp16 autocast keeps the plain path"
     for ctx in (torch.no_grad(), torch.inference_mode()):
         with ctx:
             for gelu, ref in ((False, want), (True, want_gelu)):
@@ -144,6 +157,72 @@ def test_linear_inference_path():
         handle = lin.register_forward_hook(lambda mod, inp, out: seen.append(out))
         assert torch.equal(layers.linear(x, lin), want) and len(seen) == 1, "a hooked layer must be called"
         handle.remove()
+
+
+def test_conv_bn_inference_path():
+    """``ppma.nn.layers.conv_bn``: ``bn(conv(x))`` (+ GELU), the modules' own result (bit for bit) in training; in CPU
+    inference the BatchNorm folded into the convolution (oneDNN, GELU fused), equal up to rounding, in float32 and
+    bf16 autocast, for NCHW and channels-last inputs, strides 1 and 2; an eval BN without running statistics
+    (``track_running_stats=False``) and a hooked module keep the plain path."""
+    from ppma.nn import layers
+
+    torch.manual_seed(0)
+    for stride in (1, 2):
+        conv = torch.nn.Conv2d(6, 10, 3, stride, 1)
+        bn = torch.nn.BatchNorm2d(10)
+        with torch.no_grad():  # non-trivial statistics and affine parameters
+            bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
+            bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
+        x = torch.randn(2, 6, 9, 11)
+        train_out = layers.conv_bn(x, conv, bn, gelu=True)  # training mode: batch statistics, graph recorded
+        assert torch.equal(train_out, F.gelu(bn(conv(x))))
+        bn.eval()
+        for gelu in (False, True):
+            want = bn(conv(x))
+            want = F.gelu(want) if gelu else want
+            for xin in (x, x.contiguous(memory_format=torch.channels_last)):
+                with torch.no_grad():
+                    got = layers.conv_bn(xin, conv, bn, gelu=gelu)
+                assert got.shape == want.shape and got.dtype == torch.float32
+                torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    got16 = layers.conv_bn(xin, conv, bn, gelu=gelu)
+                assert got16.dtype == torch.bfloat16
+                torch.testing.assert_close(got16.float(), want.detach(), rtol=3e-2, atol=3e-2)
+        with torch.no_grad():
+            want = bn(conv(x))
+            seen = []
+            handle = bn.register_forward_hook(lambda mod, inp, out: seen.append(out))
+            assert torch.equal(layers.conv_bn(x, conv, bn), want) and len(seen) == 1, "a hooked BN must be called"
+            handle.remove()
+            free = torch.nn.BatchNorm2d(10, track_running_stats=False).eval()
+            assert torch.equal(layers.conv_bn(x, conv, free), free(conv(x)))
+
+
+def test_stem_and_merging_inference_paths():
+    """ConvStem and PatchMerging in CPU inference (folded BN, fused GELU, channels-last) equal their training-graph
+    forward in eval mode up to float32 rounding."""
+    from ppma.nn.layers import ConvStem, PatchMerging
+
+    torch.manual_seed(0)
+    stem, merge = ConvStem(3, 16).eval(), PatchMerging(16, 24).eval()
+    for m in (stem, merge):
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.BatchNorm2d):
+                with torch.no_grad():
+                    mod.running_mean.uniform_(-0.5, 0.5), mod.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 30, 26)
+    want = stem(x)  # graph recorded: the modules' own path
+    with torch.inference_mode():
+        got = stem(x)
+    assert got.is_contiguous() and got.shape == want.shape == (2, 8, 7, 16)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    y = torch.randn(2, 7, 9, 16)
+    want = merge(y)
+    with torch.inference_mode():
+        got = merge(y)
+    assert got.is_contiguous() and got.shape == want.shape == (2, 4, 5, 24)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_model_inference_matches_training_path():

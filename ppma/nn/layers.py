@@ -13,7 +13,7 @@ from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kerne
 from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
-           "linear"]
+           "linear", "conv_bn"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
@@ -28,8 +28,11 @@ def autocast_enabled(device_type: str) -> bool:
     return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
-# oneDNN's linear with a fused bias and activation (the op inductor's CPU fusion emits), where this torch build has it.
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN's linear and convolution with a fused bias and activation (the ops inductor's CPU fusion emits), where this
+# torch build has them, and whether oneDNN has bf16 kernels on this CPU.
+_ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+           and hasattr(torch.ops.mkldnn, "_convolution_pointwise"))
+_ONEDNN_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -37,34 +40,85 @@ def _has_hooks(module: nn.Module) -> bool:
                 or _module._global_forward_pre_hooks)
 
 
+def _onednn_inference_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype | None:
+    """The dtype in which :func:`linear` and :func:`conv_bn` may run oneDNN's fused inference ops on ``x`` through
+    ``modules``, or None where they must run the modules themselves.
+
+    float32 for CPU float32 inference; bfloat16 under ``torch.autocast("cpu", dtype=torch.bfloat16)``, which runs
+    linear layers and convolutions in bf16 anyway, where oneDNN has bf16 kernels. None when a gradient is recorded
+    (training), under ``torch.compile`` (which fuses on its own), tracing and export, with forward hooks on a
+    module (they must see its call), under an active dispatch mode (observers such as FLOP counters see the aten
+    ops), on other devices, and for weights that are not float32."""
+    if not (
+        _ONEDNN
+        and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
+        and x.device.type == "cpu"
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not any(_has_hooks(m) for m in modules)
+        and all(p.dtype == torch.float32 for m in modules for p in m.parameters(recurse=False))
+        and not records_grad(x, *(p for m in modules for p in m.parameters(recurse=False)))
+    ):
+        return None
+    if autocast_enabled("cpu"):
+        bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16 and _ONEDNN_BF16
+        return torch.bfloat16 if bf16 and x.dtype in (torch.float32, torch.bfloat16) else None
+    return torch.float32 if x.dtype == torch.float32 else None
+
+
+def _attr(gelu: bool) -> tuple[str, list, str]:
+    # oneDNN's post-op: the exact (erf) GELU, or none
+    return ("gelu", [], "none") if gelu else ("none", [], "")
+
+
 def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tensor:
     """``layer(x)``, followed by the exact (erf) GELU when ``gelu``: the projections of :class:`ConvFFN` and
     ``PPMAAttention``.
 
-    For CPU float32 inference of an ``nn.Linear`` (no gradient recorded, no autocast, eager) it runs oneDNN's
-    linear, which adds the bias (and applies the GELU) inside the product; ATen's ``addmm`` first copies the
-    bias into the output and GELU is one more pass. The products then sum in another order: the result equals
-    ``F.linear`` up to float32 rounding. Everywhere else (training, autocast, ``torch.compile``, which fuses on
-    its own, tracing and export, a layer with forward hooks, an active dispatch mode such as a FLOP counter,
-    other devices and dtypes) it is ``layer(x)`` and ``F.gelu``.
+    For CPU inference of an ``nn.Linear`` in float32, or in bf16 under CPU autocast, it runs oneDNN's linear,
+    which adds the bias (and applies the GELU, in float32 before any rounding to bf16) inside the product; ATen's
+    ``addmm`` first copies the bias into the output and GELU is one more pass. The products then sum in another
+    order: the result equals ``F.linear`` up to rounding (bf16 under autocast, as autocast's own linear). Everywhere
+    else (training, ``torch.compile``, tracing and export, forward hooks, dispatch modes, other devices and dtypes;
+    see :func:`_onednn_inference_dtype`) it is ``layer(x)`` and ``F.gelu``.
     """
-    if (
-        _ONEDNN_LINEAR
-        and type(layer) is nn.Linear
-        and not _has_hooks(layer)  # hooks see the module's call, so it must happen
-        and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-        and not torch._C._len_torch_dispatch_stack()  # observers (FLOP counters) see the aten op
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and layer.weight.dtype == torch.float32
-        and not records_grad(x, layer.weight)
-        and not autocast_enabled("cpu")
-    ):
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "gelu" if gelu else "none", [],
-                                                  "none" if gelu else "")
+    dt = _onednn_inference_dtype(x, layer) if type(layer) is nn.Linear else None
+    if dt is not None:
+        w = layer.weight if dt == torch.float32 else layer.weight.to(dt)  # the bias stays float32
+        return torch.ops.mkldnn._linear_pointwise(x.to(dt), w, layer.bias, *_attr(gelu))
     y = layer(x)
+    return F.gelu(y) if gelu else y
+
+
+def conv_bn(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, gelu: bool = False) -> torch.Tensor:
+    """``bn(conv(x))``, followed by the exact (erf) GELU when ``gelu``: the stem and the patch merging.
+
+    For CPU inference (float32, or bf16 under CPU autocast; :func:`_onednn_inference_dtype`) with the BatchNorm in
+    eval mode on its running statistics, the BatchNorm is folded into the convolution's weight and bias (in
+    float32) and oneDNN runs the convolution with the GELU fused: one pass instead of three. Equal to the modules'
+    result up to rounding. Everywhere else it calls ``conv``, ``bn`` and ``F.gelu``.
+    """
+    dt = _onednn_inference_dtype(x, conv, bn)
+    if (
+        dt is not None
+        and type(conv) is nn.Conv2d
+        and type(bn) is nn.BatchNorm2d
+        and conv.padding_mode == "zeros"
+        and not isinstance(conv.padding, str)
+        and not bn.training
+        and bn.running_mean is not None
+        and bn.running_var is not None
+    ):
+        scale = torch.rsqrt(bn.running_var + bn.eps)
+        shift = -bn.running_mean * scale
+        if bn.affine:
+            scale, shift = scale * bn.weight, shift * bn.weight + bn.bias
+        weight = (conv.weight * scale[:, None, None, None]).to(dt)
+        bias = shift if conv.bias is None else conv.bias * scale + shift
+        return torch.ops.mkldnn._convolution_pointwise(x.to(dt), weight, bias, conv.padding, conv.stride,
+                                                       conv.dilation, conv.groups, *_attr(gelu))
+    y = bn(conv(x))
     return F.gelu(y) if gelu else y
 
 
@@ -187,10 +241,19 @@ class ConvStem(nn.Module):
         self.act = nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act(self.bn1(self.conv1(x)))
-        x = self.act(self.bn2(self.conv2(x)))
-        x = self.act(self.bn3(self.conv3(x)))
-        x = self.bn4(self.conv4(x))
+        gelu = type(self.act) is nn.GELU and self.act.approximate == "none" and not _has_hooks(self.act)
+        if gelu and _onednn_inference_dtype(x, self.conv1) is not None:
+            # CPU inference: BN folded, GELU fused (conv_bn), on a channels-last map, where oneDNN's convolutions
+            # run 2-3x faster than on NCHW (the output is wanted channels-last anyway)
+            x = x.contiguous(memory_format=torch.channels_last)
+            for conv, bn in ((self.conv1, self.bn1), (self.conv2, self.bn2), (self.conv3, self.bn3)):
+                x = conv_bn(x, conv, bn, gelu=True)
+            x = conv_bn(x, self.conv4, self.bn4)
+        else:
+            x = self.act(self.bn1(self.conv1(x)))
+            x = self.act(self.bn2(self.conv2(x)))
+            x = self.act(self.bn3(self.conv3(x)))
+            x = self.bn4(self.conv4(x))
         return x.permute(0, 2, 3, 1).contiguous()  # see DWConv2d
 
 
@@ -205,7 +268,11 @@ class PatchMerging(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
         # channels-last input (torch 2.13); the copy is one stage output, three times per forward
-        x = self.norm(self.conv(x.permute(0, 3, 1, 2).contiguous()))
+        if _onednn_inference_dtype(x, self.conv) is not None:
+            # CPU inference: BN folded (conv_bn) on the channels-last view, no copies
+            x = conv_bn(x.permute(0, 3, 1, 2), self.conv, self.norm)
+        else:
+            x = self.norm(self.conv(x.permute(0, 3, 1, 2).contiguous()))
         return x.permute(0, 2, 3, 1).contiguous()
 
 
