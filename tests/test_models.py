@@ -280,6 +280,11 @@ def test_amp_bf16_cpu():
     assert torch.isfinite(y16).all()
     err = (y16.float() - y32).norm() / y32.norm()
     assert err < 5e-2, err
+    # inference (oneDNN's bf16 linears and folded convolutions, the statistics-free attention ops): within 2e-2
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y16i = model(x)
+    err = (y16i.float() - y32).norm() / y32.norm()
+    assert err < 2e-2, err
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.train()(x).float().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
