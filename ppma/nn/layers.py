@@ -72,23 +72,31 @@ def _attr(gelu: bool) -> tuple[str, list, str]:
     return ("gelu", [], "none") if gelu else ("none", [], "")
 
 
-def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tensor:
-    """``layer(x)``, followed by the exact (erf) GELU when ``gelu``: the projections of :class:`ConvFFN` and
-    ``PPMAAttention``.
+def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``layer(x)``, followed by the exact (erf) GELU when ``gelu``, plus ``residual`` when given: the projections of
+    :class:`ConvFFN` and ``PPMAAttention``.
 
     For CPU inference of an ``nn.Linear`` in float32, or in bf16 under CPU autocast, it runs oneDNN's linear,
-    which adds the bias (and applies the GELU, in float32 before any rounding to bf16) inside the product; ATen's
-    ``addmm`` first copies the bias into the output and GELU is one more pass. The products then sum in another
-    order: the result equals ``F.linear`` up to rounding (bf16 under autocast, as autocast's own linear). Everywhere
-    else (training, ``torch.compile``, tracing and export, forward hooks, dispatch modes, other devices and dtypes;
-    see :func:`_onednn_inference_dtype`) it is ``layer(x)`` and ``F.gelu``.
+    which adds the bias (and applies the GELU, in float32 before any rounding to bf16; or adds a float32
+    ``residual``) inside the product; ATen's ``addmm`` first copies the bias into the output, and GELU and the
+    residual are one more pass each. The products then sum in another order: the result equals ``F.linear`` up to
+    rounding (bf16 under autocast, as autocast's own linear). Everywhere else (training, ``torch.compile``, tracing
+    and export, forward hooks, dispatch modes, other devices and dtypes; see :func:`_onednn_inference_dtype`) it is
+    ``layer(x)``, ``F.gelu`` and ``+ residual``.
     """
     dt = _onednn_inference_dtype(x, layer) if type(layer) is nn.Linear else None
+    if dt is not None and residual is not None:
+        if dt == torch.float32 and not gelu and residual.dtype == dt and residual.shape[:-1] == x.shape[:-1]:
+            # the residual is added inside oneDNN's product (float32 only: under autocast the residual stream stays
+            # float32 while the linear's output is bf16)
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), layer.weight, layer.bias, "add")
+        return residual + linear(x, layer, gelu)
     if dt is not None:
         w = layer.weight if dt == torch.float32 else layer.weight.to(dt)  # the bias stays float32
         return torch.ops.mkldnn._linear_pointwise(x.to(dt), w, layer.bias, *_attr(gelu))
     y = layer(x)
-    return F.gelu(y) if gelu else y
+    y = F.gelu(y) if gelu else y
+    return y if residual is None else residual + y
 
 
 def conv_bn(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, gelu: bool = False) -> torch.Tensor:
@@ -139,13 +147,22 @@ class DWConv2d(nn.Module):
         which the convolution keeps, so no copy is made on the way in or out. ``residual=True`` folds the
         identity into the kernel's centre tap (``x + w * x = (w + δ) * x``), saving the separate pass of the
         addition, when the convolution runs in fp32/fp64; in low precision (a bf16/fp16 model or autocast)
-        it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits.
+        it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits, except for bf16 ``x`` in CPU
+        autocast inference, where oneDNN adds ``x`` inside the convolution before its output is rounded.
         """
         conv = self.conv
         if depthwise_conv2d_uses_kernel(x, conv.weight):
             # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
         xc = x.permute(0, 3, 1, 2)
+        if (residual and x.dtype == torch.bfloat16 and conv.bias is not None
+                and _onednn_inference_dtype(x, conv) == torch.bfloat16):
+            # bf16 under CPU autocast (the FFN's hidden map): oneDNN adds x inside the convolution, in float32
+            # before the rounding to bf16 (autocast's conv rounds, then the addition rounds again)
+            y = torch.ops.mkldnn._convolution_pointwise.binary(
+                xc, xc, conv.weight.to(x.dtype), conv.bias.to(x.dtype), conv.padding, conv.stride, conv.dilation,
+                conv.groups, "add", None, None, [], None)
+            return y.permute(0, 2, 3, 1).contiguous()
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
             weight = conv.weight.clone()
@@ -213,12 +230,14 @@ class ConvFFN(nn.Module):
         self.dwconv = DWConv2d(hidden_dim, 3)
         self.fc2 = linear(hidden_dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: [B, H, W, C]`` -> ``[B, H, W, C]``; ``residual + ffn(x)`` when ``residual`` is given (the block's
+        skip connection, added inside the last product in CPU float32 inference: :func:`linear`)."""
         if type(self.act) is nn.GELU and self.act.approximate == "none":
-            x = linear(x, self.fc1, gelu=True)
+            h = linear(x, self.fc1, gelu=True)
         else:
-            x = self.act(self.fc1(x))
-        return linear(self.dwconv(x, residual=True), self.fc2)  # x + dwconv(x)
+            h = self.act(self.fc1(x))
+        return linear(self.dwconv(h, residual=True), self.fc2, residual=residual)  # h + dwconv(h)
 
 
 class ConvStem(nn.Module):
