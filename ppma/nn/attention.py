@@ -128,13 +128,11 @@ class PPMAAttention(nn.Module):
         else:
             self.attn_op = MaskedAttentionOp(mixer, scale=1.0, mask=mask)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]`` (already normalised) -> ``[B, H, W, C]``.
 
         ``rope``: optional precomputed ``(sin, cos)``, each ``[H, W, head_dim]``, for this ``H, W``
-        (computed here when ``None``). ``residual``: added to the output when given (the block's skip connection,
-        added inside the output projection in CPU float32 inference: ``ppma.nn.layers.linear``).
+        (computed here when ``None``).
         """
         if x.dim() != 4 or x.shape[-1] != self.dim:
             raise ValueError(f"PPMAAttention: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
@@ -157,7 +155,7 @@ class PPMAAttention(nn.Module):
         k = ops.rope(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)
         out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta)
-        return linear(out.reshape(B, H, W, C).to(v.dtype) + lepe, self.proj, residual=residual)
+        return linear(out.reshape(B, H, W, C).to(v.dtype) + lepe, self.proj)
 
     def extra_repr(self) -> str:
         extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"

@@ -8,7 +8,7 @@ from torch import nn
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
-from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale, _has_hooks
+from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale
 from ppma.nn.surrogate import SurrogateAttention
 
 __all__ = ["PPMABlock", "MIXERS", "MIXER_FACTORIES"]
@@ -94,22 +94,6 @@ class PPMABlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
         x = self.cpe(x, residual=True)  # x + cpe(x)
-        if self._fuse_residuals():
-            # x + attn(...) and x + mlp(...) with the additions inside the output projections (CPU inference)
-            x = self.attn(self.norm1(x), rope, residual=x)
-            return self.mlp(self.norm2(x), residual=x)
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope)))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
-
-    def _fuse_residuals(self) -> bool:
-        # Only where the skip branches are identities (no layer scale, stochastic depth off), nobody observes the
-        # branches (a hook on attn or mlp must see the branch output without the skip), and the modules take the
-        # residual (the PPMA attention and ConvFFN; PADRe and SAB do not).
-        return (
-            not self.training
-            and type(self.attn) is PPMAAttention
-            and type(self.mlp) is ConvFFN
-            and all(type(m) is nn.Identity and not _has_hooks(m) for m in (self.ls1, self.ls2))
-            and not any(_has_hooks(m) for m in (self.attn, self.mlp, self.drop_path1, self.drop_path2))
-        )

@@ -72,31 +72,23 @@ def _attr(gelu: bool) -> tuple[str, list, str]:
     return ("gelu", [], "none") if gelu else ("none", [], "")
 
 
-def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``layer(x)``, followed by the exact (erf) GELU when ``gelu``, plus ``residual`` when given: the projections of
-    :class:`ConvFFN` and ``PPMAAttention``.
+def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tensor:
+    """``layer(x)``, followed by the exact (erf) GELU when ``gelu``: the projections of :class:`ConvFFN` and
+    ``PPMAAttention``.
 
     For CPU inference of an ``nn.Linear`` in float32, or in bf16 under CPU autocast, it runs oneDNN's linear,
-    which adds the bias (and applies the GELU, in float32 before any rounding to bf16; or adds a float32
-    ``residual``) inside the product; ATen's ``addmm`` first copies the bias into the output, and GELU and the
-    residual are one more pass each. The products then sum in another order: the result equals ``F.linear`` up to
-    rounding (bf16 under autocast, as autocast's own linear). Everywhere else (training, ``torch.compile``, tracing
-    and export, forward hooks, dispatch modes, other devices and dtypes; see :func:`_onednn_inference_dtype`) it is
-    ``layer(x)``, ``F.gelu`` and ``+ residual``.
+    which adds the bias (and applies the GELU, in float32 before any rounding to bf16) inside the product; ATen's
+    ``addmm`` first copies the bias into the output and GELU is one more pass. The products then sum in another
+    order: the result equals ``F.linear`` up to rounding (bf16 under autocast, as autocast's own linear). Everywhere
+    else (training, ``torch.compile``, tracing and export, forward hooks, dispatch modes, other devices and dtypes;
+    see :func:`_onednn_inference_dtype`) it is ``layer(x)`` and ``F.gelu``.
     """
     dt = _onednn_inference_dtype(x, layer) if type(layer) is nn.Linear else None
-    if dt is not None and residual is not None:
-        if dt == torch.float32 and not gelu and residual.dtype == dt and residual.shape[:-1] == x.shape[:-1]:
-            # the residual is added inside oneDNN's product (float32 only: under autocast the residual stream stays
-            # float32 while the linear's output is bf16)
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), layer.weight, layer.bias, "add")
-        return residual + linear(x, layer, gelu)
     if dt is not None:
         w = layer.weight if dt == torch.float32 else layer.weight.to(dt)  # the bias stays float32
         return torch.ops.mkldnn._linear_pointwise(x.to(dt), w, layer.bias, *_attr(gelu))
     y = layer(x)
-    y = F.gelu(y) if gelu else y
-    return y if residual is None else residual + y
+    return F.gelu(y) if gelu else y
 
 
 def conv_bn(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, gelu: bool = False) -> torch.Tensor:
@@ -230,14 +222,12 @@ class ConvFFN(nn.Module):
         self.dwconv = DWConv2d(hidden_dim, 3)
         self.fc2 = linear(hidden_dim, dim)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: [B, H, W, C]`` -> ``[B, H, W, C]``; ``residual + ffn(x)`` when ``residual`` is given (the block's
-        skip connection, added inside the last product in CPU float32 inference: :func:`linear`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if type(self.act) is nn.GELU and self.act.approximate == "none":
-            h = linear(x, self.fc1, gelu=True)
+            x = linear(x, self.fc1, gelu=True)
         else:
-            h = self.act(self.fc1(x))
-        return linear(self.dwconv(h, residual=True), self.fc2, residual=residual)  # h + dwconv(h)
+            x = self.act(self.fc1(x))
+        return linear(self.dwconv(x, residual=True), self.fc2)  # x + dwconv(x)
 
 
 class ConvStem(nn.Module):
