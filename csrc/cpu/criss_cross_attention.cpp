@@ -13,10 +13,16 @@
 //
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
 // task runs at the lane width with_lanes() chooses (line kernels take it as their first argument).
+//
+// bf16 q, k, v where cpu_bf16_dot() (the avx512 path on a CPU with AVX-512 BF16): the forward's line products
+// (q k^T, and the four map applies A v, B z1, B v, A z2) are bf16 products with float32 accumulation
+// (forward_kernel_bf16); the inputs are read in place, each line gathered into per-thread scratch in the pair
+// layouts of small_gemm_bf16. Elsewhere (and in the backward) bf16 inputs are converted to float32.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common/checks.h"
@@ -28,11 +34,10 @@ namespace ppma {
 namespace cpu {
 namespace {
 
-// X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n];
-// c holds the line's prefix sums; the bias is line_bias(j, l) (common/math.h) with its branch hoisted.
-template <int L, typename T>
-inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
-  small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false);
+// X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
+// (common/math.h) with its branch hoisted.
+template <typename T>
+inline void add_line_bias(int64_t n, const T* c, T* X) {
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
     const T cj = c[j];
@@ -41,6 +46,13 @@ inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t q
 #pragma omp simd
     for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
   }
+}
+
+// X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n].
+template <int L, typename T>
+inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
+  small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false);
+  add_line_bias(n, c, X);
 }
 
 // In-place row softmax of X [n][n]; lse[j * ls] = logsumexp of row j.
@@ -227,6 +239,172 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   });
 }
 
+#ifdef PPMA_SIMD_X86
+// ---------------------------------------------------------------------------------------------
+// The forward of bf16 q, k, v on the bf16 products (cpu_bf16_dot(), cpu/simd.h): forward_kernel's three phases
+// with each line's products on small_gemm_bf16 (vdpbf16ps, float32 accumulation). Biases, softmax and lse are
+// float32 as on every path; the logits are scale * (q k^T) of the bf16 values (exact products, float32 sums;
+// the float32 kernel scales q first, the same up to float32 rounding). Roundings to bf16, besides the inputs':
+//   - each map (A in phases 1 and 3, B in phase 2; the normalised softmax, in [0, 1]) before its products;
+//   - z1 = A v and z2 = B v, whose only use is as the right operand of B z1 and A z2: they are held in bf16
+//     (the Z buffer is bf16), rounded once from their float32 accumulators.
+// out accumulates 0.5 B z1 + 0.5 A z2 in float32 (rounded to the dtype of v by the caller). lse is what the
+// float32 kernel computes on the same bf16 values up to float32 rounding, so the float32 backward, which
+// recomputes the maps from lse and its own logits, is consistent with it.
+// ---------------------------------------------------------------------------------------------
+
+// Rows of features as rows of pairs: dst[j][e] = src[j * ss + e] for e < d (rows of 2 d2 values, the last one 0
+// when d is odd): the A operand of small_gemm_bf16.
+inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint16_t* __restrict dst) {
+  const int64_t w = d + (d & 1);
+  for (int64_t j = 0; j < n; ++j) {
+    std::memcpy(dst + j * w, src + j * ss, d * sizeof(uint16_t));
+    if (d & 1) dst[j * w + d] = 0;
+  }
+}
+
+// Rows transposed in pairs of features (the keys as the B operand of q k^T): dst[p * ldb + l] = the pair
+// (src[l * ss + 2 p], src[l * ss + 2 p + 1]) for l < n, p < ceil(d / 2), the second one 0 past d.
+inline void gather_pairs_t(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
+                           int64_t ldb) {
+  const int64_t full = d / 2;
+  for (int64_t l = 0; l < n; ++l) {
+    const uint16_t* s = src + l * ss;
+    for (int64_t p = 0; p < full; ++p) {
+      uint32_t w;
+      std::memcpy(&w, s + 2 * p, sizeof(w));
+      dst[p * ldb + l] = w;
+    }
+    if (d & 1) dst[full * ldb + l] = s[d - 1];  // (s[d - 1], 0): the lower half comes first
+  }
+}
+
+// Rows in pairs of positions (values or z as the B operand of a map product): dst[p * ldb + e] = the pair
+// (src[2 p][e], src[2 p + 1][e]) (row r at src + r * ss) for p < ceil(n / 2), e < c, the second one 0 past n.
+inline void gather_pairs_positions(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
+                                   int64_t ldb) {
+  for (int64_t p = 0; 2 * p < n; ++p) {
+    const uint16_t* a = src + 2 * p * ss;
+    uint32_t* o = dst + p * ldb;
+    if (2 * p + 1 < n) {
+      const uint16_t* b = a + ss;
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = uint32_t(a[e]) | (uint32_t(b[e]) << 16);
+    } else {
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = a[e];
+    }
+  }
+}
+
+struct CCBf16 {
+  const uint16_t* q;  // [B, N, G, d] the inputs' bf16 bits
+  const uint16_t* k;  // [B, N, G, d]
+  const uint16_t* v;  // [B, N, G, dv]
+};
+
+// Per-thread scratch of the bf16 line kernels, for lines of up to n tokens (n = max(H, W)). Zero-initialised:
+// the padding columns of kp and vp (past the line, past dv) are read as whole vectors and stay 0.
+struct LineScratchBf16 {
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  float *X, *O;          // the map [n][n]; a product [n][dv] before its rounding to bf16
+  uint16_t *qp, *pb;     // queries [n][d2][2]; the map in bf16 [n][n2][2]
+  uint32_t *kp, *vp;     // keys [d2][np] and values or z [n2][dvp] in pairs
+  int64_t dvp;           // dv rounded up to 16 (vp's row stride)
+  LineScratchBf16(int64_t n, int64_t d, int64_t dv) {
+    const int64_t d2 = ceil_div(d, 2), n2 = ceil_div(n, 2), np = ceil_div(n, 16) * 16;
+    dvp = ceil_div(dv, 16) * 16;
+    f.assign(n * n + n * dv, 0.0f);
+    h.assign(2 * (n * d2 + n * n2 + d2 * np + n2 * dvp), 0);
+    X = f.data(), O = X + n * n;
+    qp = h.data(), pb = qp + 2 * n * d2;
+    kp = reinterpret_cast<uint32_t*>(pb + 2 * n * n2);  // 4-byte aligned: every offset above is even
+    vp = kp + d2 * np;
+  }
+};
+
+template <typename Body>
+inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Body& body) {
+  parallel_tasks(
+      ntasks, [&] { return LineScratchBf16(std::max(D.H, D.W), D.d, D.dv); },
+      [&](int64_t t, LineScratchBf16& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
+}
+
+// The logits of a line into S.X: scale * (q k^T) + bias.
+template <int L>
+inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
+                             LineScratchBf16& S) {
+  const int64_t n = li.n, d = D.d, d2 = ceil_div(d, 2), np = ceil_div(n, 16) * 16;
+  gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
+  gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
+  small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
+  add_line_bias(n, li.c, S.X);
+}
+
+// The map in S.X rounded to bf16 into S.pb, rows of pairs of positions (the last one 0 when n is odd).
+template <int L>
+inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S) {
+  const int64_t w = n + (n & 1);
+  for (int64_t j = 0; j < n; ++j) {
+    floats_to_bf16(ln, n, S.X + j * n, S.pb + j * w);
+    if (n & 1) S.pb[j * w + n] = 0;
+  }
+}
+
+// C (=|+=) alpha * P src for the line's bf16 map (S.pb) and the line's rows of a bf16 [B, N, G, dv] tensor src
+// (gathered into S.vp); C rows at stride ldc.
+template <int L>
+inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, const Line<float>& li, LineScratchBf16& S,
+                            const uint16_t* src, float* C, int64_t ldc, bool accumulate, float alpha) {
+  const int64_t n = li.n, dv = D.dv, n2 = ceil_div(n, 2);
+  gather_pairs_positions(n, dv, li.at(src, dv), li.ld(dv), S.vp, S.dvp);
+  small_gemm_bf16(ln, n, dv, n2, S.pb, n2, reinterpret_cast<const uint16_t*>(S.vp), S.dvp, C, ldc, accumulate,
+                  alpha);
+}
+
+// The line's rows of Z (bf16 [B, N, G, dv]) = bf16(P v).
+template <int L>
+inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
+                             LineScratchBf16& S, uint16_t* Z) {
+  const int64_t dv = D.dv;
+  line_apply_bf16(ln, D, li, S, P.v, S.O, dv, false, 1.0f);
+  uint16_t* z = li.at(Z, dv);
+  for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, z + j * li.ld(dv));
+}
+
+// forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused); Z: bf16
+// [B, N, G, dv] scratch (z1, then z2 in place, column by column).
+void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, float* lse, uint16_t* Z) {
+  const int64_t BG = D.B * D.G, dv = D.dv;
+  // Phase 1: rows. A, lse0, z1 = A v.
+  parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
+    const Line<float> r(D, true, t);
+    line_scores_bf16(ln, D, P, r, S);
+    line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    map_to_bf16(ln, r.n, S);
+    line_values_bf16(ln, D, P, r, S, Z);
+  });
+  // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1, which is gathered first).
+  parallel_lines_bf16(D, BG * D.W, [&](auto ln, int64_t t, LineScratchBf16& S) {
+    const Line<float> c(D, false, t);
+    line_scores_bf16(ln, D, P, c, S);
+    line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
+    map_to_bf16(ln, c.n, S);
+    line_apply_bf16(ln, D, c, S, Z, c.at(out, dv), c.ld(dv), false, 0.5f);  // out = 0.5 B z1
+    line_values_bf16(ln, D, P, c, S, Z);                                     // z2 = B v
+  });
+  // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
+  parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
+    const Line<float> r(D, true, t);
+    line_scores_bf16(ln, D, P, r, S);
+    line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    map_to_bf16(ln, r.n, S);
+    line_apply_bf16(ln, D, r, S, Z, r.at(out, dv), r.ld(dv), true, 0.5f);
+  });
+}
+#endif  // PPMA_SIMD_X86
+
 // The gradients through one line's map P (B of a column, A of a row, recomputed into S.X from lse + side),
 // given g = 0.5 grad_out, the gradient dz of the map's own product (dz2 for a column, dz1 for a row) and the
 // other product z (z1 for a column, z2 for a row): dP = g z^T + dz v^T, then line_backward (dq, dk written or
@@ -299,6 +477,21 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
   auto opts = q.options().dtype(acc);
   at::Tensor out = at::empty({B, H, W, G, dv}, opts);
   at::Tensor lse = at::empty({B, H, W, G, 2}, opts);
+#ifdef PPMA_SIMD_X86
+  if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+      v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
+    // The bf16 inputs read in place (contiguous: a no-op for the usual layout); Z holds z1 and z2 in bf16.
+    at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
+    at::Tensor Z = at::empty({B, H, W, G, dv}, q.options());
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    CCData<float> D{nullptr,     nullptr, nullptr, cr.data_ptr<float>(), cct.data_ptr<float>(), B, G, H, W, H * W,
+                    q.size(4), dv,      static_cast<float>(scale)};
+    forward_kernel_bf16(D, CCBf16{bits(qc), bits(kc), bits(vc)}, out.data_ptr<float>(), lse.data_ptr<float>(),
+                        reinterpret_cast<uint16_t*>(Z.data_ptr<at::BFloat16>()));
+    return {out.to(v.scalar_type()), lse};
+  }
+#endif
   if (out.numel() > 0) {
     // No-ops for contiguous inputs of the accumulation dtype.
     at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
