@@ -13,8 +13,9 @@ set it before that, e.g. in the environment of a fresh process. ``PPMA_CPU_BASEL
 ``PPMA_CPU_CAPABILITY=default`` (``PPMA_CPU_CAPABILITY`` wins when both are set).
 
 bf16: the fused ops take bf16 inputs (what they see under ``torch.autocast("cpu", dtype=torch.bfloat16)``) and
-accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the products of ``polyline_attention``
-multiply bf16 values with the CPU's ``vdpbf16ps`` instruction instead of converting them to float32 first.
+accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the forward products of
+``polyline_attention`` and ``criss_cross_attention`` multiply bf16 values with the CPU's ``vdpbf16ps``
+instruction instead of converting them to float32 first (docs/ops.md says which intermediates are rounded).
 """
 
 from __future__ import annotations

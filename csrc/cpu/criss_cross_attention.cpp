@@ -13,10 +13,17 @@
 //
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
 // task runs at the lane width with_lanes() chooses (line kernels take it as their first argument).
+//
+// bf16 q, k, v where cpu_bf16_dot() (the avx512 path on a CPU with AVX-512 BF16): the forward's line products
+// (q k^T, and the four map applies A v, B z1, B v, A z2) are bf16 products with float32 accumulation
+// (forward_kernel_bf16); the inputs are read in place, each line gathered into per-thread scratch in the pair
+// layouts of small_gemm_bf16. Elsewhere (and in the backward) bf16 inputs are read in place too and widened to
+// float32 as each line is gathered (the float32 kernels' numbers, without float32 copies of q, k, v).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common/checks.h"
@@ -28,11 +35,10 @@ namespace ppma {
 namespace cpu {
 namespace {
 
-// X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n];
-// c holds the line's prefix sums; the bias is line_bias(j, l) (common/math.h) with its branch hoisted.
-template <int L, typename T>
-inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
-  small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false);
+// X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
+// (common/math.h) with its branch hoisted.
+template <typename T>
+inline void add_line_bias(int64_t n, const T* c, T* X) {
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
     const T cj = c[j];
@@ -41,6 +47,13 @@ inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t q
 #pragma omp simd
     for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
   }
+}
+
+// X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n].
+template <int L, typename T>
+inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
+  small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false);
+  add_line_bias(n, c, X);
 }
 
 // In-place row softmax of X [n][n]; lse[j * ls] = logsumexp of row j.
@@ -114,12 +127,13 @@ inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T
 }
 
 // The inputs are read in their own layout [B, N, G, *] (no packed copies); every line is gathered into
-// per-thread scratch before its products.
-template <typename T>
+// per-thread scratch before its products. I: the inputs' element type, T (the accumulation type) or the bits of
+// bf16 values (uint16_t), widened to float as they are gathered (exact, so the same numbers as a float32 copy).
+template <typename T, typename I = T>
 struct CCData {
-  const T* q;    // [B, N, G, d]
-  const T* k;    // [B, N, G, d]
-  const T* v;    // [B, N, G, dv]
+  const I* q;    // [B, N, G, d]
+  const I* k;    // [B, N, G, d]
+  const I* v;    // [B, N, G, dv]
   const T* cr;   // [BG, H, W] row prefix sums
   const T* cct;  // [BG, W, H] column prefix sums, each column contiguous
   int64_t B, G, H, W, N, d, dv;
@@ -133,7 +147,8 @@ struct Line {
   int64_t n, tok, ts;
   const T* c;
 
-  Line(const CCData<T>& D, bool rows, int64_t t) {
+  template <typename I>
+  Line(const CCData<T, I>& D, bool rows, int64_t t) {
     const int64_t per = rows ? D.H : D.W, bg = t / per, li = t % per;
     n = rows ? D.W : D.H;
     tok = token_index(D.N, D.G, bg / D.G, line_token(rows, li, 0, D.W), bg % D.G);
@@ -147,6 +162,42 @@ struct Line {
   }
   int64_t ld(int64_t ch) const { return ts * ch; }
 };
+
+// The float value of bf16 bits (exact).
+inline float bf16_bits_to_float(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// gather_rows and gather_rows_t (cpu/simd.h) from the inputs: a plain copy when I is T, bf16 bits widened to float
+// otherwise.
+template <typename T, typename I>
+inline void gather_input_rows(int64_t n, int64_t c, const I* src, int64_t ss, T* __restrict dst, int64_t ds,
+                              T a = T(1)) {
+  if constexpr (std::is_same<T, I>::value) {
+    gather_rows(n, c, src, ss, dst, ds, a);
+  } else {
+    static_assert(std::is_same<T, float>::value && std::is_same<I, uint16_t>::value, "bf16 inputs, float math");
+    for (int64_t r = 0; r < n; ++r) {
+      const uint16_t* s = src + r * ss;
+      float* o = dst + r * ds;
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = a * bf16_bits_to_float(s[e]);
+    }
+  }
+}
+template <int L, typename T, typename I>
+inline void gather_input_rows_t(Lanes<L> ln, int64_t n, int64_t c, const I* src, int64_t ss, T* __restrict dst) {
+  if constexpr (std::is_same<T, I>::value) {
+    gather_rows_t(ln, n, c, src, ss, dst);
+  } else {
+    static_assert(std::is_same<T, float>::value && std::is_same<I, uint16_t>::value, "bf16 inputs, float math");
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t e = 0; e < c; ++e) dst[e * n + r] = bf16_bits_to_float(src[r * ss + e]);
+  }
+}
 
 // Per-thread scratch of the line kernels (n = max(H, W)).
 template <typename T>
@@ -175,31 +226,31 @@ struct LineScratch {
 
 // Runs body(lanes, t, scratch) for the lines t < ntasks like parallel_tasks (scratch: a LineScratch per
 // thread), every task at the lane width with_lanes() chooses.
-template <typename T, typename Body>
-inline void parallel_lines(const CCData<T>& D, int64_t ntasks, bool backward, const Body& body) {
+template <typename T, typename I, typename Body>
+inline void parallel_lines(const CCData<T, I>& D, int64_t ntasks, bool backward, const Body& body) {
   parallel_tasks(
       ntasks, [&] { return LineScratch<T>(std::max(D.H, D.W), D.d, D.dv, backward); },
       [&](int64_t t, LineScratch<T>& scratch) { with_lanes([&](auto ln) { body(ln, t, scratch); }); });
 }
 
 // The logits of a line into S.X (S.q: the scaled queries, S.kt: the keys transposed).
-template <int L, typename T>
-inline void line_scores(Lanes<L> ln, const CCData<T>& D, const Line<T>& li, LineScratch<T>& S) {
-  gather_rows(li.n, D.d, li.at(D.q, D.d), li.ld(D.d), S.q, D.d, D.scale);
-  gather_rows_t(ln, li.n, D.d, li.at(D.k, D.d), li.ld(D.d), S.kt);
+template <int L, typename T, typename I>
+inline void line_scores(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S) {
+  gather_input_rows(li.n, D.d, li.at(D.q, D.d), li.ld(D.d), S.q, D.d, D.scale);
+  gather_input_rows_t(ln, li.n, D.d, li.at(D.k, D.d), li.ld(D.d), S.kt);
   line_logits(ln, li.n, D.d, S.q, D.d, S.kt, li.c, S.X);
 }
 
 // out = P v for the line's map P in S.X (its values gathered into S.v): z1 = A v of a row, z2 = B v of a column.
-template <int L, typename T>
-inline void line_values(Lanes<L> ln, const CCData<T>& D, const Line<T>& li, LineScratch<T>& S, T* out) {
-  gather_rows(li.n, D.dv, li.at(D.v, D.dv), li.ld(D.dv), S.v, D.dv);
+template <int L, typename T, typename I>
+inline void line_values(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, T* out) {
+  gather_input_rows(li.n, D.dv, li.at(D.v, D.dv), li.ld(D.dv), S.v, D.dv);
   line_apply(ln, li.n, D.dv, S.X, S.v, D.dv, li.at(out, D.dv), li.ld(D.dv));
 }
 
 // Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column).
-template <typename T>
-void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
+template <typename T, typename I>
+void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
   const int64_t BG = D.B * D.G, dv = D.dv;
   // Phase 1: rows. A, lse0, z1 = A v.
   parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
@@ -227,21 +278,202 @@ void forward_kernel(const CCData<T>& D, T* out, T* lse, T* Z) {
   });
 }
 
+#ifdef PPMA_SIMD_X86
+// ---------------------------------------------------------------------------------------------
+// The forward of bf16 q, k, v on the bf16 products (cpu_bf16_dot(), cpu/simd.h): forward_kernel's three phases
+// with each line's products on small_gemm_bf16 (vdpbf16ps, float32 accumulation). Biases, softmax and lse are
+// float32 as on every path; the logits are scale * (q k^T) of the bf16 values (exact products, float32 sums;
+// the float32 kernel scales q first, the same up to float32 rounding). Roundings to bf16, besides the inputs':
+//   - each map (A in phases 1 and 3, B in phase 2; the normalised softmax, in [0, 1]) before its products;
+//   - z1 = A v and z2 = B v, whose only use is as the right operand of B z1 and A z2: they are held in bf16
+//     (the Z buffer is bf16), rounded once from their float32 accumulators.
+// out accumulates 0.5 B z1 + 0.5 A z2 in float32 (rounded to the dtype of v by the caller). lse is what the
+// float32 kernel computes on the same bf16 values up to float32 rounding, so the float32 backward, which
+// recomputes the maps from lse and its own logits, is consistent with it.
+// ---------------------------------------------------------------------------------------------
+
+// Rows of features as rows of pairs: dst[j][e] = src[j * ss + e] for e < d (rows of 2 d2 values, the last one 0
+// when d is odd): the A operand of small_gemm_bf16.
+inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint16_t* __restrict dst) {
+  const int64_t w = d + (d & 1);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* s = src + j * ss;
+    uint16_t* o = dst + j * w;
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) o[e] = s[e];
+    if (d & 1) o[d] = 0;
+  }
+}
+
+// Rows transposed in pairs of features (the keys as the B operand of q k^T): dst[p * ldb + l] = the pair
+// (src[l * ss + 2 p], src[l * ss + 2 p + 1]) for l < n, p < ceil(d / 2), the second one 0 past d.
+// Even d: 8 x 8 blocks of pairs moved as floats by transpose_block (cpu/simd.h; shuffles, so the bits are kept).
+inline void gather_pairs_t(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
+                           int64_t ldb) {
+  const int64_t full = d / 2;
+  int64_t l0 = 0;
+  if (d % 2 == 0) {  // pairs are then 4-byte aligned rows of full words, ss / 2 words apart
+    const float* s32 = reinterpret_cast<const float*>(src);
+    float* d32 = reinterpret_cast<float*>(dst);
+    for (; l0 + 8 <= n; l0 += 8) {
+      int64_t p0 = 0;
+      for (; p0 + 8 <= full; p0 += 8) transpose_block<8>(s32 + l0 * (ss / 2) + p0, ss / 2, d32 + p0 * ldb + l0, ldb);
+      for (int64_t l = l0; l < l0 + 8; ++l)
+        for (int64_t p = p0; p < full; ++p) std::memcpy(dst + p * ldb + l, src + l * ss + 2 * p, sizeof(uint32_t));
+    }
+  }
+  for (int64_t l = l0; l < n; ++l) {
+    const uint16_t* s = src + l * ss;
+    for (int64_t p = 0; p < full; ++p) {
+      uint32_t w;
+      std::memcpy(&w, s + 2 * p, sizeof(w));
+      dst[p * ldb + l] = w;
+    }
+    if (d & 1) dst[full * ldb + l] = s[d - 1];  // (s[d - 1], 0): the lower half comes first
+  }
+}
+
+// Rows in pairs of positions (values or z as the B operand of a map product): dst[p * ldb + e] = the pair
+// (src[2 p][e], src[2 p + 1][e]) (row r at src + r * ss) for p < ceil(n / 2), e < c, the second one 0 past n.
+inline void gather_pairs_positions(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
+                                   int64_t ldb) {
+  for (int64_t p = 0; 2 * p < n; ++p) {
+    const uint16_t* a = src + 2 * p * ss;
+    uint32_t* o = dst + p * ldb;
+    if (2 * p + 1 < n) {
+      const uint16_t* b = a + ss;
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = uint32_t(a[e]) | (uint32_t(b[e]) << 16);
+    } else {
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = a[e];
+    }
+  }
+}
+
+struct CCBf16 {
+  const uint16_t* q;  // [B, N, G, d] the inputs' bf16 bits
+  const uint16_t* k;  // [B, N, G, d]
+  const uint16_t* v;  // [B, N, G, dv]
+};
+
+// Per-thread scratch of the bf16 line kernels, for lines of up to n tokens (n = max(H, W)). Zero-initialised:
+// the padding columns of kp and vp (past the line, past dv) are read as whole vectors and stay 0.
+struct LineScratchBf16 {
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  float *X, *O;          // the map [n][n]; a product [n][dv] before its rounding to bf16
+  uint16_t *qp, *pb;     // queries [n][d2][2]; the map in bf16 [n][n2][2]
+  uint32_t *kp, *vp;     // keys [d2][np] and values or z [n2][dvp] in pairs
+  int64_t dvp;           // dv rounded up to 16 (vp's row stride)
+  LineScratchBf16(int64_t n, int64_t d, int64_t dv) {
+    const int64_t d2 = ceil_div(d, 2), n2 = ceil_div(n, 2), np = ceil_div(n, 16) * 16;
+    dvp = ceil_div(dv, 16) * 16;
+    f.assign(n * n + n * dv, 0.0f);
+    h.assign(2 * (n * d2 + n * n2 + d2 * np + n2 * dvp), 0);
+    X = f.data(), O = X + n * n;
+    qp = h.data(), pb = qp + 2 * n * d2;
+    kp = reinterpret_cast<uint32_t*>(pb + 2 * n * n2);  // 4-byte aligned: every offset above is even
+    vp = kp + d2 * np;
+  }
+};
+
+template <typename Body>
+inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Body& body) {
+  parallel_tasks(
+      ntasks, [&] { return LineScratchBf16(std::max(D.H, D.W), D.d, D.dv); },
+      [&](int64_t t, LineScratchBf16& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
+}
+
+// The logits of a line into S.X: scale * (q k^T) + bias.
+template <int L>
+inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
+                             LineScratchBf16& S) {
+  const int64_t n = li.n, d = D.d, d2 = ceil_div(d, 2), np = ceil_div(n, 16) * 16;
+  gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
+  gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
+  small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
+  add_line_bias(n, li.c, S.X);
+}
+
+// The map in S.X rounded to bf16 into S.pb, rows of pairs of positions (the last one 0 when n is odd).
+template <int L>
+inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S) {
+  const int64_t w = n + (n & 1);
+  for (int64_t j = 0; j < n; ++j) {
+    floats_to_bf16(ln, n, S.X + j * n, S.pb + j * w);
+    if (n & 1) S.pb[j * w + n] = 0;
+  }
+}
+
+// C (=|+=) alpha * P src for the line's bf16 map (S.pb) and the line's rows of a bf16 [B, N, G, dv] tensor src
+// (gathered into S.vp); C rows at stride ldc.
+template <int L>
+inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, const Line<float>& li, LineScratchBf16& S,
+                            const uint16_t* src, float* C, int64_t ldc, bool accumulate, float alpha) {
+  const int64_t n = li.n, dv = D.dv, n2 = ceil_div(n, 2);
+  gather_pairs_positions(n, dv, li.at(src, dv), li.ld(dv), S.vp, S.dvp);
+  small_gemm_bf16(ln, n, dv, n2, S.pb, n2, reinterpret_cast<const uint16_t*>(S.vp), S.dvp, C, ldc, accumulate,
+                  alpha);
+}
+
+// The line's rows of Z (bf16 [B, N, G, dv]) = bf16(P v).
+template <int L>
+inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
+                             LineScratchBf16& S, uint16_t* Z) {
+  const int64_t dv = D.dv;
+  line_apply_bf16(ln, D, li, S, P.v, S.O, dv, false, 1.0f);
+  uint16_t* z = li.at(Z, dv);
+  for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, z + j * li.ld(dv));
+}
+
+// forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused); Z: bf16
+// [B, N, G, dv] scratch (z1, then z2 in place, column by column).
+void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, float* lse, uint16_t* Z) {
+  const int64_t BG = D.B * D.G, dv = D.dv;
+  // Phase 1: rows. A, lse0, z1 = A v.
+  parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
+    const Line<float> r(D, true, t);
+    line_scores_bf16(ln, D, P, r, S);
+    line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    map_to_bf16(ln, r.n, S);
+    line_values_bf16(ln, D, P, r, S, Z);
+  });
+  // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1, which is gathered first).
+  parallel_lines_bf16(D, BG * D.W, [&](auto ln, int64_t t, LineScratchBf16& S) {
+    const Line<float> c(D, false, t);
+    line_scores_bf16(ln, D, P, c, S);
+    line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
+    map_to_bf16(ln, c.n, S);
+    line_apply_bf16(ln, D, c, S, Z, c.at(out, dv), c.ld(dv), false, 0.5f);  // out = 0.5 B z1
+    line_values_bf16(ln, D, P, c, S, Z);                                     // z2 = B v
+  });
+  // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
+  parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
+    const Line<float> r(D, true, t);
+    line_scores_bf16(ln, D, P, r, S);
+    line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    map_to_bf16(ln, r.n, S);
+    line_apply_bf16(ln, D, r, S, Z, r.at(out, dv), r.ld(dv), true, 0.5f);
+  });
+}
+#endif  // PPMA_SIMD_X86
+
 // The gradients through one line's map P (B of a column, A of a row, recomputed into S.X from lse + side),
 // given g = 0.5 grad_out, the gradient dz of the map's own product (dz2 for a column, dz1 for a row) and the
 // other product z (z1 for a column, z2 for a row): dP = g z^T + dz v^T, then line_backward (dq, dk written or
 // accumulated), grad v (=|+=) P^T dz and the line's log-decay gradients. Leaves [g | dz] in S.gu.
-template <int L, typename T>
-inline void line_grads(Lanes<L> ln, const CCData<T>& D, const Line<T>& li, LineScratch<T>& S, const T* go,
+template <int L, typename T, typename I>
+inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, const T* go,
                        const T* lse, int side, const T* z, const T* dz, T* dq, T* dk, T* gv, T* gdecay,
                        bool accumulate) {
   const int64_t n = li.n, d = D.d, dv = D.dv;
   line_scores(ln, D, li, S);
-  gather_rows(n, d, li.at(D.k, d), li.ld(d), S.k, d);
+  gather_input_rows(n, d, li.at(D.k, d), li.ld(d), S.k, d);
   gather_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv, T(0.5));  // [g | dz], row stride 2 dv
   gather_rows(n, dv, li.at(dz, dv), li.ld(dv), S.gu + dv, 2 * dv);
   gather_rows_t(ln, n, dv, li.at(z, dv), li.ld(dv), S.ut);  // [z^T ; v^T]
-  gather_rows_t(ln, n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n);
+  gather_input_rows_t(ln, n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n);
   line_softmax_from_lse(ln, n, S.X, li.at(lse, 2) + side, li.ld(2));
   line_backward(ln, n, d, dv, S.X, S.gu, 2 * dv, S.ut, S.q, S.k, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
                 li.at(dk, d), li.ld(d), accumulate);
@@ -252,8 +484,8 @@ inline void line_grads(Lanes<L> ln, const CCData<T>& D, const Line<T>& li, LineS
 // Backward with g = 0.5 grad_out. ZA, ZB: [B, N, G, dv] scratch: (z1, dz2) after the rows, replaced by
 // (z2, dz1) column by column. The column phase writes dq, dk, dv (column parts), the last row phase adds
 // the row parts. Outputs in the [B, H, W, heads, *] layout, lse [B, H, W, heads, 2].
-template <typename T>
-void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB, T* dq, T* dk, T* dv_out, T* gla,
+template <typename T, typename I>
+void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* ZA, T* ZB, T* dq, T* dk, T* dv_out, T* gla,
                      T* glb) {
   const int64_t BG = D.B * D.G, dv = D.dv;
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
@@ -282,12 +514,27 @@ void backward_kernel(const CCData<T>& D, const T* go, const T* lse, T* ZA, T* ZB
 constexpr const char* kOp = "criss_cross_attention";
 constexpr const char* kOpBwd = "criss_cross_attention_backward";
 
-template <typename T>
-CCData<T> make_data(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& cr,
-                    const at::Tensor& cct, double scale) {
-  return CCData<T>{qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),      cr.data_ptr<T>(), cct.data_ptr<T>(),
-                   qc.size(0),       qc.size(3),       qc.size(1),            qc.size(2),       qc.size(1) * qc.size(2),
-                   qc.size(4),       vc.size(4),       static_cast<T>(scale)};
+// The kernels' view of the contiguous inputs qc, kc, vc: of the accumulation dtype T (I = T), or bf16 read as
+// their bits (I = uint16_t, T = float; widened as each line is gathered).
+template <typename T, typename I = T>
+CCData<T, I> make_data(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& cr,
+                       const at::Tensor& cct, double scale) {
+  auto in = [](const at::Tensor& t) -> const I* {
+    if constexpr (std::is_same<T, I>::value) {
+      return t.data_ptr<T>();
+    } else {
+      return reinterpret_cast<const I*>(t.data_ptr<at::BFloat16>());
+    }
+  };
+  return CCData<T, I>{in(qc),     in(kc),     in(vc),     cr.data_ptr<T>(), cct.data_ptr<T>(), qc.size(0),
+                      qc.size(3), qc.size(1), qc.size(2), qc.size(1) * qc.size(2), qc.size(4), vc.size(4),
+                      static_cast<T>(scale)};
+}
+
+// Inputs for the float kernels: bf16 ones as they are (contiguous; read as bits and widened line by line, no
+// float32 copy), others converted to the accumulation dtype (no-ops for contiguous inputs of that dtype).
+at::Tensor kernel_input(const at::Tensor& t, at::ScalarType acc) {
+  return t.scalar_type() == at::kBFloat16 ? t.contiguous() : t.to(acc).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -299,15 +546,34 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
   auto opts = q.options().dtype(acc);
   at::Tensor out = at::empty({B, H, W, G, dv}, opts);
   at::Tensor lse = at::empty({B, H, W, G, 2}, opts);
+#ifdef PPMA_SIMD_X86
+  if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+      v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
+    // The bf16 inputs read in place (contiguous: a no-op for the usual layout); Z holds z1 and z2 in bf16.
+    at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
+    at::Tensor Z = at::empty({B, H, W, G, dv}, q.options());
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    CCData<float> D{nullptr,     nullptr, nullptr, cr.data_ptr<float>(), cct.data_ptr<float>(), B, G, H, W, H * W,
+                    q.size(4), dv,      static_cast<float>(scale)};
+    forward_kernel_bf16(D, CCBf16{bits(qc), bits(kc), bits(vc)}, out.data_ptr<float>(), lse.data_ptr<float>(),
+                        reinterpret_cast<uint16_t*>(Z.data_ptr<at::BFloat16>()));
+    return {out.to(v.scalar_type()), lse};
+  }
+#endif
   if (out.numel() > 0) {
-    // No-ops for contiguous inputs of the accumulation dtype.
-    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    at::Tensor qc = kernel_input(q, acc), kc = kernel_input(k, acc), vc = kernel_input(v, acc);
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
     at::Tensor Z = at::empty({B, H, W, G, dv}, opts);
-    AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_cpu", [&] {
-      forward_kernel(make_data<scalar_t>(qc, kc, vc, cr, cct, scale), out.data_ptr<scalar_t>(),
-                     lse.data_ptr<scalar_t>(), Z.data_ptr<scalar_t>());
-    });
+    if (q.scalar_type() == at::kBFloat16) {
+      forward_kernel(make_data<float, uint16_t>(qc, kc, vc, cr, cct, scale), out.data_ptr<float>(),
+                     lse.data_ptr<float>(), Z.data_ptr<float>());
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_cpu", [&] {
+        forward_kernel(make_data<scalar_t>(qc, kc, vc, cr, cct, scale), out.data_ptr<scalar_t>(),
+                       lse.data_ptr<scalar_t>(), Z.data_ptr<scalar_t>());
+      });
+    }
   }
   return {out.to(v.scalar_type()), lse};
 }
@@ -327,16 +593,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
   at::Tensor dv_ = at::empty({B, H, W, G, dv}, opts);
   at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
   if (dq.numel() > 0) {
-    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    at::Tensor qc = kernel_input(q, acc), kc = kernel_input(k, acc), vc = kernel_input(v, acc);
     at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
     at::Tensor ZA = at::empty({B, H, W, G, dv}, opts), ZB = at::empty_like(ZA);
-    AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_backward_cpu", [&] {
-      backward_kernel(make_data<scalar_t>(qc, kc, vc, cr, cct, scale), goc.data_ptr<scalar_t>(),
-                      lsec.data_ptr<scalar_t>(), ZA.data_ptr<scalar_t>(), ZB.data_ptr<scalar_t>(),
-                      dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv_.data_ptr<scalar_t>(),
-                      gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
-    });
+    if (q.scalar_type() == at::kBFloat16) {
+      backward_kernel(make_data<float, uint16_t>(qc, kc, vc, cr, cct, scale), goc.data_ptr<float>(),
+                      lsec.data_ptr<float>(), ZA.data_ptr<float>(), ZB.data_ptr<float>(), dq.data_ptr<float>(),
+                      dk.data_ptr<float>(), dv_.data_ptr<float>(), gla.data_ptr<float>(), glb.data_ptr<float>());
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_backward_cpu", [&] {
+        backward_kernel(make_data<scalar_t>(qc, kc, vc, cr, cct, scale), goc.data_ptr<scalar_t>(),
+                        lsec.data_ptr<scalar_t>(), ZA.data_ptr<scalar_t>(), ZB.data_ptr<scalar_t>(),
+                        dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv_.data_ptr<scalar_t>(),
+                        gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
+      });
+    }
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv_.to(v.scalar_type()),
           gla.to(log_alpha.scalar_type()), glb.to(log_beta.scalar_type())};

@@ -459,11 +459,14 @@ PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restri
   for (; e < n; ++e) dst[e] = float_to_bf16(x[e]);
 }
 
-// acc += the pairwise products of a and b (vdpbf16ps). Inline assembly rather than the intrinsic, so that the
+// acc plus the pairwise products of a and b (vdpbf16ps). Inline assembly rather than the intrinsic, so that the
 // templates calling it need no target attribute of their own: they are only ever inlined into
-// run_lanes16_bf16(), whose target has AVX-512 BF16.
-PPMA_SIMD_INLINE void dpbf16(vec<16>& acc, ivec<16> a, ivec<16> b) {
+// run_lanes16_bf16(), whose target has AVX-512 BF16. The accumulator goes in and out by value: an asm operand
+// that is an element of the caller's accumulator array kept that array on the stack (a load and a store around
+// every instruction).
+PPMA_SIMD_INLINE vec<16> dpbf16(vec<16> acc, ivec<16> a, ivec<16> b) {
   asm("vdpbf16ps %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+  return acc;
 }
 
 // RB rows by NB vectors of 16 columns, over K2 pairs:
@@ -482,10 +485,13 @@ PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, 
       int32_t pair;
       std::memcpy(&pair, A + (r * ar + p) * 2, sizeof(pair));
       const ivec<16> a = ivec<16>{} + pair;
-      for (int c = 0; c < NB; ++c) dpbf16(s[r][c], a, b[c]);
+      for (int c = 0; c < NB; ++c) s[r][c] = dpbf16(s[r][c], a, b[c]);
     }
   }
+  // Unrolled, so that the accumulators are registers (an accumulator indexed in a loop kept rolled lives in memory).
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 2
     for (int c = 0; c < NB; ++c) {
       float* cp = C + r * ldc + c * 16;
       vec<16> t = s[r][c] * alpha;
@@ -494,7 +500,9 @@ PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, 
         if (accumulate) t += load<16>(cp);
         store<16>(cp, t);
       } else {
-        for (int64_t l = 0; l < m; ++l) cp[l] = accumulate ? cp[l] + t[l] : t[l];
+        float part[16];  // (indexing t itself would keep the accumulators in memory)
+        store<16>(part, t);
+        for (int64_t l = 0; l < m; ++l) cp[l] = accumulate ? cp[l] + part[l] : part[l];
       }
     }
   }
