@@ -71,7 +71,11 @@ for shape in spec["shapes"]:
         torch.set_num_threads(n)
         runs[n] = [torch.ops.ppma.criss_cross_attention(q, k, v, la, lb, 0.3) for _ in range(2)]
     f32 = torch.ops.ppma.criss_cross_attention(q.float(), k.float(), v.float(), la, lb, 0.3)
-    res["cases"].append({"runs": runs, "f32": f32, "public": criss_cross_attention(q, k, v, la, lb, 0.3)})
+    go = torch.randn(v.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grads = [torch.ops.ppma.criss_cross_attention_backward(go, q, k, v, la, lb, lse, 0.3)
+             for lse in (runs[1][0][1], f32[1])]
+    res["cases"].append({"runs": runs, "f32": f32, "public": criss_cross_attention(q, k, v, la, lb, 0.3),
+                         "grads": grads})
 torch.save(res, sys.argv[3])
 """
 
@@ -107,6 +111,12 @@ def test_bf16_products(path, tmp_path):
         else:
             assert torch.equal(out, f32_out.to(torch.bfloat16)), f"{what}: not the float32 kernel's result"
         torch.testing.assert_close(lse, f32_lse, rtol=0, atol=1e-5)
+        # The float32 backward recomputes the maps from lse: this forward's lse gives its gradients up to float32
+        # rounding, i.e. the float32 log-decay gradients within 1e-5 and the bf16 q, k, v gradients up to a rare
+        # flip of their last bit (measured <= 1e-4; an lse off by 1e-3 would move every gradient by ~1e-3).
+        for name, a, b in zip(("q", "k", "v", "log_alpha", "log_beta"), *case["grads"]):
+            tol = 1e-5 if a.dtype == torch.float32 else 4e-4
+            assert rel_err(a, b) <= tol, f"{what}: grad {name} from this lse vs the float32 kernel's"
         q, k, v, la, lb = make_attention_inputs(shape, torch.bfloat16, requires_grad=False, decay_scale=1.0, seed=5)
         want = criss_cross_attention_ref(q.double(), k.double(), v.double(), la.float().double(),
                                          lb.float().double(), 0.3)
