@@ -163,14 +163,6 @@ struct Line {
   int64_t ld(int64_t ch) const { return ts * ch; }
 };
 
-// The float value of bf16 bits (exact).
-inline float bf16_bits_to_float(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 // gather_rows and gather_rows_t (cpu/simd.h) from the inputs: a plain copy when I is T, bf16 bits widened to float
 // otherwise.
 template <typename T, typename I>
@@ -184,7 +176,7 @@ inline void gather_input_rows(int64_t n, int64_t c, const I* src, int64_t ss, T*
       const uint16_t* s = src + r * ss;
       float* o = dst + r * ds;
 #pragma omp simd
-      for (int64_t e = 0; e < c; ++e) o[e] = a * bf16_bits_to_float(s[e]);
+      for (int64_t e = 0; e < c; ++e) o[e] = a * bf16_to_float(s[e]);
     }
   }
 }
@@ -195,7 +187,7 @@ inline void gather_input_rows_t(Lanes<L> ln, int64_t n, int64_t c, const I* src,
   } else {
     static_assert(std::is_same<T, float>::value && std::is_same<I, uint16_t>::value, "bf16 inputs, float math");
     for (int64_t r = 0; r < n; ++r)
-      for (int64_t e = 0; e < c; ++e) dst[e * n + r] = bf16_bits_to_float(src[r * ss + e]);
+      for (int64_t e = 0; e < c; ++e) dst[e * n + r] = bf16_to_float(src[r * ss + e]);
   }
 }
 
@@ -293,19 +285,6 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
 // float32 kernel's differ by float32 rounding only (measured; tests/test_criss_cross_attention.py,
 // test_bf16_products), so this forward also runs when a gradient is recorded, not only for inference.
 // ---------------------------------------------------------------------------------------------
-
-// Rows of features as rows of pairs: dst[j][e] = src[j * ss + e] for e < d (rows of 2 d2 values, the last one 0
-// when d is odd): the A operand of small_gemm_bf16.
-inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint16_t* __restrict dst) {
-  const int64_t w = d + (d & 1);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* s = src + j * ss;
-    uint16_t* o = dst + j * w;
-#pragma omp simd
-    for (int64_t e = 0; e < d; ++e) o[e] = s[e];
-    if (d & 1) o[d] = 0;
-  }
-}
 
 // Rows transposed in pairs of features (the keys as the B operand of q k^T): dst[p * ldb + l] = the pair
 // (src[l * ss + 2 p], src[l * ss + 2 p + 1]) for l < n, p < ceil(d / 2), the second one 0 past d.

@@ -199,19 +199,22 @@ struct PABf16 {
   int64_t d2, Np, N2, dvp;
 };
 
+// Per-thread scratch of the bf16 kernels: float logits and products, bf16 operands.
+struct Bf16Scratch {
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+};
+
 void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, float* out_v2h, float* lse) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
   const int64_t nqb = ceil_div(N, TQ);
-  struct Scratch {
-    std::vector<float> f;
-    std::vector<uint16_t> h;
-  };
   parallel_tasks(
       D.B * G * nqb,
       [&] {
-        return Scratch{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + 2 * N2))};
+        return Bf16Scratch{std::vector<float>(2 * TQ * N + 2 * TQ * dv),
+                           std::vector<uint16_t>(TQ * 2 * (d2 + 2 * N2))};
       },
-      [&](int64_t task, Scratch& S) {
+      [&](int64_t task, Bf16Scratch& S) {
     with_lanes_bf16([&](auto ln) {
       float* X1 = S.f.data();
       float* X2 = X1 + TQ * N;
@@ -222,11 +225,7 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
       uint16_t* Pb2 = Pb1 + TQ * 2 * N2;  // [tq][N2][2] P2
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G;
-      for (int64_t a = 0; a < tq; ++a) {
-        const uint16_t* qa = P.q + token_index(N, G, b, p0 + a, g) * d;
-        std::copy(qa, qa + d, Qp + a * 2 * d2);
-        if (d % 2) Qp[a * 2 * d2 + d] = 0;
-      }
+      gather_pair_rows(tq, d, P.q + token_index(N, G, b, p0, g) * d, G * d, Qp);
       small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X1, N, false, D.scale);
       add_biases(D, bg, p0, tq, X1, X2);
       float inv1[TQ], inv2[TQ];
@@ -254,14 +253,10 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
 void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
   const int64_t nqb = ceil_div(N, TQ);
-  struct Scratch {
-    std::vector<float> f;
-    std::vector<uint16_t> h;
-  };
   parallel_tasks(
       D.B * G * nqb,
-      [&] { return Scratch{std::vector<float>(TQ * N + N), std::vector<uint16_t>(TQ * 2 * (d2 + N2))}; },
-      [&](int64_t task, Scratch& S) {
+      [&] { return Bf16Scratch{std::vector<float>(TQ * N + N), std::vector<uint16_t>(TQ * 2 * (d2 + N2))}; },
+      [&](int64_t task, Bf16Scratch& S) {
     with_lanes_bf16([&](auto ln) {
       float* X = S.f.data();  // [tq][N]: the V2H logits, then the averaged map
       float* x2 = X + TQ * N;
@@ -269,11 +264,7 @@ void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, floa
       uint16_t* Pb = Qp + TQ * 2 * d2;  // [tq][N2][2] the map in bf16, zero padded
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
-      for (int64_t a = 0; a < tq; ++a) {
-        const uint16_t* qa = P.q + (row0 + a * G) * d;
-        std::copy(qa, qa + d, Qp + a * 2 * d2);
-        if (d % 2) Qp[a * 2 * d2 + d] = 0;
-      }
+      gather_pair_rows(tq, d, P.q + row0 * d, G * d, Qp);
       small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X, N, false, D.scale);
       for (int64_t a = 0; a < tq; ++a) {
         average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2);

@@ -433,13 +433,34 @@ PPMA_SIMD_INLINE void small_gemm(Lanes<L>, int64_t R, int64_t Cn, int64_t K, con
 // bf16 values are exact in float32; the sums are float32 (round to nearest even, denormals flushed).
 // ---------------------------------------------------------------------------------------------
 
-// float -> bf16, round to nearest even; NaN stays (a quiet) NaN. The same rounding as c10::BFloat16.
+// float -> bf16, round to nearest even; NaN stays (a quiet) NaN. The same rounding as c10::BFloat16. Written
+// without a branch, so that the loops calling it vectorise.
 inline uint16_t float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+// bf16 -> float (exact).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Rows of features as rows of pairs: dst[j][e] = src[j * ss + e] for e < d (rows of 2 ceil(d / 2) values, the last
+// one 0 when d is odd): the A operand of small_gemm_bf16.
+inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint16_t* __restrict dst) {
+  const int64_t w = d + (d & 1);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* s = src + j * ss;
+    uint16_t* o = dst + j * w;
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) o[e] = s[e];
+    if (d & 1) o[d] = 0;
+  }
 }
 
 #ifdef PPMA_SIMD_X86

@@ -275,12 +275,12 @@ class PatchMerging(nn.Module):
         self.norm = nn.BatchNorm2d(out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
-        # channels-last input (torch 2.13); the copy is one stage output, three times per forward
         if _onednn_inference_dtype(x, self.conv) is not None:
             # CPU inference: BN folded (conv_bn) on the channels-last view, no copies
             x = conv_bn(x.permute(0, 3, 1, 2), self.conv, self.norm)
         else:
+            # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
+            # channels-last input (torch 2.13); the copy is one stage output, three times per forward
             x = self.norm(self.conv(x.permute(0, 3, 1, 2).contiguous()))
         return x.permute(0, 2, 3, 1).contiguous()
 
