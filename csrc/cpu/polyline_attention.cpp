@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/checks.h"
@@ -56,9 +57,96 @@ inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int
 }
 
 // Row p of the logits: y1 holds S = scale * q_p k^T against all N keys. Adds the biases: y1[s] = S + M,
-// y2[s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T).
-template <typename T>
-inline void add_biases_row(const PAData<T>& D, int64_t bg, int64_t p, T* __restrict y1r, T* __restrict y2r) {
+// y2[s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T), one key row k at a time; returns the
+// maxima of the two rows in *m1, *m2 (NaN ignored, as max_of).
+// float: each key row in vectors of L lanes (then L / 2 ... 4, then single lanes), the line bias's two branches
+// (keys l < j and l >= j, common/math.h line_bias) chosen lane by lane, so that a key row is one run of vectors
+// whatever the query's column j (two runs split at j left short loops at W = 14 and 32). The same values as the
+// plain loops below (a - b = -(b - a) exactly), up to the contraction of the last product into an FMA.
+template <int M, size_t... E>
+PPMA_SIMD_INLINE ivec<M> lane_indices(std::index_sequence<E...>) {
+  return ivec<M>{static_cast<int32_t>(E)...};
+}
+// {0, 1, ..., M - 1}
+template <int M>
+PPMA_SIMD_INLINE ivec<M> lane_indices() {
+  if constexpr (M == 1) {
+    return 0;
+  } else {
+    return lane_indices<M>(std::make_index_sequence<M>());
+  }
+}
+
+template <int M>
+PPMA_SIMD_INLINE void bias_lanes(int64_t l, int32_t j, float crIj, float crKj, float sk, float ct2, const float* crI,
+                                 const float* ccI, const float* crK, const float* ccK, float* __restrict y1,
+                                 float* __restrict y2, vec<M>& m1, vec<M>& m2) {
+  const ivec<M> before = lane_indices<M>() + static_cast<int32_t>(l) < j;  // keys left of the query's column
+  const vec<M> a = load<M>(crI + l), c = load<M>(crK + l);
+  const vec<M> r1 = before ? crIj - a : a - crIj;
+  const vec<M> r2 = before ? crKj - c : c - crKj;
+  const vec<M> sv = load<M>(y1 + l);
+  const vec<M> x1 = sv + r1 + sk * (load<M>(ccK + l) - load<M>(ccI + l));
+  const vec<M> x2 = sv + r2 + ct2;
+  store<M>(y1 + l, x1);
+  store<M>(y2 + l, x2);
+  m1 = x1 > m1 ? x1 : m1;
+  m2 = x2 > m2 ? x2 : m2;
+}
+
+template <int M>
+PPMA_SIMD_INLINE float lane_max(vec<M> v) {
+  if constexpr (M == 1) {
+    return v;
+  } else {
+    float m = v[0];
+    for (int e = 1; e < M; ++e) m = v[e] > m ? v[e] : m;
+    return m;
+  }
+}
+
+// Running maxima of add_biases_row, one pair per vector width (a key row runs L lanes at a time, then at most one
+// vector of each of L / 2 ... 4 lanes, then single lanes), reduced across lanes once at the end.
+template <int M>
+struct MaxPair {
+  vec<M> a = vec<M>{} - std::numeric_limits<float>::infinity(), b = a;
+  MaxPair<(M > 4 ? M / 2 : 1)> tail;
+  PPMA_SIMD_INLINE void reduce(float& m1, float& m2) const {
+    tail.reduce(m1, m2);
+    const float x = lane_max<M>(a), y = lane_max<M>(b);
+    m1 = x > m1 ? x : m1;
+    m2 = y > m2 ? y : m2;
+  }
+};
+template <>
+struct MaxPair<1> {
+  vec<1> a = -std::numeric_limits<float>::infinity(), b = a;
+  PPMA_SIMD_INLINE void reduce(float& m1, float& m2) const {
+    m1 = a > m1 ? a : m1;
+    m2 = b > m2 ? b : m2;
+  }
+};
+
+// The key-row tail of add_biases_row from key l: one vector of M lanes if M more keys remain, then M / 2 ... 4
+// lanes, then single ones.
+template <int M>
+PPMA_SIMD_INLINE void bias_tail(int64_t W, int64_t l, int32_t j, float crIj, float crKj, float sk, float ct2,
+                                const float* crI, const float* ccI, const float* crK, const float* ccK, float* y1,
+                                float* y2, MaxPair<M>& m) {
+  if constexpr (M == 1) {
+    for (; l < W; ++l) bias_lanes<1>(l, j, crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.a, m.b);
+  } else {
+    if (l + M <= W) {
+      bias_lanes<M>(l, j, crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.a, m.b);
+      l += M;
+    }
+    bias_tail<(M > 4 ? M / 2 : 1)>(W, l, j, crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.tail);
+  }
+}
+
+template <int L, typename T>
+inline void add_biases_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p, T* __restrict y1r,
+                           T* __restrict y2r, T* m1, T* m2) {
   const int64_t N = D.N, W = D.W, H = D.H;
   const T* cr = D.cr + bg * N;
   const T* cc = D.cc + bg * N;
@@ -66,36 +154,56 @@ inline void add_biases_row(const PAData<T>& D, int64_t bg, int64_t p, T* __restr
   const T* crI = cr + i * W;
   const T* ccI = cc + i * W;
   const T crIj = crI[j];
-  for (int64_t k = 0; k < H; ++k) {
-    T* __restrict y1 = y1r + k * W;
-    T* __restrict y2 = y2r + k * W;
-    const T* crK = cr + k * W;
-    const T* ccK = cc + k * W;
-    const T sk = sgn_diff<T>(k, i);  // the column bias C(i, k) = sk * (cc[k] - cc[i]) (0 on the query's row)
-    const T ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
-    const T crKj = crK[j];
-    // line_bias (common/math.h) with its branch hoisted: keys l < j: R = crX[j] - crX[l]; l >= j: crX[l] - crX[j]
-#pragma omp simd
-    for (int64_t l = 0; l < j; ++l) {
-      const T sv = y1[l];
-      y1[l] = sv + (crIj - crI[l]) + sk * (ccK[l] - ccI[l]);
-      y2[l] = sv + (crKj - crK[l]) + ct2;
+  if constexpr (std::is_same<T, float>::value) {
+    MaxPair<L> m;
+    for (int64_t k = 0; k < H; ++k) {
+      float* __restrict y1 = y1r + k * W;
+      float* __restrict y2 = y2r + k * W;
+      const float* crK = cr + k * W;
+      const float* ccK = cc + k * W;
+      const float sk = sgn_diff<float>(k, i);  // the column bias C(i, k) = sk * (cc[k] - cc[i]) (0 on the query's row)
+      const float ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
+      const float crKj = crK[j];
+      int64_t l = 0;
+      for (; l + L <= W; l += L) bias_lanes<L>(l, int32_t(j), crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.a, m.b);
+      bias_tail<(L > 4 ? L / 2 : 1)>(W, l, int32_t(j), crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.tail);
     }
+    *m1 = *m2 = -std::numeric_limits<float>::infinity();
+    m.reduce(*m1, *m2);
+  } else {
+    for (int64_t k = 0; k < H; ++k) {
+      T* __restrict y1 = y1r + k * W;
+      T* __restrict y2 = y2r + k * W;
+      const T* crK = cr + k * W;
+      const T* ccK = cc + k * W;
+      const T sk = sgn_diff<T>(k, i);
+      const T ct2 = sk * (ccK[j] - ccI[j]);
+      const T crKj = crK[j];
+      // line_bias (common/math.h) with its branch hoisted: keys l < j: R = crX[j] - crX[l]; l >= j: crX[l] - crX[j]
 #pragma omp simd
-    for (int64_t l = j; l < W; ++l) {
-      const T sv = y1[l];
-      y1[l] = sv + (crI[l] - crIj) + sk * (ccK[l] - ccI[l]);
-      y2[l] = sv + (crK[l] - crKj) + ct2;
+      for (int64_t l = 0; l < j; ++l) {
+        const T sv = y1[l];
+        y1[l] = sv + (crIj - crI[l]) + sk * (ccK[l] - ccI[l]);
+        y2[l] = sv + (crKj - crK[l]) + ct2;
+      }
+#pragma omp simd
+      for (int64_t l = j; l < W; ++l) {
+        const T sv = y1[l];
+        y1[l] = sv + (crI[l] - crIj) + sk * (ccK[l] - ccI[l]);
+        y2[l] = sv + (crK[l] - crKj) + ct2;
+      }
     }
+    *m1 = max_of(N, y1r);
+    *m2 = max_of(N, y2r);
   }
 }
 
 // X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
-// biases row by row (add_biases_row): X1 = S + M, X2 = S + M'.
-template <typename T>
-inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
-                       T* __restrict X2) {
-  for (int64_t a = 0; a < tq; ++a) add_biases_row(D, bg, p0 + a, X1 + a * D.N, X2 + a * D.N);
+// biases row by row (add_biases_row): X1 = S + M, X2 = S + M'; the rows' maxima go to mx1[a], mx2[a] (tq each).
+template <int L, typename T>
+inline void add_biases(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
+                       T* __restrict X2, T* mx1, T* mx2) {
+  for (int64_t a = 0; a < tq; ++a) add_biases_row(ln, D, bg, p0 + a, X1 + a * D.N, X2 + a * D.N, mx1 + a, mx2 + a);
 }
 
 // Logits of a query tile against all keys, both biases added: X1 = S + M, X2 = S + M'. Kt: the keys of the
@@ -103,10 +211,10 @@ inline void add_biases(const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T
 // in q or k propagate like in the reference).
 template <int L, typename T>
 inline void logits_block(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, const T* Kt, T* X1,
-                         T* X2) {
+                         T* X2, T* mx1, T* mx2) {
   const int64_t N = D.N, G = D.G, d = D.d, b = bg / G, g = bg % G;
   small_gemm(ln, tq, N, d, D.q + token_index(N, G, b, p0, g) * d, G * d, int64_t(1), Kt, N, X1, N, false, D.scale);
-  add_biases(D, bg, p0, tq, X1, X2);
+  add_biases(ln, D, bg, p0, tq, X1, X2, mx1, mx2);
 }
 
 template <typename T>
@@ -129,10 +237,10 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G;
       transposed_rows(ln, D.k + token_index(N, G, b, 0, g) * d, N, d, G * d, bg, &S.kt_bg, Kt);
-      logits_block(ln, D, bg, p0, tq, Kt, X1, X2);
-      T inv1[TQ], inv2[TQ];
+      T mx1[TQ], mx2[TQ], inv1[TQ], inv2[TQ];
+      logits_block(ln, D, bg, p0, tq, Kt, X1, X2, mx1, mx2);
       for (int64_t a = 0; a < tq; ++a)
-        softmax_pair_row(ln, N, X1 + a * N, X2 + a * N, inv1 + a, inv2 + a,
+        softmax_pair_row(ln, N, X1 + a * N, X2 + a * N, mx1[a], mx2[a], inv1 + a, inv2 + a,
                          lse + token_index(N, G, b, p0 + a, g) * 2);
       const T* vb = D.v + token_index(N, G, b, 0, g) * dv;
       small_gemm(ln, tq, dv, N, X1, N, int64_t(1), vb, G * dv, O1, dv, false);  // P1 v (unnormalised)
@@ -155,8 +263,8 @@ template <int L, typename T>
 inline void average_softmaxes_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p, T* __restrict x1,
                                   T* __restrict x2) {
   const int64_t N = D.N;
-  add_biases_row(D, bg, p, x1, x2);
-  const T m1 = max_of(N, x1), m2 = max_of(N, x2);
+  T m1, m2;
+  add_biases_row(ln, D, bg, p, x1, x2, &m1, &m2);
   const T c1 = T(0.5) / exp_shift_sum(ln, N, x1, m1), c2 = T(0.5) / exp_shift_sum(ln, N, x2, m2);
 #pragma omp simd
   for (int64_t s = 0; s < N; ++s) x1[s] = c1 * x1[s] + c2 * x2[s];
@@ -227,12 +335,12 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
       const int64_t b = bg / G, g = bg % G;
       gather_pair_rows(tq, d, P.q + token_index(N, G, b, p0, g) * d, G * d, Qp);
       small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X1, N, false, D.scale);
-      add_biases(D, bg, p0, tq, X1, X2);
-      float inv1[TQ], inv2[TQ];
+      float mx1[TQ], mx2[TQ], inv1[TQ], inv2[TQ];
+      add_biases(ln, D, bg, p0, tq, X1, X2, mx1, mx2);
       for (int64_t a = 0; a < tq; ++a) {
         float* x1 = X1 + a * N;
         float* x2 = X2 + a * N;
-        softmax_pair_row(ln, N, x1, x2, inv1 + a, inv2 + a, lse + token_index(N, G, b, p0 + a, g) * 2);
+        softmax_pair_row(ln, N, x1, x2, mx1[a], mx2[a], inv1 + a, inv2 + a, lse + token_index(N, G, b, p0 + a, g) * 2);
         floats_to_bf16(ln, N, x1, Pb1 + a * 2 * N2);
         floats_to_bf16(ln, N, x2, Pb2 + a * 2 * N2);
         if (N % 2) Pb1[a * 2 * N2 + N] = Pb2[a * 2 * N2 + N] = 0;
@@ -408,7 +516,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
       for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
         const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
         const int64_t row0 = token_index(N, G, b, p0, g);  // first query row in the [B, N, G, .] layouts
-        logits_block(ln, D, bg, p0, tq, Kt, X1, X2);
+        T mx1[TQ], mx2[TQ];  // not needed: the backward's softmaxes come from lse
+        logits_block(ln, D, bg, p0, tq, Kt, X1, X2, mx1, mx2);
         // DP = 0.5 dO v^T
         const T* gob = go + row0 * dv;
         small_gemm(ln, tq, N, dv, gob, G * dv, int64_t(1), Vt, N, DP, N, false, T(0.5));

@@ -209,15 +209,21 @@ inline T max_of(int64_t n, const T* __restrict x) {
 // The two softmaxes of one query row of polyline attention (docs/ops.md "polyline_attention"): x1, x2 (n logits
 // each) become exp(x - max) in place; returns 1 / sum of each in inv[0], inv[1] and their log-sum-exps in lse[0],
 // lse[1].
+// m1, m2: the rows' maxima where the caller has them (polyline_attention's bias pass).
 template <int L, typename T>
-PPMA_SIMD_INLINE void softmax_pair_row(Lanes<L> ln, int64_t n, T* __restrict x1, T* __restrict x2, T* inv1, T* inv2,
-                                       T* lse) {
-  const T m1 = max_of(n, x1), m2 = max_of(n, x2);
+PPMA_SIMD_INLINE void softmax_pair_row(Lanes<L> ln, int64_t n, T* __restrict x1, T* __restrict x2, T m1, T m2,
+                                       T* inv1, T* inv2, T* lse) {
   const T l1 = exp_shift_sum(ln, n, x1, m1), l2 = exp_shift_sum(ln, n, x2, m2);
   *inv1 = T(1) / l1;
   *inv2 = T(1) / l2;
   lse[0] = m1 + std::log(l1);
   lse[1] = m2 + std::log(l2);
+}
+
+template <int L, typename T>
+PPMA_SIMD_INLINE void softmax_pair_row(Lanes<L> ln, int64_t n, T* __restrict x1, T* __restrict x2, T* inv1, T* inv2,
+                                       T* lse) {
+  softmax_pair_row(ln, n, x1, x2, max_of(n, x1), max_of(n, x2), inv1, inv2, lse);
 }
 
 // One output row from the two unnormalised products o1 = P1 v, o2 = P2 v (dv each): out_v2h = o1 * inv1 and
