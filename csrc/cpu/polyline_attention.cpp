@@ -481,6 +481,94 @@ inline void bias_grad_segment_same_row(int64_t l0, int64_t ub, int64_t len, int6
   gcrI[j] -= s;
 }
 
+// float: bias_grad_segment and bias_grad_segment_same_row over a whole key row (l0 = 0, ub = j, len = W) in vectors
+// of L lanes, then L / 2 ... 4, then single lanes, the sign of l - j chosen lane by lane (as add_biases_row), each
+// width's sums kept in vectors and added lane by lane in order at the end of the row.
+template <int M>
+struct SumTriple {
+  vec<M> s1{}, s2{}, t2{};
+  SumTriple<(M > 4 ? M / 2 : 1)> tail;
+  PPMA_SIMD_INLINE void add_to(float& a, float& b, float& c) const {
+    a += hsum<M>(s1), b += hsum<M>(s2), c += hsum<M>(t2);
+    tail.add_to(a, b, c);
+  }
+};
+template <>
+struct SumTriple<1> {
+  float s1 = 0, s2 = 0, t2 = 0;
+  PPMA_SIMD_INLINE void add_to(float& a, float& b, float& c) const { a += s1, b += s2, c += t2; }
+};
+
+// same_row: the key row is the query's (k = i): only gcrI, from g1 + g2 (gccI, gcrK, gccK unused).
+template <int M, bool same_row>
+PPMA_SIMD_INLINE void bias_grad_lanes(int64_t l, int32_t j, float sk, const float* g1, const float* g2, float* gcrI,
+                                      float* gccI, float* gcrK, float* gccK, SumTriple<M>& acc) {
+  const ivec<M> before = lane_indices<M>() + static_cast<int32_t>(l) < j;
+  const vec<M> one = vec<M>{} + 1.0f;
+  const vec<M> sg = before ? -one : one;  // sign(l - j), +1 at l = j
+  const vec<M> a = load<M>(g1 + l), b = load<M>(g2 + l);
+  if constexpr (same_row) {
+    const vec<M> ab = sg * (a + b);
+    store<M>(gcrI + l, load<M>(gcrI + l) + ab);
+    acc.s1 += ab;
+  } else {
+    const vec<M> sa = sg * a, sb = sg * b, ka = sk * a;
+    store<M>(gcrI + l, load<M>(gcrI + l) + sa);
+    store<M>(gcrK + l, load<M>(gcrK + l) + sb);
+    store<M>(gccK + l, load<M>(gccK + l) + ka);
+    store<M>(gccI + l, load<M>(gccI + l) - ka);
+    acc.s1 += sa;
+    acc.s2 += sb;
+    acc.t2 += b;
+  }
+}
+
+template <int M, bool same_row>
+PPMA_SIMD_INLINE void bias_grad_tail(int64_t W, int64_t l, int32_t j, float sk, const float* g1, const float* g2,
+                                     float* gcrI, float* gccI, float* gcrK, float* gccK, SumTriple<M>& acc) {
+  if constexpr (M == 1) {
+    for (; l < W; ++l) bias_grad_lanes<1, same_row>(l, j, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc);
+  } else {
+    if (l + M <= W) {
+      bias_grad_lanes<M, same_row>(l, j, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc);
+      l += M;
+    }
+    bias_grad_tail<(M > 4 ? M / 2 : 1), same_row>(W, l, j, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc.tail);
+  }
+}
+
+// The prefix-sum gradients of query (i, j) against key row k (g1, g2: the row's dS1, dS2): bias_grad_segment
+// (k != i) or bias_grad_segment_same_row (k == i) over the whole row.
+template <int L, typename T>
+PPMA_SIMD_INLINE void bias_grad_row(Lanes<L>, int64_t W, int64_t j, int64_t k, int64_t i, const T* g1, const T* g2,
+                                    T* gcrI, T* gccI, T* gcrK, T* gccK) {
+  if constexpr (std::is_same<T, float>::value) {
+    SumTriple<L> acc;
+    float s1 = 0, s2 = 0, t2 = 0;
+    int64_t l = 0;
+    const int32_t j32 = static_cast<int32_t>(j);
+    if (k == i) {
+      for (; l + L <= W; l += L) bias_grad_lanes<L, true>(l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, acc);
+      bias_grad_tail<(L > 4 ? L / 2 : 1), true>(W, l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, acc.tail);
+      acc.add_to(s1, s2, t2);
+      gcrI[j] -= s1;
+    } else {
+      const float sk = sgn_diff<float>(k, i);
+      for (; l + L <= W; l += L) bias_grad_lanes<L, false>(l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc);
+      bias_grad_tail<(L > 4 ? L / 2 : 1), false>(W, l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc.tail);
+      acc.add_to(s1, s2, t2);
+      gcrI[j] -= s1;
+      gcrK[j] -= s2;
+      gccK[j] += sk * t2;
+      gccI[j] -= sk * t2;
+    }
+  } else if (k == i) {
+    bias_grad_segment_same_row(int64_t(0), j, W, j, g1, g2, gcrI);
+  } else {
+    bias_grad_segment(int64_t(0), j, W, j, sgn_diff<T>(k, i), g1, g2, gcrI, gccI, gcrK, gccK);
+  }
+}
+
 // grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2].
 // part: [BG, nchunk, N * (d + dv + 2)] zero-initialised partial sums (dk, dv, grad cr, grad cc).
 // Each task owns a fixed range of query tiles of one (batch, head): the split depends on the shapes only.
@@ -521,18 +609,26 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         // DP = 0.5 dO v^T
         const T* gob = go + row0 * dv;
         small_gemm(ln, tq, N, dv, gob, G * dv, int64_t(1), Vt, N, DP, N, false, T(0.5));
+        // The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> first, in one tight loop (three rows of
+        // the large [B, N, G, dv] tensors per query: their loads overlap here)
+        T Dr1[TQ], Dr2[TQ];
         for (int64_t a = 0; a < tq; ++a) {
           const int64_t o = row0 + a * G;
           const T* ga = go + o * dv;
           const T* oa = out + o * dv;
           const T* va = out_v2h + o * dv;
           T D1 = 0, D2 = 0;
+#pragma omp simd reduction(+ : D1, D2)
           for (int64_t e = 0; e < dv; ++e) {
             D1 += ga[e] * va[e];
             D2 += ga[e] * (T(2) * oa[e] - va[e]);
           }
-          D1 *= T(0.5);
-          D2 *= T(0.5);
+          Dr1[a] = T(0.5) * D1;
+          Dr2[a] = T(0.5) * D2;
+        }
+        for (int64_t a = 0; a < tq; ++a) {
+          const int64_t o = row0 + a * G;
+          const T D1 = Dr1[a], D2 = Dr2[a];
           const T ls1 = lse[o * 2 + 0], ls2 = lse[o * 2 + 1];
           T* __restrict x1 = X1 + a * N;
           T* __restrict x2 = X2 + a * N;
@@ -552,14 +648,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           }
           // Prefix-sum gradients, one key row at a time.
           const int64_t p = p0 + a, i = p / W, j = p % W;
-          for (int64_t k = 0; k < D.H; ++k) {
-            if (k == i) {
-              bias_grad_segment_same_row(int64_t(0), j, W, j, g1 + i * W, x2 + i * W, gcr + i * W);
-            } else {
-              bias_grad_segment(int64_t(0), j, W, j, sgn_diff<T>(k, i), g1 + k * W, x2 + k * W, gcr + i * W,
-                                gcc + i * W, gcr + k * W, gcc + k * W);
-            }
-          }
+          for (int64_t k = 0; k < D.H; ++k)
+            bias_grad_row(ln, W, j, k, i, g1 + k * W, x2 + k * W, gcr + i * W, gcc + i * W, gcr + k * W, gcc + k * W);
         }
         // dq = scale * dS k; dk += scale * dS^T q; dv += (P1 + P2)^T (0.5 dO)
         small_gemm(ln, tq, d, N, DP, N, int64_t(1), kb, G * d, dq + row0 * d, G * d, false, scale);
