@@ -8,7 +8,8 @@
 //   backward: rows (z1 = A v, dz2 = A^T g) -> columns (z2 = B v, dz1 = B^T g, dB, softmax backward,
 //             column grads, grad log_beta) -> rows (dA, softmax backward, row grads, grad log_alpha)
 // with g = 0.5 grad_out. Every output element is written by exactly one task per phase: deterministic.
-// Memory: the inputs are read in place (each line gathered into per-thread scratch); the forward needs
+// Memory: the inputs are read in place (queries, values and the z buffers through their row strides, the keys
+// of each line transposed into per-thread scratch; scale multiplies the products); the forward needs
 // one input-sized buffer (z1, then z2), the backward two ((z1, dz2), then (z2, dz1)) besides its outputs.
 //
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
@@ -35,33 +36,78 @@ namespace ppma {
 namespace cpu {
 namespace {
 
-// X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
-// (common/math.h) with its branch hoisted.
-template <typename T>
-inline void add_line_bias(int64_t n, const T* c, T* X) {
-  for (int64_t j = 0; j < n; ++j) {
-    T* __restrict x = X + j * n;
-    const T cj = c[j];
-#pragma omp simd
-    for (int64_t l = 0; l < j; ++l) x[l] += cj - c[l];
-#pragma omp simd
-    for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
+// x[l] += bias(j, l) for keys l .. l + M - 1 of row j (the branch of line_bias chosen lane by lane: a - b is
+// -(b - a) exactly, so the same values as the two hoisted loops); m: the running maximum of the row.
+template <int M>
+PPMA_SIMD_INLINE void line_bias_lanes(int64_t l, int32_t j, float cj, const float* c, float* __restrict x, vec<M>& m) {
+  const ivec<M> before = lane_indices<M>() + static_cast<int32_t>(l) < j;
+  const vec<M> cl = load<M>(c + l);
+  const vec<M> y = load<M>(x + l) + (before ? cj - cl : cl - cj);
+  store<M>(x + l, y);
+  m = y > m ? y : m;
+}
+
+// The row tail from key l: one vector of M lanes if M more keys remain, then M / 2 ... 4, then single lanes.
+template <int M>
+PPMA_SIMD_INLINE void line_bias_tail(int64_t n, int64_t l, int32_t j, float cj, const float* c, float* x, float& m) {
+  if constexpr (M == 1) {
+    for (; l < n; ++l) line_bias_lanes<1>(l, j, cj, c, x, m);
+  } else {
+    if (l + M <= n) {
+      vec<M> v = vec<M>{} - std::numeric_limits<float>::infinity();
+      line_bias_lanes<M>(l, j, cj, c, x, v);
+      const float t = lane_max<M>(v);
+      m = t > m ? t : m;
+      l += M;
+    }
+    line_bias_tail<(M > 4 ? M / 2 : 1)>(n, l, j, cj, c, x, m);
   }
 }
 
-// X[j][l] = <Qs_j, K_l> + bias(j, l) for one line of n tokens. Qs rows have stride qs; Kt is [d][n].
+// X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
+// (common/math.h). With mx, the rows' maxima go to mx[j] (NaN ignored, as max_of). float: each row in vectors of
+// L lanes, the branch chosen lane by lane (line_bias_lanes); double: the branch hoisted (two loops).
 template <int L, typename T>
-inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X) {
-  small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false);
-  add_line_bias(n, c, X);
+inline void add_line_bias(Lanes<L>, int64_t n, const T* c, T* X, T* mx) {
+  for (int64_t j = 0; j < n; ++j) {
+    T* __restrict x = X + j * n;
+    const T cj = c[j];
+    if constexpr (std::is_same<T, float>::value) {
+      vec<L> m = vec<L>{} - std::numeric_limits<float>::infinity();
+      float ms = -std::numeric_limits<float>::infinity();
+      int64_t l = 0;
+      for (; l + L <= n; l += L) line_bias_lanes<L>(l, int32_t(j), cj, c, x, m);
+      line_bias_tail<(L > 4 ? L / 2 : 1)>(n, l, int32_t(j), cj, c, x, ms);
+      if (mx) {
+        const float mv = lane_max<L>(m);
+        mx[j] = mv > ms ? mv : ms;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t l = 0; l < j; ++l) x[l] += cj - c[l];
+#pragma omp simd
+      for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
+      if (mx) mx[j] = max_of(n, x);
+    }
+  }
 }
 
-// In-place row softmax of X [n][n]; lse[j * ls] = logsumexp of row j.
+// X[j][l] = scale <Q_j, K_l> + bias(j, l) for one line of n tokens (rows' maxima into mx[j] where mx is given).
+// Q rows have stride qs; Kt is [d][n].
 template <int L, typename T>
-inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls) {
+inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X,
+                        T scale, T* mx) {
+  small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false, scale);
+  add_line_bias(ln, n, c, X, mx);
+}
+
+// In-place row softmax of X [n][n]; lse[j * ls] = logsumexp of row j. mx: the rows' maxima (from add_line_bias),
+// or null.
+template <int L, typename T>
+inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const T* mx = nullptr) {
   for (int64_t j = 0; j < n; ++j) {
     T* x = X + j * n;
-    const T m = max_of(n, x);
+    const T m = mx ? mx[j] : max_of(n, x);
     const T s = exp_shift_sum(ln, n, x, m);
     scale_inplace(n, x, T(1) / s);
     lse[j * ls] = m + std::log(s);
@@ -93,12 +139,12 @@ inline void line_apply_t(Lanes<L> ln, int64_t n, int64_t dv, const T* P, const T
 // side, Ut [2 dv][n] the two matching ones transposed and stacked: dP = G1 U1^T + G2 U2^T in one product):
 //   dX = P * (dP - rowsum(P * dP)) (written into dP's scratch DX),
 //   prefix-sum gradient of the line into gc (sign rule sgn_diff of common/math.h, branch hoisted),
-//   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) sum_j dX[j][l] Qs_j (Qs, K rows contiguous; dq, dk
+//   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) scale * sum_j dX[j][l] Q_j (Q, K rows at strides qs, ks; dq, dk
 //   rows at strides dqs / dks; written, or added to what is there when accumulate).
 template <int L, typename T>
 inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T* P, const T* Gm, int64_t gs,
-                          const T* Ut, const T* Q, const T* K, T scale, T* DX, T* gc, T* dq, int64_t dqs, T* dk,
-                          int64_t dks, bool accumulate) {
+                          const T* Ut, const T* Q, int64_t qs, const T* K, int64_t ks, T scale, T* DX, T* gc, T* dq,
+                          int64_t dqs, T* dk, int64_t dks, bool accumulate) {
   small_gemm(ln, n, n, 2 * dv, Gm, gs, 1, Ut, n, DX, n, false);  // dP, one product over 2 dv
   std::fill(gc, gc + n, T(0));
   for (int64_t j = 0; j < n; ++j) {
@@ -122,8 +168,8 @@ inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T
     }
     gc[j] += sneg - spos;
   }
-  small_gemm(ln, n, d, n, DX, n, 1, K, d, dq, dqs, accumulate, scale);  // dq (+)= scale dX K
-  small_gemm(ln, n, d, n, DX, 1, n, Q, d, dk, dks, accumulate);         // dk (+)= dX^T Qs
+  small_gemm(ln, n, d, n, DX, n, 1, K, ks, dq, dqs, accumulate, scale);  // dq (+)= scale dX K
+  small_gemm(ln, n, d, n, DX, 1, n, Q, qs, dk, dks, accumulate, scale);  // dk (+)= scale dX^T Q
 }
 
 // The inputs are read in their own layout [B, N, G, *] (no packed copies); every line is gathered into
@@ -195,24 +241,21 @@ inline void gather_input_rows_t(Lanes<L> ln, int64_t n, int64_t c, const I* src,
 template <typename T>
 struct LineScratch {
   std::vector<T> buf;
-  T *X, *q, *kt, *v, *u;  // maps, scaled queries, keys transposed, values, a second value-like operand
+  T *X, *q, *kt, *v;  // maps, queries (bf16 inputs), keys transposed, values (bf16 inputs)
+  T* mx;              // the rows' maxima of a map
   T *DX, *k, *gu, *ut, *gc;  // backward: map gradient, keys, [n][2 dv] and [2 dv][n] operands, prefix grads
   LineScratch(int64_t n, int64_t d, int64_t dv, bool backward) {
     const int64_t nn = n * n, nd = n * d, nv = n * dv;
-    buf.resize(backward ? 2 * nn + 3 * nd + 5 * nv + n : nn + 2 * nd + 2 * nv);
+    buf.resize(backward ? 2 * nn + 3 * nd + 5 * nv + 2 * n : nn + 2 * nd + nv + n);
     T* p = buf.data();
     auto take = [&](int64_t m) {
       T* r = p;
       p += m;
       return r;
     };
-    X = take(nn), q = take(nd), kt = take(nd), v = take(nv);
-    u = DX = k = gu = ut = gc = nullptr;
-    if (backward) {
-      DX = take(nn), k = take(nd), gu = take(2 * nv), ut = take(2 * nv), gc = take(n);
-    } else {
-      u = take(nv);
-    }
+    X = take(nn), q = take(nd), kt = take(nd), v = take(nv), mx = take(n);
+    DX = k = gu = ut = gc = nullptr;
+    if (backward) DX = take(nn), k = take(nd), gu = take(2 * nv), ut = take(2 * nv), gc = take(n);
   }
 };
 
@@ -225,19 +268,43 @@ inline void parallel_lines(const CCData<T, I>& D, int64_t ntasks, bool backward,
       [&](int64_t t, LineScratch<T>& scratch) { with_lanes([&](auto ln) { body(ln, t, scratch); }); });
 }
 
-// The logits of a line into S.X (S.q: the scaled queries, S.kt: the keys transposed).
-template <int L, typename T, typename I>
-inline void line_scores(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S) {
-  gather_input_rows(li.n, D.d, li.at(D.q, D.d), li.ld(D.d), S.q, D.d, D.scale);
-  gather_input_rows_t(ln, li.n, D.d, li.at(D.k, D.d), li.ld(D.d), S.kt);
-  line_logits(ln, li.n, D.d, S.q, D.d, S.kt, li.c, S.X);
+// A line's rows of an input [B, N, G, ch]: read in place (first row and row stride) when I is T, else (bf16 bits)
+// widened into scratch; copied into scratch with gather (the backward reads them several times).
+template <typename T>
+struct Rows {
+  const T* p;
+  int64_t s;
+};
+template <typename T, typename I>
+inline Rows<T> line_rows(const Line<T>& li, const I* src, int64_t ch, T* scratch, bool gather = false) {
+  if constexpr (std::is_same<T, I>::value) {
+    if (gather) {
+      gather_rows(li.n, ch, li.at(src, ch), li.ld(ch), scratch, ch);
+      return {scratch, ch};
+    }
+    return {li.at(src, ch), li.ld(ch)};
+  } else {
+    gather_input_rows(li.n, ch, li.at(src, ch), li.ld(ch), scratch, ch);
+    return {scratch, ch};
+  }
 }
 
-// out = P v for the line's map P in S.X (its values gathered into S.v): z1 = A v of a row, z2 = B v of a column.
+// The logits of a line into S.X (the keys transposed into S.kt, the queries read by line_rows), its rows' maxima
+// into S.mx when maxima is set. Returns the queries' rows (copied into S.q with gather).
+template <int L, typename T, typename I>
+inline Rows<T> line_scores(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S,
+                           bool maxima = false, bool gather = false) {
+  const Rows<T> q = line_rows(li, D.q, D.d, S.q, gather);
+  gather_input_rows_t(ln, li.n, D.d, li.at(D.k, D.d), li.ld(D.d), S.kt);
+  line_logits(ln, li.n, D.d, q.p, q.s, S.kt, li.c, S.X, D.scale, maxima ? S.mx : nullptr);
+  return q;
+}
+
+// out = P v for the line's map P in S.X (its values read by line_rows): z1 = A v of a row, z2 = B v of a column.
 template <int L, typename T, typename I>
 inline void line_values(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, T* out) {
-  gather_input_rows(li.n, D.dv, li.at(D.v, D.dv), li.ld(D.dv), S.v, D.dv);
-  line_apply(ln, li.n, D.dv, S.X, S.v, D.dv, li.at(out, D.dv), li.ld(D.dv));
+  const Rows<T> v = line_rows(li, D.v, D.dv, S.v);
+  line_apply(ln, li.n, D.dv, S.X, v.p, v.s, li.at(out, D.dv), li.ld(D.dv));
 }
 
 // Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column).
@@ -247,26 +314,25 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
   // Phase 1: rows. A, lse0, z1 = A v.
   parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
-    line_scores(ln, D, r, S);
-    line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    line_scores(ln, D, r, S, true);
+    line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), S.mx);
     line_values(ln, D, r, S, Z);
   });
   // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
   parallel_lines(D, BG * D.W, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> c(D, false, t);
-    line_scores(ln, D, c, S);
-    gather_rows(c.n, dv, c.at(Z, dv), c.ld(dv), S.u, dv);
-    line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
-    line_apply(ln, c.n, dv, S.X, S.u, dv, c.at(out, dv), c.ld(dv), false, T(0.5));  // out = 0.5 B z1
+    line_scores(ln, D, c, S, true);
+    line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
+    // out = 0.5 B z1, z1 read in place before z2 replaces it
+    line_apply(ln, c.n, dv, S.X, c.at(Z, dv), c.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
     line_values(ln, D, c, S, Z);                                                   // z2 = B v
   });
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
   parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
     line_scores(ln, D, r, S);
-    gather_rows(r.n, dv, r.at(Z, dv), r.ld(dv), S.u, dv);
     line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
-    line_apply(ln, r.n, dv, S.X, S.u, dv, r.at(out, dv), r.ld(dv), true, T(0.5));
+    line_apply(ln, r.n, dv, S.X, r.at(Z, dv), r.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
   });
 }
 
@@ -374,7 +440,7 @@ inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& 
   gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
   gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
   small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
-  add_line_bias(n, li.c, S.X);
+  add_line_bias(ln, n, li.c, S.X, static_cast<float*>(nullptr));
 }
 
 // The map in S.X rounded to bf16 into S.pb, rows of pairs of positions (the last one 0 when n is odd).
@@ -449,14 +515,14 @@ inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, Li
                        const T* lse, int side, const T* z, const T* dz, T* dq, T* dk, T* gv, T* gdecay,
                        bool accumulate) {
   const int64_t n = li.n, d = D.d, dv = D.dv;
-  line_scores(ln, D, li, S);
-  gather_input_rows(n, d, li.at(D.k, d), li.ld(d), S.k, d);
+  const Rows<T> q = line_scores(ln, D, li, S, false, true);
+  const Rows<T> k = line_rows(li, D.k, d, S.k, true);
   gather_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv, T(0.5));  // [g | dz], row stride 2 dv
   gather_rows(n, dv, li.at(dz, dv), li.ld(dv), S.gu + dv, 2 * dv);
   gather_rows_t(ln, n, dv, li.at(z, dv), li.ld(dv), S.ut);  // [z^T ; v^T]
   gather_input_rows_t(ln, n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n);
   line_softmax_from_lse(ln, n, S.X, li.at(lse, 2) + side, li.ld(2));
-  line_backward(ln, n, d, dv, S.X, S.gu, 2 * dv, S.ut, S.q, S.k, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
+  line_backward(ln, n, d, dv, S.X, S.gu, 2 * dv, S.ut, q.p, q.s, k.p, k.s, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
                 li.at(dk, d), li.ld(d), accumulate);
   line_apply_t(ln, n, dv, S.X, S.gu + dv, 2 * dv, li.at(gv, dv), li.ld(dv), accumulate);
   decay_grads_from_prefix(n, S.gc, 1, gdecay + li.tok, li.ts);

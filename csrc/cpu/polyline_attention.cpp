@@ -19,7 +19,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <utility>
 #include <vector>
 
 #include "common/checks.h"
@@ -63,20 +62,6 @@ inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int
 // (keys l < j and l >= j, common/math.h line_bias) chosen lane by lane, so that a key row is one run of vectors
 // whatever the query's column j (two runs split at j left short loops at W = 14 and 32). The same values as the
 // plain loops below (a - b = -(b - a) exactly), up to the contraction of the last product into an FMA.
-template <int M, size_t... E>
-PPMA_SIMD_INLINE ivec<M> lane_indices(std::index_sequence<E...>) {
-  return ivec<M>{static_cast<int32_t>(E)...};
-}
-// {0, 1, ..., M - 1}
-template <int M>
-PPMA_SIMD_INLINE ivec<M> lane_indices() {
-  if constexpr (M == 1) {
-    return 0;
-  } else {
-    return lane_indices<M>(std::make_index_sequence<M>());
-  }
-}
-
 template <int M>
 PPMA_SIMD_INLINE void bias_lanes(int64_t l, int32_t j, float crIj, float crKj, float sk, float ct2, const float* crI,
                                  const float* ccI, const float* crK, const float* ccK, float* __restrict y1,
@@ -92,17 +77,6 @@ PPMA_SIMD_INLINE void bias_lanes(int64_t l, int32_t j, float crIj, float crKj, f
   store<M>(y2 + l, x2);
   m1 = x1 > m1 ? x1 : m1;
   m2 = x2 > m2 ? x2 : m2;
-}
-
-template <int M>
-PPMA_SIMD_INLINE float lane_max(vec<M> v) {
-  if constexpr (M == 1) {
-    return v;
-  } else {
-    float m = v[0];
-    for (int e = 1; e < M; ++e) m = v[e] > m ? v[e] : m;
-    return m;
-  }
 }
 
 // Running maxima of add_biases_row, one pair per vector width (a key row runs L lanes at a time, then at most one
@@ -483,7 +457,7 @@ inline void bias_grad_segment_same_row(int64_t l0, int64_t ub, int64_t len, int6
 
 // float: bias_grad_segment and bias_grad_segment_same_row over a whole key row (l0 = 0, ub = j, len = W) in vectors
 // of L lanes, then L / 2 ... 4, then single lanes, the sign of l - j chosen lane by lane (as add_biases_row), each
-// width's sums kept in vectors and added lane by lane in order at the end of the row.
+// width's sums kept in vectors and summed by hsum (cpu/simd.h) at the end of the row.
 template <int M>
 struct SumTriple {
   vec<M> s1{}, s2{}, t2{};

@@ -24,6 +24,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #if !defined(__GNUC__)
 #error "the ppma CPU kernels need the GCC/Clang vector extensions"
@@ -79,12 +80,21 @@ template <int L>
 PPMA_SIMD_INLINE void store(float* p, vec<L> v) {
   std::memcpy(p, &v, sizeof(v));
 }
-// Lanes summed in order (so a result does not depend on the compiler's reduction tree).
+// The lanes' sum by a fixed pairwise tree (halves added, then their halves, ...; (v0 + v2) + (v1 + v3) at the
+// last four), written out so that a result does not depend on the compiler's reduction order; log2(L) steps
+// instead of a chain of L dependent additions (a row of 56 logits ends in one of these).
 template <int L>
 PPMA_SIMD_INLINE float hsum(vec<L> v) {
-  float s = 0;
-  for (int l = 0; l < L; ++l) s += v[l];
-  return s;
+  if constexpr (L == 1) {
+    return v;
+  } else if constexpr (L == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    vec<L / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return hsum<L / 2>(lo + hi);
+  }
 }
 
 // exp(x), lane for lane and branch-free (Cephes-style range reduction and a degree-6 polynomial; relative
@@ -127,6 +137,32 @@ PPMA_SIMD_INLINE vec<L> fast_exp(vec<L> x) {
   return nan ? x : res;
 }
 
+// {0, 1, ..., M - 1} as int32 lanes (0 for M = 1).
+template <int M, size_t... E>
+PPMA_SIMD_INLINE ivec<M> lane_indices(std::index_sequence<E...>) {
+  return ivec<M>{static_cast<int32_t>(E)...};
+}
+template <int M>
+PPMA_SIMD_INLINE ivec<M> lane_indices() {
+  if constexpr (M == 1) {
+    return 0;
+  } else {
+    return lane_indices<M>(std::make_index_sequence<M>());
+  }
+}
+
+// The largest lane (NaN lanes ignored unless the first).
+template <int M>
+PPMA_SIMD_INLINE float lane_max(vec<M> v) {
+  if constexpr (M == 1) {
+    return v;
+  } else {
+    float m = v[0];
+    for (int e = 1; e < M; ++e) m = v[e] > m ? v[e] : m;
+    return m;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Array loops. The lane-tagged ones are written with vectors; the others are plain loops that -O3 vectorises
 // at the width of the function they are inlined into. double runs the plain loops (std::exp).
@@ -138,7 +174,7 @@ PPMA_SIMD_INLINE void exp_tail_sum(int64_t n, float* __restrict x, float shift, 
   if (e + M <= n) {
     const vec<M> p = fast_exp<M>(load<M>(x + e) - shift);
     store<M>(x + e, p);
-    for (int l = 0; l < M; ++l) s += p[l];
+    s += hsum<M>(p);
     e += M;
   }
   if constexpr (M > 4) exp_tail_sum<M / 2>(n, x, shift, e, s);
@@ -152,7 +188,7 @@ PPMA_SIMD_INLINE void exp_tail(int64_t n, float* __restrict x, float shift, int6
   if constexpr (M > 4) exp_tail<M / 2>(n, x, shift, e);
 }
 
-// x[e] = exp(x[e] - shift) for e < n; returns their sum (the lanes in order, then the tail).
+// x[e] = exp(x[e] - shift) for e < n; returns their sum (the lanes by hsum, then the tail).
 template <int L, typename T>
 PPMA_SIMD_INLINE T exp_shift_sum(Lanes<L>, int64_t n, T* __restrict x, T shift) {
   if constexpr (std::is_same<T, float>::value) {
@@ -164,7 +200,7 @@ PPMA_SIMD_INLINE T exp_shift_sum(Lanes<L>, int64_t n, T* __restrict x, T shift) 
       acc += p;
     }
     float s = hsum<L>(acc);
-    // A tail of L / 2 or more: one half-width vector, its terms summed in order (then L / 4 ... 4 lanes).
+    // A tail of L / 2 or more: one half-width vector, its terms summed by hsum (then L / 4 ... 4 lanes).
     if constexpr (L > 4) exp_tail_sum<L / 2>(n, x, shift, e, s);
     for (; e < n; ++e) {
       const float p = fast_exp<1>(x[e] - shift);
