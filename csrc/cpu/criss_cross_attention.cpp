@@ -36,48 +36,31 @@ namespace ppma {
 namespace cpu {
 namespace {
 
-// x[l] += bias(j, l) for keys l .. l + M - 1 of row j (the branch of line_bias chosen lane by lane: a - b is
-// -(b - a) exactly, so the same values as the two hoisted loops); m: the running maximum of the row.
-template <int M>
-PPMA_SIMD_INLINE void line_bias_lanes(int64_t l, int32_t j, float cj, const float* c, float* __restrict x, vec<M>& m) {
-  const ivec<M> before = lane_indices<M>() + static_cast<int32_t>(l) < j;
-  const vec<M> cl = load<M>(c + l);
-  const vec<M> y = load<M>(x + l) + (before ? cj - cl : cl - cj);
-  store<M>(x + l, y);
-  m = y > m ? y : m;
-}
-
-// The row tail from key l: one vector of M lanes if M more keys remain, then M / 2 ... 4, then single lanes.
-template <int M>
-PPMA_SIMD_INLINE void line_bias_tail(int64_t n, int64_t l, int32_t j, float cj, const float* c, float* x, float& m) {
-  if constexpr (M == 1) {
-    for (; l < n; ++l) line_bias_lanes<1>(l, j, cj, c, x, m);
-  } else {
-    if (l + M <= n) {
-      vec<M> v = vec<M>{} - std::numeric_limits<float>::infinity();
-      line_bias_lanes<M>(l, j, cj, c, x, v);
-      const float t = lane_max<M>(v);
-      m = t > m ? t : m;
-      l += M;
-    }
-    line_bias_tail<(M > 4 ? M / 2 : 1)>(n, l, j, cj, c, x, m);
-  }
-}
-
 // X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
-// (common/math.h). With mx, the rows' maxima go to mx[j] (NaN ignored, as max_of). float: each row in vectors of
-// L lanes, the branch chosen lane by lane (line_bias_lanes); double: the branch hoisted (two loops).
+// (common/math.h). With mx, the rows' maxima go to mx[j] (NaN ignored, as max_of). float: each row in vectors
+// (for_lanes), the branch chosen lane by lane (a - b is -(b - a) exactly: the same values as the hoisted loops of
+// double).
 template <int L, typename T>
-inline void add_line_bias(Lanes<L>, int64_t n, const T* c, T* X, T* mx) {
+inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx) {
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
     const T cj = c[j];
     if constexpr (std::is_same<T, float>::value) {
       vec<L> m = vec<L>{} - std::numeric_limits<float>::infinity();
       float ms = -std::numeric_limits<float>::infinity();
-      int64_t l = 0;
-      for (; l + L <= n; l += L) line_bias_lanes<L>(l, int32_t(j), cj, c, x, m);
-      line_bias_tail<(L > 4 ? L / 2 : 1)>(n, l, int32_t(j), cj, c, x, ms);
+      const int32_t j32 = static_cast<int32_t>(j);
+      for_lanes(ln, n, [&](auto lm, int64_t l) {
+        constexpr int M = decltype(lm)::value;
+        const vec<M> cl = load<M>(c + l);
+        const vec<M> y = load<M>(x + l) + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
+        store<M>(x + l, y);
+        if constexpr (M == L) {
+          m = y > m ? y : m;
+        } else {
+          const float t = lane_max<M>(y);
+          ms = t > ms ? t : ms;
+        }
+      });
       if (mx) {
         const float mv = lane_max<L>(m);
         mx[j] = mv > ms ? mv : ms;
@@ -151,22 +134,43 @@ inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T
     T* __restrict x = DX + j * n;
     const T* p = P + j * n;
     const T rs = dot(n, p, x);
-    T sneg = 0, spos = 0;
+    if constexpr (std::is_same<T, float>::value) {
+      // the two loops below in vectors (for_lanes), the sign chosen lane by lane: gc[l] += sign(l - j) v and
+      // gc[j] -= sum_l sign(l - j) v (sign +1 at l = j)
+      vec<L> acc{};
+      float s = 0;
+      const int32_t j32 = static_cast<int32_t>(j);
+      for_lanes(ln, n, [&](auto lm, int64_t l) {
+        constexpr int M = decltype(lm)::value;
+        const vec<M> v = load<M>(p + l) * (load<M>(x + l) - rs);
+        store<M>(x + l, v);
+        const vec<M> sv = lane_indices<M>() + static_cast<int32_t>(l) < j32 ? -v : v;
+        store<M>(gc + l, load<M>(gc + l) + sv);
+        if constexpr (M == L) {
+          acc += sv;
+        } else {
+          s += hsum<M>(sv);
+        }
+      });
+      gc[j] -= hsum<L>(acc) + s;
+    } else {
+      T sneg = 0, spos = 0;
 #pragma omp simd reduction(+ : sneg)
-    for (int64_t l = 0; l < j; ++l) {  // bias = c_j - c_l
-      const T v = p[l] * (x[l] - rs);
-      x[l] = v;
-      gc[l] -= v;
-      sneg += v;
-    }
+      for (int64_t l = 0; l < j; ++l) {  // bias = c_j - c_l
+        const T v = p[l] * (x[l] - rs);
+        x[l] = v;
+        gc[l] -= v;
+        sneg += v;
+      }
 #pragma omp simd reduction(+ : spos)
-    for (int64_t l = j; l < n; ++l) {  // bias = c_l - c_j
-      const T v = p[l] * (x[l] - rs);
-      x[l] = v;
-      gc[l] += v;
-      spos += v;
+      for (int64_t l = j; l < n; ++l) {  // bias = c_l - c_j
+        const T v = p[l] * (x[l] - rs);
+        x[l] = v;
+        gc[l] += v;
+        spos += v;
+      }
+      gc[j] += sneg - spos;
     }
-    gc[j] += sneg - spos;
   }
   small_gemm(ln, n, d, n, DX, n, 1, K, ks, dq, dqs, accumulate, scale);  // dq (+)= scale dX K
   small_gemm(ln, n, d, n, DX, 1, n, Q, qs, dk, dks, accumulate, scale);  // dk (+)= scale dX^T Q

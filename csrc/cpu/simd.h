@@ -151,6 +151,29 @@ PPMA_SIMD_INLINE ivec<M> lane_indices() {
   }
 }
 
+// Runs f(Lanes<M>{}, l) over the elements l of [0, n): vectors of L lanes, then at most one vector of each of L / 2
+// ... 4 lanes, then single elements (M = 1): a loop of any length at the width of the path, without scalar
+// epilogues of up to L - 1 elements. f is generic in M (a full-width call may keep vector state; the others reduce
+// theirs at once).
+template <int M, typename F>
+PPMA_SIMD_INLINE void for_lanes_tail(int64_t n, int64_t l, F& f) {
+  if constexpr (M < 4) {
+    for (; l < n; ++l) f(Lanes<1>{}, l);
+  } else {
+    if (l + M <= n) {
+      f(Lanes<M>{}, l);
+      l += M;
+    }
+    for_lanes_tail<M / 2>(n, l, f);
+  }
+}
+template <int L, typename F>
+PPMA_SIMD_INLINE void for_lanes(Lanes<L>, int64_t n, F&& f) {
+  int64_t l = 0;
+  for (; l + L <= n; l += L) f(Lanes<L>{}, l);
+  for_lanes_tail<L / 2>(n, l, f);
+}
+
 // The largest lane (NaN lanes ignored unless the first).
 template <int M>
 PPMA_SIMD_INLINE float lane_max(vec<M> v) {
