@@ -57,7 +57,7 @@ inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int
 
 // Row p of the logits: y1 holds S = scale * q_p k^T against all N keys. Adds the biases: y1[s] = S + M,
 // y2[s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T), one key row k at a time; returns the
-// maxima of the two rows in *m1, *m2 (NaN ignored, as max_of).
+// maxima of the two rows in *m1, *m2 (NaN ignored, as max_of) unless m1 is null.
 // float: each key row in vectors of L lanes (then L / 2 ... 4, then single lanes), the line bias's two branches
 // (keys l < j and l >= j, common/math.h line_bias) chosen lane by lane, so that a key row is one run of vectors
 // whatever the query's column j (two runs split at j left short loops at W = 14 and 32). The same values as the
@@ -79,12 +79,21 @@ PPMA_SIMD_INLINE void bias_lanes(int64_t l, int32_t j, float crIj, float crKj, f
   m2 = x2 > m2 ? x2 : m2;
 }
 
-// Running maxima of add_biases_row, one pair per vector width (a key row runs L lanes at a time, then at most one
-// vector of each of L / 2 ... 4 lanes, then single lanes), reduced across lanes once at the end.
+// Running maxima of add_biases_row, one pair per vector width of for_lanes (a key row runs L lanes at a time, then at
+// most one vector of each of L / 2 ... 4 lanes, then single lanes), kept across the key rows and reduced across lanes
+// once at the end (reducing the narrow widths per key row measured 10 % slower at W = 14).
 template <int M>
 struct MaxPair {
   vec<M> a = vec<M>{} - std::numeric_limits<float>::infinity(), b = a;
   MaxPair<(M > 4 ? M / 2 : 1)> tail;
+  template <int K>  // the pair of width K (for_lanes' widths)
+  PPMA_SIMD_INLINE auto& at() {
+    if constexpr (K == M) {
+      return *this;
+    } else {
+      return tail.template at<K>();
+    }
+  }
   PPMA_SIMD_INLINE void reduce(float& m1, float& m2) const {
     tail.reduce(m1, m2);
     const float x = lane_max<M>(a), y = lane_max<M>(b);
@@ -95,28 +104,16 @@ struct MaxPair {
 template <>
 struct MaxPair<1> {
   vec<1> a = -std::numeric_limits<float>::infinity(), b = a;
+  template <int K>
+  PPMA_SIMD_INLINE MaxPair<1>& at() {
+    static_assert(K == 1, "no such width");
+    return *this;
+  }
   PPMA_SIMD_INLINE void reduce(float& m1, float& m2) const {
     m1 = a > m1 ? a : m1;
     m2 = b > m2 ? b : m2;
   }
 };
-
-// The key-row tail of add_biases_row from key l: one vector of M lanes if M more keys remain, then M / 2 ... 4
-// lanes, then single ones.
-template <int M>
-PPMA_SIMD_INLINE void bias_tail(int64_t W, int64_t l, int32_t j, float crIj, float crKj, float sk, float ct2,
-                                const float* crI, const float* ccI, const float* crK, const float* ccK, float* y1,
-                                float* y2, MaxPair<M>& m) {
-  if constexpr (M == 1) {
-    for (; l < W; ++l) bias_lanes<1>(l, j, crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.a, m.b);
-  } else {
-    if (l + M <= W) {
-      bias_lanes<M>(l, j, crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.a, m.b);
-      l += M;
-    }
-    bias_tail<(M > 4 ? M / 2 : 1)>(W, l, j, crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.tail);
-  }
-}
 
 template <int L, typename T>
 inline void add_biases_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p, T* __restrict y1r,
@@ -138,12 +135,15 @@ inline void add_biases_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t 
       const float sk = sgn_diff<float>(k, i);  // the column bias C(i, k) = sk * (cc[k] - cc[i]) (0 on the query's row)
       const float ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
       const float crKj = crK[j];
-      int64_t l = 0;
-      for (; l + L <= W; l += L) bias_lanes<L>(l, int32_t(j), crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.a, m.b);
-      bias_tail<(L > 4 ? L / 2 : 1)>(W, l, int32_t(j), crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, m.tail);
+      for_lanes(ln, W, [&](auto lm, int64_t l) {
+        auto& acc = m.template at<decltype(lm)::value>();
+        bias_lanes<decltype(lm)::value>(l, int32_t(j), crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, acc.a, acc.b);
+      });
     }
-    *m1 = *m2 = -std::numeric_limits<float>::infinity();
-    m.reduce(*m1, *m2);
+    if (m1) {
+      *m1 = *m2 = -std::numeric_limits<float>::infinity();
+      m.reduce(*m1, *m2);
+    }
   } else {
     for (int64_t k = 0; k < H; ++k) {
       T* __restrict y1 = y1r + k * W;
@@ -167,17 +167,21 @@ inline void add_biases_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t 
         y2[l] = sv + (crK[l] - crKj) + ct2;
       }
     }
-    *m1 = max_of(N, y1r);
-    *m2 = max_of(N, y2r);
+    if (m1) {
+      *m1 = max_of(N, y1r);
+      *m2 = max_of(N, y2r);
+    }
   }
 }
 
 // X1 holds S = scale * q k^T of queries p0 .. p0 + tq against all N keys (row stride N). Adds the
-// biases row by row (add_biases_row): X1 = S + M, X2 = S + M'; the rows' maxima go to mx1[a], mx2[a] (tq each).
+// biases row by row (add_biases_row): X1 = S + M, X2 = S + M'; the rows' maxima go to mx1[a], mx2[a] (tq each)
+// unless mx1 is null.
 template <int L, typename T>
 inline void add_biases(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p0, int64_t tq, T* __restrict X1,
                        T* __restrict X2, T* mx1, T* mx2) {
-  for (int64_t a = 0; a < tq; ++a) add_biases_row(ln, D, bg, p0 + a, X1 + a * D.N, X2 + a * D.N, mx1 + a, mx2 + a);
+  for (int64_t a = 0; a < tq; ++a)
+    add_biases_row(ln, D, bg, p0 + a, X1 + a * D.N, X2 + a * D.N, mx1 ? mx1 + a : nullptr, mx2 ? mx2 + a : nullptr);
 }
 
 // Logits of a query tile against all keys, both biases added: X1 = S + M, X2 = S + M'. Kt: the keys of the
@@ -456,12 +460,20 @@ inline void bias_grad_segment_same_row(int64_t l0, int64_t ub, int64_t len, int6
 }
 
 // float: bias_grad_segment and bias_grad_segment_same_row over a whole key row (l0 = 0, ub = j, len = W) in vectors
-// of L lanes, then L / 2 ... 4, then single lanes, the sign of l - j chosen lane by lane (as add_biases_row), each
-// width's sums kept in vectors and summed by hsum (cpu/simd.h) at the end of the row.
+// (for_lanes), the sign of l - j chosen lane by lane (as add_biases_row), each width's sums kept in vectors and
+// summed by hsum (cpu/simd.h) at the end of the row.
 template <int M>
 struct SumTriple {
   vec<M> s1{}, s2{}, t2{};
   SumTriple<(M > 4 ? M / 2 : 1)> tail;
+  template <int K>  // the sums of width K (for_lanes' widths)
+  PPMA_SIMD_INLINE auto& at() {
+    if constexpr (K == M) {
+      return *this;
+    } else {
+      return tail.template at<K>();
+    }
+  }
   PPMA_SIMD_INLINE void add_to(float& a, float& b, float& c) const {
     a += hsum<M>(s1), b += hsum<M>(s2), c += hsum<M>(t2);
     tail.add_to(a, b, c);
@@ -470,6 +482,11 @@ struct SumTriple {
 template <>
 struct SumTriple<1> {
   float s1 = 0, s2 = 0, t2 = 0;
+  template <int K>
+  PPMA_SIMD_INLINE SumTriple<1>& at() {
+    static_assert(K == 1, "no such width");
+    return *this;
+  }
   PPMA_SIMD_INLINE void add_to(float& a, float& b, float& c) const { a += s1, b += s2, c += t2; }
 };
 
@@ -497,39 +514,28 @@ PPMA_SIMD_INLINE void bias_grad_lanes(int64_t l, int32_t j, float sk, const floa
   }
 }
 
-template <int M, bool same_row>
-PPMA_SIMD_INLINE void bias_grad_tail(int64_t W, int64_t l, int32_t j, float sk, const float* g1, const float* g2,
-                                     float* gcrI, float* gccI, float* gcrK, float* gccK, SumTriple<M>& acc) {
-  if constexpr (M == 1) {
-    for (; l < W; ++l) bias_grad_lanes<1, same_row>(l, j, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc);
-  } else {
-    if (l + M <= W) {
-      bias_grad_lanes<M, same_row>(l, j, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc);
-      l += M;
-    }
-    bias_grad_tail<(M > 4 ? M / 2 : 1), same_row>(W, l, j, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc.tail);
-  }
-}
-
 // The prefix-sum gradients of query (i, j) against key row k (g1, g2: the row's dS1, dS2): bias_grad_segment
 // (k != i) or bias_grad_segment_same_row (k == i) over the whole row.
 template <int L, typename T>
-PPMA_SIMD_INLINE void bias_grad_row(Lanes<L>, int64_t W, int64_t j, int64_t k, int64_t i, const T* g1, const T* g2,
+PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k, int64_t i, const T* g1, const T* g2,
                                     T* gcrI, T* gccI, T* gcrK, T* gccK) {
   if constexpr (std::is_same<T, float>::value) {
     SumTriple<L> acc;
     float s1 = 0, s2 = 0, t2 = 0;
-    int64_t l = 0;
     const int32_t j32 = static_cast<int32_t>(j);
     if (k == i) {
-      for (; l + L <= W; l += L) bias_grad_lanes<L, true>(l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, acc);
-      bias_grad_tail<(L > 4 ? L / 2 : 1), true>(W, l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, acc.tail);
+      for_lanes(ln, W, [&](auto lm, int64_t l) {
+        constexpr int M = decltype(lm)::value;
+        bias_grad_lanes<M, true>(l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, acc.template at<M>());
+      });
       acc.add_to(s1, s2, t2);
       gcrI[j] -= s1;
     } else {
       const float sk = sgn_diff<float>(k, i);
-      for (; l + L <= W; l += L) bias_grad_lanes<L, false>(l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc);
-      bias_grad_tail<(L > 4 ? L / 2 : 1), false>(W, l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc.tail);
+      for_lanes(ln, W, [&](auto lm, int64_t l) {
+        constexpr int M = decltype(lm)::value;
+        bias_grad_lanes<M, false>(l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc.template at<M>());
+      });
       acc.add_to(s1, s2, t2);
       gcrI[j] -= s1;
       gcrK[j] -= s2;
@@ -578,8 +584,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
       for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
         const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
         const int64_t row0 = token_index(N, G, b, p0, g);  // first query row in the [B, N, G, .] layouts
-        T mx1[TQ], mx2[TQ];  // not needed: the backward's softmaxes come from lse
-        logits_block(ln, D, bg, p0, tq, Kt, X1, X2, mx1, mx2);
+        logits_block(ln, D, bg, p0, tq, Kt, X1, X2, static_cast<T*>(nullptr), static_cast<T*>(nullptr));  // from lse
         // DP = 0.5 dO v^T
         const T* gob = go + row0 * dv;
         small_gemm(ln, tq, N, dv, gob, G * dv, int64_t(1), Vt, N, DP, N, false, T(0.5));
