@@ -1,6 +1,9 @@
 """``ppma.ops.depthwise_conv2d`` and its CPU weight-gradient kernel ``torch.ops.ppma.depthwise_conv2d_backward``
 (docs/ops.md "depthwise_conv2d"): gradients equal torch's up to rounding, gradcheck, bitwise the same for every
-thread count, every SIMD path, the dispatch rules, and DWConv2d taking the kernel in training."""
+thread count, every SIMD path, the dispatch rules, and DWConv2d taking the kernel in training. The in-place
+inference kernel ``torch.ops.ppma.depthwise_conv2d_residual_`` (``x + conv(x)`` written over ``x``): equal to
+torch's convolution up to rounding on swept shapes, deterministic, every SIMD path, its dispatch rules and its
+use by DWConv2d / ConvFFN in CPU inference only."""
 
 from __future__ import annotations
 
@@ -15,7 +18,14 @@ import ppma
 from op_utils import assert_close, needs_ext
 from ppma import backends
 from ppma.nn.layers import DWConv2d
-from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_ref, uses_kernel
+from ppma.nn.layers import ConvFFN
+from ppma.ops.depthwise_conv2d import (
+    depthwise_conv2d,
+    depthwise_conv2d_ref,
+    depthwise_conv2d_residual_,
+    uses_kernel,
+    uses_residual_kernel,
+)
 from test_cpu_baseline import ROOT, cpu_subprocess_env
 
 pytestmark = needs_ext
@@ -189,3 +199,176 @@ def test_kernel_bad_arguments_named():
         torch.ops.ppma.depthwise_conv2d_backward(x[:, :2], x, 5)
     with pytest.raises(RuntimeError, match="float32 or float64"):
         torch.ops.ppma.depthwise_conv2d_backward(x.bfloat16(), x.bfloat16(), 5)
+
+
+# ------------------------------------------------------------------------------------------- in-place residual
+# (B, H, W, C, k): C below, at and above the channel block (16), maps smaller than the kernel, one row / column.
+RESIDUAL_SHAPES = [
+    (2, 9, 7, 20, 3),
+    (1, 3, 2, 16, 3),
+    (3, 5, 11, 33, 5),
+    (1, 1, 1, 4, 3),
+    (2, 14, 14, 64, 3),
+    (1, 1, 9, 24, 3),
+    (1, 8, 1, 17, 3),
+    (2, 6, 5, 8, 7),
+    (1, 2, 2, 48, 9),
+]
+
+
+def _residual_want(x, w, b):
+    """x + conv(x) + b in float64 (torch's convolution): the reference of the in-place kernel."""
+    C, k = x.shape[-1], w.shape[-1]
+    y = torch.nn.functional.conv2d(x.double().permute(0, 3, 1, 2), w.double(), None if b is None else b.double(), 1,
+                                   k // 2, 1, C)
+    return x.double() + y.permute(0, 2, 3, 1)
+
+
+@pytest.mark.parametrize("shape", RESIDUAL_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_residual_kernel_matches_torch(shape, bias):
+    B, H, W, C, k = shape
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(B, H, W, C, generator=gen)
+    w = torch.randn(C, 1, k, k, generator=gen)
+    b = torch.randn(C, generator=gen) if bias else None
+    want = _residual_want(x, w, b)
+    y = x.clone()
+    assert torch.ops.ppma.depthwise_conv2d_residual_(y, w, b) is None
+    assert_close(y, want, torch.float32, "x + conv(x)")
+    # through the wrapper: the same tensor comes back, written over
+    y2 = x.clone()
+    with torch.inference_mode():
+        out = depthwise_conv2d_residual_(y2, w, b)
+    assert out is y2 and torch.equal(y2, y)
+
+
+def test_residual_kernel_deterministic_across_thread_counts():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 13, 11, 72, generator=gen)
+    w = torch.randn(72, 1, 3, 3, generator=gen)
+    b = torch.randn(72, generator=gen)
+    n = torch.get_num_threads()
+    out = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            y = x.clone()
+            torch.ops.ppma.depthwise_conv2d_residual_(y, w, b)
+            out.append(y)
+    finally:
+        torch.set_num_threads(n)
+    assert all(torch.equal(o, out[0]) for o in out[1:])
+
+
+_RESIDUAL_PATH_CODE = """
+import json, torch, ppma
+from ppma import backends
+gen = torch.Generator().manual_seed(8)
+x = torch.randn(2, 10, 9, 40, generator=gen)
+w = torch.randn(40, 1, 3, 3, generator=gen)
+b = torch.randn(40, generator=gen)
+torch.ops.ppma.depthwise_conv2d_residual_(x, w, b)
+print(json.dumps({"cap": backends.cpu_capability(), "y": x.double().flatten().tolist()}))
+"""
+
+
+@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
+def test_residual_kernel_every_simd_path(capability):
+    res = subprocess.run([sys.executable, "-c", _RESIDUAL_PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["cap"] == capability
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 10, 9, 40, generator=gen)
+    w = torch.randn(40, 1, 3, 3, generator=gen)
+    b = torch.randn(40, generator=gen)
+    assert_close(torch.tensor(got["y"], dtype=torch.float64).view(2, 10, 9, 40), _residual_want(x, w, b),
+                 torch.float32, "x + conv(x)")
+
+
+def test_residual_dispatch_rules():
+    """The in-place kernel runs only where nothing records a gradient, in float32 CPU eager code with the fused
+    implementation; elsewhere the wrapper returns a new tensor and leaves x alone."""
+    x = torch.randn(1, 4, 4, 8)
+    w = torch.randn(8, 1, 3, 3)
+    assert uses_residual_kernel(x, w)
+    assert not uses_residual_kernel(x.double(), w.double())
+    assert not uses_residual_kernel(x.bfloat16(), w.bfloat16())
+    assert not uses_residual_kernel(x.transpose(1, 2), w)  # written in place: contiguous maps only
+    assert not uses_residual_kernel(x, w.requires_grad_())  # a gradient would be recorded
+    with torch.no_grad():
+        assert uses_residual_kernel(x, w)
+    w = w.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not uses_residual_kernel(x, w)
+    with ppma.ops.use_impl("reference"):
+        assert not uses_residual_kernel(x, w)
+        x0 = x.clone()
+        y = depthwise_conv2d_residual_(x, w)
+        assert y is not x and torch.equal(x, x0)
+        assert_close(y, _residual_want(x, w, None), torch.float32, "fallback")
+
+
+def test_residual_kernel_bad_arguments_named():
+    x = torch.randn(1, 3, 4, 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.ppma.depthwise_conv2d_residual_(x.double(), torch.randn(4, 1, 3, 3).double(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.ppma.depthwise_conv2d_residual_(x.transpose(1, 2), torch.randn(4, 1, 3, 3), None)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.ppma.depthwise_conv2d_residual_(x, torch.randn(4, 1, 2, 2), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.ppma.depthwise_conv2d_residual_(x, torch.randn(4, 1, 3, 3), torch.randn(3))
+    with pytest.raises(ValueError, match="weight must be"):
+        depthwise_conv2d_residual_(x, torch.randn(5, 1, 3, 3))
+
+
+def test_ffn_writes_its_hidden_map_in_place_in_inference_only(monkeypatch):
+    """ConvFFN runs the in-place kernel on fc1's output in CPU inference (same output as the training graph up to
+    rounding) and never in training."""
+    torch.manual_seed(9)
+    ffn = ConvFFN(16, 48)
+    x = torch.randn(2, 6, 5, 16)
+    calls = []
+    real = torch.ops.ppma.depthwise_conv2d_residual_
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(a[0].shape)
+            return real(*a)
+
+    monkeypatch.setattr(torch.ops.ppma, "depthwise_conv2d_residual_", Spy())
+    want = ffn(x)  # parameters require grad: the training graph, no in-place kernel
+    assert calls == []
+    with torch.inference_mode():
+        got = ffn(x)
+    assert calls == [(2, 6, 5, 48)]
+    assert_close(got, want, torch.float32, "ffn")
+
+
+def test_dwconv2d_add_in_place_in_inference():
+    """DWConv2d(x, add=a, inplace=True) is a + conv(x); in CPU inference (float32, bf16 autocast) oneDNN writes it
+    over a; with inplace=False, or when a gradient is recorded, a is left alone."""
+    torch.manual_seed(10)
+    m = DWConv2d(24, 5)
+    x, a = torch.randn(2, 7, 6, 24), torch.randn(2, 7, 6, 24)
+    want = a + m(x)
+    a0 = a.clone()
+    got = m(x, add=a0, inplace=False)
+    assert got is not a0 and torch.equal(a0, a)
+    assert_close(got, want, torch.float32, "add")
+    with torch.no_grad():
+        got = m(x, add=a0, inplace=True)
+    assert got is a0
+    assert_close(got, want, torch.float32, "add, in place")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        xb, ab = x.bfloat16(), a.bfloat16()
+        got = m(xb, add=ab, inplace=True)
+    assert got.dtype == torch.bfloat16
+    assert_close(got.float(), want, torch.bfloat16, "add, bf16")
+    with pytest.raises(ValueError, match="either residual"):
+        m(x, residual=True, add=a)
+    with pytest.raises(ValueError, match="add must have"):
+        m(x, add=a[:, :3])

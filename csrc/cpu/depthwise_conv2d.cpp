@@ -1,6 +1,15 @@
-// CPU kernel of ppma::depthwise_conv2d_backward (docs/ops.md "depthwise_conv2d_backward"): the weight and bias
-// gradients of a depthwise k x k convolution (stride 1, padding k // 2, odd k) on channels-last maps, the
-// convolution of the LePE, CPE and FFN of every PPMA block (ppma.nn.DWConv2d):
+// CPU kernels of the depthwise k x k convolution (stride 1, padding k // 2, odd k) on channels-last maps, the
+// convolution of the LePE, CPE and FFN of every PPMA block (ppma.nn.DWConv2d; docs/ops.md "depthwise_conv2d").
+//
+// ppma::depthwise_conv2d_residual_ (inference, float32): x <- x + conv(x) in place, the FFN's hidden map
+// (docs/model.md §4), so that no second map of the FFN's width is allocated beside it:
+//   y[b, h, w, c] = (bias[c] + x[b, h, w, c]) + sum_{i, j} weight[c, i, j] * x[b, h + i - k // 2, w + j - k // 2, c]
+// with x zero outside the map and the taps added in row-major order. Every task owns one batch element and a
+// block of CB channels and walks its rows top to bottom, keeping the original values of the k rows around the
+// current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that row. Each output is
+// written by one task in one fixed order: deterministic and independent of the thread count.
+//
+// ppma::depthwise_conv2d_backward: the weight and bias gradients
 //   grad_weight[c, 0, i, j] = sum_{b, h, w} grad_out[b, h, w, c] * x[b, h + i - k // 2, w + j - k // 2, c]
 //   grad_bias[c]            = sum_{b, h, w} grad_out[b, h, w, c]
 // (x zero outside the map). One pass over grad_out and x: every task owns a group of channels and sums its
@@ -111,6 +120,100 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The in-place residual convolution. A ring slot is one original row of the task's channel block, zero-padded by
+// P = k / 2 columns on each side and to CB channels: [W + 2P][CB]; row r lives in slot r % k.
+
+// One output row: out[w * C + c] = bb[c] + centre[w][c] + sum_{i, j} wt[i * k + j][c] * rows[i][w + j][c] for the
+// block's n channels (rows[i]: the padded slot of input row h + i - P, or a zero row). KC: k when known at compile
+// time (the taps then stay in registers), 0 for any k.
+template <int KC, int L>
+PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
+                                   const float* centre, const float* wt, const float* bb, int64_t n, float* out) {
+  const int64_t K = KC ? KC : kr;
+  float tmp[CB];
+  for (int64_t w = 0; w < W; ++w) {
+    float* o = n == CB ? out + w * C : tmp;
+    for (int64_t c = 0; c < CB; c += L) {
+      vec<L> acc = load<L>(bb + c) + load<L>(centre + w * CB + c);
+      for (int64_t i = 0; i < K; ++i) {
+        const float* r = rows[i] + w * CB + c;
+        const float* t = wt + i * K * CB + c;
+        for (int64_t j = 0; j < K; ++j) acc += load<L>(t + j * CB) * load<L>(r + j * CB);
+      }
+      store<L>(o + c, acc);
+    }
+    if (n != CB) std::memcpy(out + w * C, tmp, n * sizeof(float));
+  }
+}
+
+// x: [B, H, W, C] contiguous; weight: [C, K, K]; bias: [C] or null.
+void residual_inplace(float* x, const float* weight, const float* bias, int64_t B, int64_t H, int64_t W, int64_t C,
+                      int64_t K) {
+  const int64_t P = K / 2, nblk = ceil_div(C, CB), slot = (W + 2 * P) * CB;
+  parallel_tasks(
+      B * nblk, [&] { return std::vector<float>((K + 1) * slot + (K * K + 1) * CB); },
+      [&](int64_t t, std::vector<float>& buf) {
+    std::fill(buf.begin(), buf.end(), 0.0f);  // the padding columns and channels, the zero row
+    const int64_t b = t / nblk, c0 = (t % nblk) * CB, n = std::min(CB, C - c0);
+    float* ring = buf.data();
+    const float* zero = ring + K * slot;
+    float* wt = ring + (K + 1) * slot;  // [K * K][CB] the block's taps
+    float* bb = wt + K * K * CB;        // [CB] its bias
+    for (int64_t c = 0; c < n; ++c) {
+      for (int64_t ij = 0; ij < K * K; ++ij) wt[ij * CB + c] = weight[(c0 + c) * K * K + ij];
+      bb[c] = bias ? bias[c0 + c] : 0.0f;
+    }
+    float* xb = x + b * H * W * C + c0;
+    auto keep_row = [&](int64_t r) {  // the original row r into its slot
+      float* s = ring + (r % K) * slot + P * CB;
+      const float* src = xb + r * W * C;
+      for (int64_t w = 0; w < W; ++w) std::memcpy(s + w * CB, src + w * C, n * sizeof(float));
+    };
+    for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(r);
+    std::vector<const float*> rows(K);
+    for (int64_t h = 0; h < H; ++h) {
+      if (h + P < H) keep_row(h + P);  // into the slot of row h - P - 1, no longer needed
+      for (int64_t i = 0; i < K; ++i) {
+        const int64_t r = h + i - P;
+        rows[i] = r < 0 || r >= H ? zero : ring + (r % K) * slot;
+      }
+      const float* centre = ring + (h % K) * slot + P * CB;
+      with_lanes([&](auto ln) {
+        if (K == 3) {
+          residual_row<3>(ln, W, C, K, rows.data(), centre, wt, bb, n, xb + h * W * C);
+        } else {
+          residual_row<0>(ln, W, C, K, rows.data(), centre, wt, bb, n, xb + h * W * C);
+        }
+      });
+    }
+  });
+}
+
+constexpr const char* kResidualOp = "ppma::depthwise_conv2d_residual_";
+
+void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 4, kResidualOp, ": x must be [B, H, W, C], got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, kResidualOp, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), kResidualOp, ": x must be contiguous (it is written in place)");
+  const int64_t B = x.size(0), H = x.size(1), W = x.size(2), C = x.size(3);
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
+                  weight.size(2) % 2 == 1,
+              kResidualOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
+  check_like(kResidualOp, "weight", weight, "x", x);
+  const int64_t K = weight.size(2);
+  at::Tensor wc = weight.contiguous(), bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, kResidualOp, ": bias must be [C] = [", C, "], got ",
+                bias->sizes());
+    check_like(kResidualOp, "bias", *bias, "x", x);
+    bc = bias->contiguous();
+  }
+  if (x.numel() == 0) return;
+  residual_inplace(x.data_ptr<float>(), wc.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr, B, H,
+                   W, C, K);
+}
+
 constexpr const char* kOp = "ppma::depthwise_conv2d_backward";
 
 std::tuple<at::Tensor, at::Tensor> depthwise_conv2d_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
@@ -139,4 +242,7 @@ std::tuple<at::Tensor, at::Tensor> depthwise_conv2d_backward_cpu(const at::Tenso
 }  // namespace cpu
 }  // namespace ppma
 
-TORCH_LIBRARY_IMPL(ppma, CPU, m) { m.impl("depthwise_conv2d_backward", &ppma::cpu::depthwise_conv2d_backward_cpu); }
+TORCH_LIBRARY_IMPL(ppma, CPU, m) {
+  m.impl("depthwise_conv2d_residual_", &ppma::cpu::depthwise_conv2d_residual_cpu);
+  m.impl("depthwise_conv2d_backward", &ppma::cpu::depthwise_conv2d_backward_cpu);
+}

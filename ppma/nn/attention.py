@@ -146,7 +146,6 @@ class PPMAAttention(nn.Module):
             # cast once for the four projections below, which autocast would each cast on their own
             x = x.to(torch.get_autocast_dtype(dev))
         q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)
-        lepe = self.lepe(v)
         shape = (B, H, W, self.num_heads, self.head_dim)
         # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
         # (ppma.ops.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention
@@ -154,8 +153,13 @@ class PPMAAttention(nn.Module):
         q = ops.rope(q.reshape(shape), sin, cos)
         k = ops.rope(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)
-        out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta)
-        return linear(out.reshape(B, H, W, C).to(v.dtype) + lepe, self.proj)
+        out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta).reshape(B, H, W, C).to(v.dtype)
+        del x, q, k, log_alpha, log_beta  # freed before the LePE and the projection (peak memory)
+        # out + LePE(v); in CPU inference oneDNN adds the LePE into out in place, so that no map is held for it
+        # while the attention runs (DWConv2d, inplace=True)
+        out = self.lepe(v, add=out, inplace=True)
+        del v
+        return linear(out, self.proj)
 
     def extra_repr(self) -> str:
         extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"

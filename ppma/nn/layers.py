@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from ppma.nn.monarch import MonarchLinear
-from ppma.ops.depthwise_conv2d import depthwise_conv2d
+from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
 from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 from ppma.ops._validate import records_grad
 
@@ -40,18 +40,13 @@ def _has_hooks(module: nn.Module) -> bool:
                 or _module._global_forward_pre_hooks)
 
 
-def _onednn_inference_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype | None:
-    """The dtype in which :func:`linear` and :func:`conv_bn` may run oneDNN's fused inference ops on ``x`` through
-    ``modules``, or None where they must run the modules themselves.
-
-    float32 for CPU float32 inference; bfloat16 under ``torch.autocast("cpu", dtype=torch.bfloat16)``, which runs
-    linear layers and convolutions in bf16 anyway, where oneDNN has bf16 kernels. None when a gradient is recorded
-    (training), under ``torch.compile`` (which fuses on its own), tracing and export, with forward hooks on a
-    module (they must see its call), under an active dispatch mode (observers such as FLOP counters see the aten
-    ops), on other devices, and for weights that are not float32."""
-    if not (
-        _ONEDNN
-        and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
+def _eager_inference(x: torch.Tensor, *modules: nn.Module) -> bool:
+    """Whether the inference fast paths of this module (oneDNN's fused ops, in-place kernels) may replace the calls
+    of ``modules`` on ``x``: eager CPU float32 parameters with no gradient recorded (not training), and not under
+    ``torch.compile`` (which fuses on its own), tracing or export, with no forward hooks on a module (they must see
+    its call) and no active dispatch mode (observers such as FLOP counters see the aten ops)."""
+    return (
+        type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
         and x.device.type == "cpu"
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
@@ -59,7 +54,18 @@ def _onednn_inference_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype
         and not any(_has_hooks(m) for m in modules)
         and all(p.dtype == torch.float32 for m in modules for p in m.parameters(recurse=False))
         and not records_grad(x, *(p for m in modules for p in m.parameters(recurse=False)))
-    ):
+    )
+
+
+def _onednn_inference_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype | None:
+    """The dtype in which :func:`linear`, :func:`conv_bn` and :class:`DWConv2d` may run oneDNN's fused inference
+    ops on ``x`` through ``modules``, or None where they must run the modules themselves.
+
+    float32 for CPU float32 inference; bfloat16 under ``torch.autocast("cpu", dtype=torch.bfloat16)``, which runs
+    linear layers and convolutions in bf16 anyway, where oneDNN has bf16 kernels. None where
+    :func:`_eager_inference` says no (training, ``torch.compile``, tracing and export, hooks, dispatch modes,
+    other devices, weights that are not float32)."""
+    if not (_ONEDNN and _eager_inference(x, *modules)):
         return None
     if autocast_enabled("cpu"):
         bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16 and _ONEDNN_BF16
@@ -132,8 +138,11 @@ class DWConv2d(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
 
-    def forward(self, x: torch.Tensor, residual: bool = False) -> torch.Tensor:
-        """``x: [B, H, W, C]`` -> ``conv(x)``, or ``x + conv(x)`` with ``residual=True``.
+    def forward(
+        self, x: torch.Tensor, residual: bool = False, add: torch.Tensor | None = None, inplace: bool = False
+    ) -> torch.Tensor:
+        """``x: [B, H, W, C]`` -> ``conv(x)``; ``x + conv(x)`` with ``residual=True``; ``add + conv(x)`` with
+        ``add`` (``[B, H, W, C]``, the LePE added to the attention's output).
 
         The permuted view of a contiguous ``[B, H, W, C]`` map is NCHW in torch's channels-last memory format,
         which the convolution keeps, so no copy is made on the way in or out. ``residual=True`` folds the
@@ -141,11 +150,35 @@ class DWConv2d(nn.Module):
         addition, when the convolution runs in fp32/fp64; in low precision (a bf16/fp16 model or autocast)
         it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits, except for bf16 ``x`` in CPU
         autocast inference, where oneDNN adds ``x`` inside the convolution before its output is rounded.
+
+        ``inplace=True`` lets eager CPU inference (:func:`_eager_inference`) write the result over the caller's
+        own map instead of allocating one more: over ``x`` with ``residual=True`` (float32, no autocast:
+        ``ppma.ops.depthwise_conv2d_residual_``, the FFN's hidden map), over ``add`` otherwise (oneDNN adds the
+        convolution's output to ``add`` in place, float32 or bf16 under autocast, rounded once). The caller must
+        use the returned tensor and must not need the overwritten map's values afterwards. Everywhere else (and
+        with ``inplace=False``) nothing is overwritten; the numbers agree up to rounding.
         """
         conv = self.conv
+        if add is not None:
+            if residual:
+                raise ValueError("DWConv2d: pass either residual=True or add, not both")
+            if tuple(add.shape) != tuple(x.shape):
+                raise ValueError(f"DWConv2d: add must have x's shape {tuple(x.shape)}, got {tuple(add.shape)}")
+            dt = _onednn_inference_dtype(x, conv, self) if inplace else None
+            if dt is not None and x.dtype == dt and add.dtype == dt and add.is_contiguous():
+                # add += conv(x) inside oneDNN's convolution (one pass, no map for conv(x))
+                b = None if conv.bias is None else conv.bias.to(dt)
+                torch.ops.mkldnn._convolution_pointwise_.binary(
+                    add.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), conv.weight.to(dt), b, conv.padding,
+                    conv.stride, conv.dilation, conv.groups, "add", None, None, [], None)
+                return add
+            return add + self.forward(x)
         if depthwise_conv2d_uses_kernel(x, conv.weight):
             # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
+        if inplace and residual and x.dtype == torch.float32 and _eager_inference(x, conv, self):
+            # x <- x + conv(x) in place (falls back to a new tensor where the kernel does not apply)
+            return depthwise_conv2d_residual_(x, conv.weight, conv.bias)
         xc = x.permute(0, 3, 1, 2)
         if (residual and x.dtype == torch.bfloat16 and conv.bias is not None
                 and _onednn_inference_dtype(x, conv) == torch.bfloat16):
@@ -227,7 +260,8 @@ class ConvFFN(nn.Module):
             x = linear(x, self.fc1, gelu=True)
         else:
             x = self.act(self.fc1(x))
-        return linear(self.dwconv(x, residual=True), self.fc2)  # x + dwconv(x)
+        # x + dwconv(x), over fc1's output (ours alone) in CPU inference
+        return linear(self.dwconv(x, residual=True, inplace=True), self.fc2)
 
 
 class ConvStem(nn.Module):

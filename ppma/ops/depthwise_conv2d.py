@@ -1,5 +1,6 @@
 """``ppma.ops.depthwise_conv2d``: the depthwise ``k x k`` convolution of PPMA's LePE / CPE / FFN on channels-last
-maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d").
+maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d"), and
+``depthwise_conv2d_residual_``, the FFN's ``x + conv(x)`` written over ``x`` in CPU inference.
 
 The forward is torch's convolution (``F.conv2d`` on the NCHW view of a ``[B, H, W, C]`` map, which is channels-last
 in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs 10-35x its
@@ -20,10 +21,13 @@ from ppma import _ext
 from ppma.ops import _dispatch
 from ppma.ops._validate import records_grad
 
-__all__ = ["depthwise_conv2d", "depthwise_conv2d_ref"]
+__all__ = ["depthwise_conv2d", "depthwise_conv2d_ref", "depthwise_conv2d_residual_"]
 
 _OP = "depthwise_conv2d_backward"
 _HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _OP)
+_RESIDUAL_OP = "depthwise_conv2d_residual_"
+# A library built before the in-place op existed has none: uses_residual_kernel() is then False.
+_HAS_RESIDUAL_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _RESIDUAL_OP)
 # The smallest kernel whose weight gradient the ppma kernel computes (torch's 3 x 3 backward is fast already).
 MIN_KERNEL = 5
 
@@ -137,6 +141,53 @@ class _DepthwiseConv2d(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def uses_residual_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`depthwise_conv2d_residual_` runs ``torch.ops.ppma.depthwise_conv2d_residual_`` on these
+    tensors: a built kernel, the "fused" implementation, contiguous float32 CPU tensors, no autocast, outside
+    torch.compile, and no gradient recorded (the op writes over ``x`` and has no autograd formula)."""
+    return (
+        _HAS_RESIDUAL_OP
+        and _dispatch.get_impl() == "fused"
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and x.is_contiguous()
+        and not records_grad(x, weight, *(() if bias is None else (bias,)))
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def depthwise_conv2d_residual_(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x + conv(x)`` (stride 1, padding ``k // 2``, depthwise) of a channels-last ``[B, H, W, C]`` map, written
+    over ``x`` where :func:`uses_residual_kernel` allows it (CPU inference in float32, docs/ops.md
+    "depthwise_conv2d"): no second map of ``x``'s size is allocated. Elsewhere it returns
+    ``depthwise_conv2d(x, weight, bias, residual=True)`` (a new tensor, ``x`` untouched), so callers must use the
+    result and must not rely on ``x`` keeping or losing its values.
+
+    Args:
+        x: ``[B, H, W, C]``, a map the caller owns (no one else may still need its values).
+        weight: ``[C, 1, k, k]``, ``k`` odd.
+        bias: ``[C]`` or None.
+
+    Returns:
+        ``x`` itself (overwritten) or a new tensor; equal to :func:`depthwise_conv2d_ref` with ``residual=True``
+        up to rounding (the kernel adds the taps in its own order).
+    """
+    _check(x, weight, bias)
+    if not uses_residual_kernel(x, weight, bias):
+        return depthwise_conv2d(x, weight, bias, residual=True)
+    torch.ops.ppma.depthwise_conv2d_residual_(x, weight, bias)
+    return x
+
+
+def _fake_residual(x, weight, bias):
+    return None
+
+
 def _fake_backward(grad_out, x, kernel_size):
     C = x.shape[-1]
     return x.new_empty((C, 1, kernel_size, kernel_size)), x.new_empty((C,))
@@ -144,3 +195,5 @@ def _fake_backward(grad_out, x, kernel_size):
 
 if _HAS_OP:
     torch.library.register_fake("ppma::" + _OP)(_fake_backward)
+if _HAS_RESIDUAL_OP:
+    torch.library.register_fake("ppma::" + _RESIDUAL_OP)(_fake_residual)
