@@ -1,7 +1,8 @@
 """Whole-model CPU benchmark: PPMA-T with the fused ops (fp32 and bf16 autocast, eager and ``torch.compile``)
 beside the official formulation (the same model and weights with ``ppma.ops.use_impl("reference")``, i.e. the
-dense-mask reference ops) and timm's Swin-T, ConvNeXt-T and ResNet-50 (``pretrained=False``), all measured in
-ONE run on the same machine:
+dense-mask reference ops; "plain modules": also without ppma's model-side inference fast paths,
+``ppma.nn.use_inference_fast_paths(False)``, i.e. torch's modules as the official code runs them) and timm's
+Swin-T, ConvNeXt-T and ResNet-50 (``pretrained=False``), all measured in ONE run on the same machine:
 
 * batch 8 at 224²: inference (``eval()``, ``torch.inference_mode()``) and training (forward, cross-entropy,
   backward, AdamW step);
@@ -38,13 +39,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START, END = "<!-- cpu-model:start -->", "<!-- cpu-model:end -->"
 
-# label -> (model name, impl, amp, compile). "timm:<name>" builds timm's model.
+# label -> (model name, impl, amp, compile). "timm:<name>" builds timm's model; impl "reference-plain": the reference
+# ops with the model's inference fast paths off (torch's modules, as the official code runs them).
 ENTRIES = {
     "PPMA-T fused fp32": ("ppma_tiny", "fused", None, False),
     "PPMA-T fused bf16": ("ppma_tiny", "fused", "bf16", False),
     "PPMA-T fused fp32 compiled": ("ppma_tiny", "fused", None, True),
     "PPMA-T fused bf16 compiled": ("ppma_tiny", "fused", "bf16", True),
     "PPMA-T official formulation": ("ppma_tiny", "reference", None, False),
+    "PPMA-T official, plain modules": ("ppma_tiny", "reference-plain", None, False),
     "Swin-T": ("timm:swin_tiny_patch4_window7_224", "fused", None, False),
     "ConvNeXt-T": ("timm:convnext_tiny", "fused", None, False),
     "ResNet-50": ("timm:resnet50", "fused", None, False),
@@ -114,7 +117,8 @@ def run_child(spec: dict) -> dict:
     def step():
         import contextlib
 
-        with ppma.ops.use_impl(impl), (amp_ctx() if amp_ctx else contextlib.nullcontext()):
+        with ppma.ops.use_impl(impl.split("-")[0]), ppma.nn.use_inference_fast_paths(not impl.endswith("-plain")), \
+                (amp_ctx() if amp_ctx else contextlib.nullcontext()):
             if train:
                 loss = torch.nn.functional.cross_entropy(fwd(x).float(), y)
             else:
@@ -194,6 +198,7 @@ def _find(rows, entry, case, phase):
 def ratios(rows) -> list[tuple[str, float | None, str]]:
     """(what, value, target) of the issue's targets, from one run's rows."""
     F, R, B = "PPMA-T fused fp32", "PPMA-T official formulation", "PPMA-T fused bf16"
+    P = "PPMA-T official, plain modules"
 
     def speed(a, b, case, phase):
         ra, rb = _find(rows, a, case, phase), _find(rows, b, case, phase)
@@ -210,6 +215,11 @@ def ratios(rows) -> list[tuple[str, float | None, str]]:
         ("fused / official, training, b1@512", speed(F, R, "b1@512", "train"), ">= 4"),
         ("official / fused peak memory, inference, b1@512", mem(F, R, "b1@512", "infer"), ">= 3"),
         ("official / fused peak memory, training, b1@512", mem(F, R, "b1@512", "train"), "-"),
+        ("fused / official plain modules, inference, b8@224", speed(F, P, "b8@224", "infer"), "-"),
+        ("fused / official plain modules, training, b8@224", speed(F, P, "b8@224", "train"), "-"),
+        ("fused / official plain modules, inference, b1@512", speed(F, P, "b1@512", "infer"), "-"),
+        ("fused / official plain modules, training, b1@512", speed(F, P, "b1@512", "train"), "-"),
+        ("official plain modules / fused peak memory, inference, b1@512", mem(F, P, "b1@512", "infer"), "-"),
         ("bf16 / fp32, inference, b8@224", speed(B, F, "b8@224", "infer"), ">= 2.5"),
         ("compiled / eager fp32, inference, b8@224", speed("PPMA-T fused fp32 compiled", F, "b8@224", "infer"),
          ">= 1.3"),

@@ -1,6 +1,7 @@
 """The model-side CPU fast paths (docs/ops.md "rope"; README "CPU speed"): the identity folded into the
 residual depthwise convolutions, bf16 autocast reaching the fused ops with fp32 log-decays, the logits under
-bf16 autocast, and Inductor compiling the whole model with static shapes and no graph break."""
+bf16 autocast, Inductor compiling the whole model with static shapes and no graph break, and the switch that
+turns the inference fast paths off (``ppma.nn.set_inference_fast_paths``)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,52 @@ def test_inductor_static_fullgraph():
         compiled = torch.compile(model, backend="inductor", fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
+
+
+def _op_names(model, x):
+    from torch.profiler import profile
+
+    with torch.inference_mode(), profile() as prof:
+        y = model(x)
+    return y, {e.name for e in prof.events()}
+
+
+@pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
+def test_inference_fast_paths_switch():
+    """On (the default), CPU inference runs oneDNN's fused ops and the in-place FFN kernel; off, the plain modules
+    run, and with the reference ops the logits equal the training graph's bit for bit. The context manager restores
+    the previous choice; the logits of the two agree up to rounding."""
+    model = small_model(criss_cross=(True, True, False, False)).eval()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    assert ppma.nn.inference_fast_paths_enabled()
+    y_fast, names = _op_names(model, x)
+    assert {"mkldnn::_linear_pointwise", "ppma::depthwise_conv2d_residual_"} <= names, sorted(names)
+    with ppma.nn.use_inference_fast_paths(False):
+        assert not ppma.nn.inference_fast_paths_enabled()
+        y_plain, names = _op_names(model, x)
+        assert not any(n.startswith("mkldnn::") or n == "ppma::depthwise_conv2d_residual_" for n in names), sorted(
+            n for n in names if n.startswith(("mkldnn::", "ppma::")))
+        with ppma.ops.use_impl("reference"):
+            with torch.inference_mode():
+                y_ref = model(x)
+            y_graph = model(x)  # gradients recorded: the training graph's modules
+    assert ppma.nn.inference_fast_paths_enabled()
+    assert torch.equal(y_ref, y_graph.detach())
+    torch.testing.assert_close(y_fast, y_plain, rtol=1e-4, atol=1e-4)
+    ppma.nn.set_inference_fast_paths(False)
+    try:
+        assert not ppma.nn.inference_fast_paths_enabled()
+    finally:
+        ppma.nn.set_inference_fast_paths(True)
+
+
+@pytest.mark.parametrize("value, want", [("0", "False"), ("1", "True"), ("yes", "must be 0 or 1")])
+def test_inference_fast_paths_environment(value, want):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PPMA_INFERENCE_FAST_PATHS=value)
+    res = subprocess.run([sys.executable, "-c", "import ppma.nn as n; print(n.inference_fast_paths_enabled())"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert want in res.stdout + res.stderr

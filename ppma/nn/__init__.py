@@ -1,6 +1,18 @@
 """PPMA modules: path decays, rotary embedding, attention, block and layers (docs/model.md §1.4, §3, §4)."""
 
-from ppma.nn.layers import MLPS, ClassifierHead, ConvFFN, ConvStem, DropPath, DWConv2d, LayerScale, PatchMerging
+from ppma.nn.layers import (
+    MLPS,
+    ClassifierHead,
+    ConvFFN,
+    ConvStem,
+    DropPath,
+    DWConv2d,
+    LayerScale,
+    PatchMerging,
+    inference_fast_paths_enabled,
+    set_inference_fast_paths,
+    use_inference_fast_paths,
+)
 from ppma.nn.monarch import MonarchLinear
 from ppma.nn.surrogate import SurrogateAttention, surrogate_mixing
 from ppma.nn.decay import PathDecay
@@ -35,4 +47,7 @@ __all__ = [
     "LayerScale",
     "apply_rotary",
     "rotate_every_two",
+    "set_inference_fast_paths",
+    "inference_fast_paths_enabled",
+    "use_inference_fast_paths",
 ]

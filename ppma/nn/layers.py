@@ -10,10 +10,11 @@ from torch.nn.modules import module as _module
 from ppma.nn.monarch import MonarchLinear
 from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
 from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
+from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
-           "linear", "conv_bn"]
+           "linear", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled", "use_inference_fast_paths"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
@@ -40,13 +41,55 @@ def _has_hooks(module: nn.Module) -> bool:
                 or _module._global_forward_pre_hooks)
 
 
+# Whether the CPU inference fast paths below may run (PPMA_INFERENCE_FAST_PATHS=0 in the environment: off at import).
+_fast_paths: bool = _env_flag("PPMA_INFERENCE_FAST_PATHS", default=True)
+
+
+def set_inference_fast_paths(enabled: bool) -> None:
+    """Switch the model's CPU inference fast paths on (the default) or off: oneDNN's fused linear and convolution
+    ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data, the bf16 residual convolution), the FFN's
+    in-place ``h + dwconv(h)`` and the LePE added in place (:class:`DWConv2d`). Off, every module runs its plain
+    torch call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding),
+    e.g. to compare with other code bit for bit, or the stand-in for the official code in
+    ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead.
+    ``PPMA_INFERENCE_FAST_PATHS=0`` in the environment switches them off at import."""
+    global _fast_paths
+    _fast_paths = bool(enabled)
+
+
+def inference_fast_paths_enabled() -> bool:
+    """Whether the CPU inference fast paths may run (:func:`set_inference_fast_paths`)."""
+    return _fast_paths
+
+
+class use_inference_fast_paths:
+    """Context manager: :func:`set_inference_fast_paths` inside the ``with`` block, the previous choice restored
+    on exit. ``with ppma.nn.use_inference_fast_paths(False): y = model(x)``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = bool(enabled)
+        self._prev: list[bool] = []
+
+    def __enter__(self) -> "use_inference_fast_paths":
+        global _fast_paths
+        self._prev.append(_fast_paths)
+        _fast_paths = self.enabled
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _fast_paths
+        _fast_paths = self._prev.pop()
+
+
 def _eager_inference(x: torch.Tensor, *modules: nn.Module) -> bool:
     """Whether the inference fast paths of this module (oneDNN's fused ops, in-place kernels) may replace the calls
-    of ``modules`` on ``x``: eager CPU float32 parameters with no gradient recorded (not training), and not under
-    ``torch.compile`` (which fuses on its own), tracing or export, with no forward hooks on a module (they must see
-    its call) and no active dispatch mode (observers such as FLOP counters see the aten ops)."""
+    of ``modules`` on ``x``: switched on (:func:`set_inference_fast_paths`), eager CPU float32 parameters with no
+    gradient recorded (not training), and not under ``torch.compile`` (which fuses on its own), tracing or export,
+    with no forward hooks on a module (they must see its call) and no active dispatch mode (observers such as FLOP
+    counters see the aten ops)."""
     return (
-        type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
+        _fast_paths
+        and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
         and x.device.type == "cpu"
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
