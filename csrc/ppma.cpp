@@ -50,7 +50,8 @@ TORCH_LIBRARY(ppma, m) {
       " Tensor log_beta, Tensor stats, bool normalize, float eps)"
       " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
   m.def("rope(Tensor x, Tensor sin, Tensor cos, float scale, bool transpose) -> Tensor");
-  // x <- x + depthwise_conv(x) + bias in place on a channels-last [B, H, W, C] map (CPU inference, float32).
+  // x <- x + depthwise_conv(x) + bias in place on a channels-last [B, H, W, C] map (CPU inference; x float32 or
+  // bfloat16, weight and bias float32).
   m.def("depthwise_conv2d_residual_(Tensor(a!) x, Tensor weight, Tensor? bias) -> ()");
   // Weight and bias gradients of a depthwise k x k convolution on channels-last [B, H, W, C] maps (CPU).
   m.def(

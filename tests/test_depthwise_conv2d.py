@@ -233,6 +233,30 @@ def test_residual_kernel_matches_torch(shape, bias):
     assert out is y2 and torch.equal(y2, y)
 
 
+@pytest.mark.parametrize("shape", RESIDUAL_SHAPES[:6])
+def test_residual_kernel_bf16_rounds_once(shape):
+    """bf16 maps: float32 math on the widened values, the result rounded to bf16 once (the float64 sum rounded to
+    bf16 agrees, up to a last-place difference where the float32 sum sits next to a rounding boundary)."""
+    B, H, W, C, k = shape
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(B, H, W, C, generator=gen).bfloat16()
+    w = torch.randn(C, 1, k, k, generator=gen).bfloat16()
+    b = torch.randn(C, generator=gen).bfloat16()
+    want = _residual_want(x, w, b).bfloat16()  # float64 math, one rounding
+    y = x.clone()
+    with torch.inference_mode():
+        out = depthwise_conv2d_residual_(y, w, b)
+    assert out is y and y.dtype == torch.bfloat16
+    diff = (y.double() - want.double()).abs()
+    ulp = want.double().abs().clamp_min(1e-30) * 2.0**-7
+    assert bool((diff <= ulp).all()), float((diff / ulp).max())
+    assert float((y != want).float().mean()) < 0.01
+    # torch's bf16 convolution followed by the addition rounds twice: further from the float64 result
+    twice = x + torch.nn.functional.conv2d(x.permute(0, 3, 1, 2), w, b, 1, k // 2, 1, C).permute(0, 2, 3, 1)
+    assert float((y.double() - _residual_want(x, w, b)).abs().sum()) <= float(
+        (twice.double() - _residual_want(x, w, b)).abs().sum())
+
+
 def test_residual_kernel_deterministic_across_thread_counts():
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(3, 13, 11, 72, generator=gen)
@@ -258,8 +282,11 @@ gen = torch.Generator().manual_seed(8)
 x = torch.randn(2, 10, 9, 40, generator=gen)
 w = torch.randn(40, 1, 3, 3, generator=gen)
 b = torch.randn(40, generator=gen)
+xb = x.bfloat16()
+torch.ops.ppma.depthwise_conv2d_residual_(xb, w.bfloat16().float(), b.bfloat16().float())
 torch.ops.ppma.depthwise_conv2d_residual_(x, w, b)
-print(json.dumps({"cap": backends.cpu_capability(), "y": x.double().flatten().tolist()}))
+print(json.dumps({"cap": backends.cpu_capability(), "y": x.double().flatten().tolist(),
+                  "yb": xb.double().flatten().tolist()}))
 """
 
 
@@ -276,6 +303,10 @@ def test_residual_kernel_every_simd_path(capability):
     b = torch.randn(40, generator=gen)
     assert_close(torch.tensor(got["y"], dtype=torch.float64).view(2, 10, 9, 40), _residual_want(x, w, b),
                  torch.float32, "x + conv(x)")
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    yb = xb.clone()
+    torch.ops.ppma.depthwise_conv2d_residual_(yb, wb.float(), bb.float())  # this process's path: the same bits
+    assert torch.equal(torch.tensor(got["yb"], dtype=torch.float64).view(2, 10, 9, 40), yb.double())
 
 
 def test_residual_dispatch_rules():
@@ -284,15 +315,17 @@ def test_residual_dispatch_rules():
     x = torch.randn(1, 4, 4, 8)
     w = torch.randn(8, 1, 3, 3)
     assert uses_residual_kernel(x, w)
+    assert uses_residual_kernel(x.bfloat16(), w.bfloat16())
+    assert not uses_residual_kernel(x.bfloat16(), w)  # the weight in the map's dtype
     assert not uses_residual_kernel(x.double(), w.double())
-    assert not uses_residual_kernel(x.bfloat16(), w.bfloat16())
     assert not uses_residual_kernel(x.transpose(1, 2), w)  # written in place: contiguous maps only
     assert not uses_residual_kernel(x, w.requires_grad_())  # a gradient would be recorded
     with torch.no_grad():
         assert uses_residual_kernel(x, w)
     w = w.detach()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not uses_residual_kernel(x, w)
+        assert not uses_residual_kernel(x, w)  # autocast would run a float32 map's convolution in bf16
+        assert uses_residual_kernel(x.bfloat16(), w.bfloat16())
     with ppma.ops.use_impl("reference"):
         assert not uses_residual_kernel(x, w)
         x0 = x.clone()
@@ -303,8 +336,10 @@ def test_residual_dispatch_rules():
 
 def test_residual_kernel_bad_arguments_named():
     x = torch.randn(1, 3, 4, 4)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.ppma.depthwise_conv2d_residual_(x.double(), torch.randn(4, 1, 3, 3).double(), None)
+    with pytest.raises(RuntimeError, match="weight must be a float32"):
+        torch.ops.ppma.depthwise_conv2d_residual_(x.bfloat16(), torch.randn(4, 1, 3, 3).bfloat16(), None)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.ppma.depthwise_conv2d_residual_(x.transpose(1, 2), torch.randn(4, 1, 3, 3), None)
     with pytest.raises(RuntimeError, match="weight must be"):
@@ -336,6 +371,10 @@ def test_ffn_writes_its_hidden_map_in_place_in_inference_only(monkeypatch):
         got = ffn(x)
     assert calls == [(2, 6, 5, 48)]
     assert_close(got, want, torch.float32, "ffn")
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got16 = ffn(x)  # fc1's bf16 output, written over in place
+    assert calls == [(2, 6, 5, 48)] * 2
+    assert ((got16.float() - want).norm() / want.norm()).item() < 2e-2
 
 
 def test_dwconv2d_add_in_place_in_inference():

@@ -1,10 +1,11 @@
 // CPU kernels of the depthwise k x k convolution (stride 1, padding k // 2, odd k) on channels-last maps, the
 // convolution of the LePE, CPE and FFN of every PPMA block (ppma.nn.DWConv2d; docs/ops.md "depthwise_conv2d").
 //
-// ppma::depthwise_conv2d_residual_ (inference, float32): x <- x + conv(x) in place, the FFN's hidden map
-// (docs/model.md §4), so that no second map of the FFN's width is allocated beside it:
+// ppma::depthwise_conv2d_residual_ (inference; float32, or bf16 maps with float32 math): x <- x + conv(x) in place,
+// the FFN's hidden map (docs/model.md §4), so that no second map of the FFN's width is allocated beside it:
 //   y[b, h, w, c] = (bias[c] + x[b, h, w, c]) + sum_{i, j} weight[c, i, j] * x[b, h + i - k // 2, w + j - k // 2, c]
-// with x zero outside the map and the taps added in row-major order. Every task owns one batch element and a
+// with x zero outside the map and the taps added in row-major order, in float32 (a bf16 map is widened as its rows
+// are kept, and each output is rounded to bf16 once, to nearest even). Every task owns one batch element and a
 // block of CB channels and walks its rows top to bottom, keeping the original values of the k rows around the
 // current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that row. Each output is
 // written by one task in one fixed order: deterministic and independent of the thread count.
@@ -125,15 +126,16 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
 // P = k / 2 columns on each side and to CB channels: [W + 2P][CB]; row r lives in slot r % k.
 
 // One output row: out[w * C + c] = bb[c] + centre[w][c] + sum_{i, j} wt[i * k + j][c] * rows[i][w + j][c] for the
-// block's n channels (rows[i]: the padded slot of input row h + i - P, or a zero row). KC: k when known at compile
-// time (the taps then stay in registers), 0 for any k.
-template <int KC, int L>
+// block's n channels (rows[i]: the padded slot of input row h + i - P, or a zero row), stored as O (float, or the
+// bits of bf16). KC: k when known at compile time (the taps then stay in registers), 0 for any k.
+template <int KC, int L, typename O>
 PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
-                                   const float* centre, const float* wt, const float* bb, int64_t n, float* out) {
+                                   const float* centre, const float* wt, const float* bb, int64_t n, O* out) {
   const int64_t K = KC ? KC : kr;
+  constexpr bool direct = std::is_same_v<O, float>;
   float tmp[CB];
   for (int64_t w = 0; w < W; ++w) {
-    float* o = n == CB ? out + w * C : tmp;
+    float* o = direct && n == CB ? reinterpret_cast<float*>(out + w * C) : tmp;
     for (int64_t c = 0; c < CB; c += L) {
       vec<L> acc = load<L>(bb + c) + load<L>(centre + w * CB + c);
       for (int64_t i = 0; i < K; ++i) {
@@ -143,12 +145,17 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
       }
       store<L>(o + c, acc);
     }
-    if (n != CB) std::memcpy(out + w * C, tmp, n * sizeof(float));
+    if constexpr (direct) {
+      if (n != CB) std::memcpy(out + w * C, tmp, n * sizeof(float));
+    } else {
+      for (int64_t c = 0; c < n; ++c) out[w * C + c] = float_to_bf16(tmp[c]);
+    }
   }
 }
 
-// x: [B, H, W, C] contiguous; weight: [C, K, K]; bias: [C] or null.
-void residual_inplace(float* x, const float* weight, const float* bias, int64_t B, int64_t H, int64_t W, int64_t C,
+// x: [B, H, W, C] contiguous (float, or bf16 bits as uint16_t); weight: [C, K, K]; bias: [C] or null.
+template <typename X>
+void residual_inplace(X* x, const float* weight, const float* bias, int64_t B, int64_t H, int64_t W, int64_t C,
                       int64_t K) {
   const int64_t P = K / 2, nblk = ceil_div(C, CB), slot = (W + 2 * P) * CB;
   parallel_tasks(
@@ -164,11 +171,17 @@ void residual_inplace(float* x, const float* weight, const float* bias, int64_t 
       for (int64_t ij = 0; ij < K * K; ++ij) wt[ij * CB + c] = weight[(c0 + c) * K * K + ij];
       bb[c] = bias ? bias[c0 + c] : 0.0f;
     }
-    float* xb = x + b * H * W * C + c0;
-    auto keep_row = [&](int64_t r) {  // the original row r into its slot
+    X* xb = x + b * H * W * C + c0;
+    auto keep_row = [&](int64_t r) {  // the original row r into its slot (widened to float)
       float* s = ring + (r % K) * slot + P * CB;
-      const float* src = xb + r * W * C;
-      for (int64_t w = 0; w < W; ++w) std::memcpy(s + w * CB, src + w * C, n * sizeof(float));
+      const X* src = xb + r * W * C;
+      for (int64_t w = 0; w < W; ++w) {
+        if constexpr (std::is_same_v<X, float>) {
+          std::memcpy(s + w * CB, src + w * C, n * sizeof(float));
+        } else {
+          for (int64_t c = 0; c < n; ++c) s[w * CB + c] = bf16_to_float(src[w * C + c]);
+        }
+      }
     };
     for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(r);
     std::vector<const float*> rows(K);
@@ -194,24 +207,32 @@ constexpr const char* kResidualOp = "ppma::depthwise_conv2d_residual_";
 
 void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 4, kResidualOp, ": x must be [B, H, W, C], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, kResidualOp, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, kResidualOp,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.is_contiguous(), kResidualOp, ": x must be contiguous (it is written in place)");
   const int64_t B = x.size(0), H = x.size(1), W = x.size(2), C = x.size(3);
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kResidualOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  check_like(kResidualOp, "weight", weight, "x", x);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.device() == x.device(), kResidualOp,
+              ": weight must be a float32 tensor on x's device, got ", weight.scalar_type(), " on ", weight.device());
   const int64_t K = weight.size(2);
   at::Tensor wc = weight.contiguous(), bc;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, kResidualOp, ": bias must be [C] = [", C, "], got ",
                 bias->sizes());
-    check_like(kResidualOp, "bias", *bias, "x", x);
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->device() == x.device(), kResidualOp,
+                ": bias must be a float32 tensor on x's device, got ", bias->scalar_type(), " on ", bias->device());
     bc = bias->contiguous();
   }
   if (x.numel() == 0) return;
-  residual_inplace(x.data_ptr<float>(), wc.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr, B, H,
-                   W, C, K);
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    residual_inplace(x.data_ptr<float>(), wc.data_ptr<float>(), bp, B, H, W, C, K);
+  } else {
+    residual_inplace(reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>()), wc.data_ptr<float>(), bp, B, H, W, C,
+                     K);
+  }
 }
 
 constexpr const char* kOp = "ppma::depthwise_conv2d_backward";

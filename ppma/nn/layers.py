@@ -47,8 +47,8 @@ _fast_paths: bool = _env_flag("PPMA_INFERENCE_FAST_PATHS", default=True)
 
 def set_inference_fast_paths(enabled: bool) -> None:
     """Switch the model's CPU inference fast paths on (the default) or off: oneDNN's fused linear and convolution
-    ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data, the bf16 residual convolution), the FFN's
-    in-place ``h + dwconv(h)`` and the LePE added in place (:class:`DWConv2d`). Off, every module runs its plain
+    ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data), the FFN's in-place ``h + dwconv(h)``
+    and the LePE added in place (:class:`DWConv2d`). Off, every module runs its plain
     torch call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding),
     e.g. to compare with other code bit for bit, or the stand-in for the official code in
     ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead.
@@ -191,12 +191,12 @@ class DWConv2d(nn.Module):
         which the convolution keeps, so no copy is made on the way in or out. ``residual=True`` folds the
         identity into the kernel's centre tap (``x + w * x = (w + δ) * x``), saving the separate pass of the
         addition, when the convolution runs in fp32/fp64; in low precision (a bf16/fp16 model or autocast)
-        it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits, except for bf16 ``x`` in CPU
-        autocast inference, where oneDNN adds ``x`` inside the convolution before its output is rounded.
+        it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits.
 
         ``inplace=True`` lets eager CPU inference (:func:`_eager_inference`) write the result over the caller's
-        own map instead of allocating one more: over ``x`` with ``residual=True`` (float32, no autocast:
-        ``ppma.ops.depthwise_conv2d_residual_``, the FFN's hidden map), over ``add`` otherwise (oneDNN adds the
+        own map instead of allocating one more: over ``x`` with ``residual=True``
+        (``ppma.ops.depthwise_conv2d_residual_``, the FFN's hidden map: float32 without autocast, or bf16 under
+        bf16 autocast, computed in float32 and rounded once), over ``add`` otherwise (oneDNN adds the
         convolution's output to ``add`` in place, float32 or bf16 under autocast, rounded once). The caller must
         use the returned tensor and must not need the overwritten map's values afterwards. Everywhere else (and
         with ``inplace=False``) nothing is overwritten; the numbers agree up to rounding.
@@ -219,18 +219,16 @@ class DWConv2d(nn.Module):
         if depthwise_conv2d_uses_kernel(x, conv.weight):
             # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
-        if inplace and residual and x.dtype == torch.float32 and _eager_inference(x, conv, self):
-            # x <- x + conv(x) in place (falls back to a new tensor where the kernel does not apply)
-            return depthwise_conv2d_residual_(x, conv.weight, conv.bias)
+        if inplace and residual and _eager_inference(x, conv, self):
+            # x <- x + conv(x) in place (a new tensor where the kernel does not apply): float32, or the bf16 map of
+            # CPU autocast with the weights rounded to bf16 as autocast's convolution rounds them
+            if x.dtype == torch.float32 and not autocast_enabled("cpu"):
+                return depthwise_conv2d_residual_(x, conv.weight, conv.bias)
+            if (x.dtype == torch.bfloat16 and autocast_enabled("cpu")
+                    and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+                b = None if conv.bias is None else conv.bias.to(x.dtype)
+                return depthwise_conv2d_residual_(x, conv.weight.to(x.dtype), b)
         xc = x.permute(0, 3, 1, 2)
-        if (residual and x.dtype == torch.bfloat16 and conv.bias is not None
-                and _onednn_inference_dtype(x, conv) == torch.bfloat16):
-            # bf16 under CPU autocast (the FFN's hidden map): oneDNN adds x inside the convolution, in float32
-            # before the rounding to bf16 (autocast's conv rounds, then the addition rounds again)
-            y = torch.ops.mkldnn._convolution_pointwise.binary(
-                xc, xc, conv.weight.to(x.dtype), conv.bias.to(x.dtype), conv.padding, conv.stride, conv.dilation,
-                conv.groups, "add", None, None, [], None)
-            return y.permute(0, 2, 3, 1).contiguous()
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
             weight = conv.weight.clone()

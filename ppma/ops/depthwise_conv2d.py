@@ -143,18 +143,19 @@ class _DepthwiseConv2d(torch.autograd.Function):
 
 def uses_residual_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`depthwise_conv2d_residual_` runs ``torch.ops.ppma.depthwise_conv2d_residual_`` on these
-    tensors: a built kernel, the "fused" implementation, contiguous float32 CPU tensors, no autocast, outside
+    tensors: a built kernel, the "fused" implementation, contiguous CPU maps of float32 (outside autocast, which
+    would run the convolution in bf16) or bfloat16 with the weight and bias in the map's dtype, outside
     torch.compile, and no gradient recorded (the op writes over ``x`` and has no autograd formula)."""
     return (
         _HAS_RESIDUAL_OP
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and (bias is None or bias.dtype == torch.float32)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
         and x.is_contiguous()
         and not records_grad(x, weight, *(() if bias is None else (bias,)))
-        and not torch.is_autocast_enabled("cpu")
+        and not (x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"))
         and not torch.compiler.is_compiling()
     )
 
@@ -163,24 +164,27 @@ def depthwise_conv2d_residual_(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x + conv(x)`` (stride 1, padding ``k // 2``, depthwise) of a channels-last ``[B, H, W, C]`` map, written
-    over ``x`` where :func:`uses_residual_kernel` allows it (CPU inference in float32, docs/ops.md
-    "depthwise_conv2d"): no second map of ``x``'s size is allocated. Elsewhere it returns
-    ``depthwise_conv2d(x, weight, bias, residual=True)`` (a new tensor, ``x`` untouched), so callers must use the
-    result and must not rely on ``x`` keeping or losing its values.
+    over ``x`` where :func:`uses_residual_kernel` allows it (CPU inference, float32 or bfloat16; docs/ops.md
+    "depthwise_conv2d"): no second map of ``x``'s size is allocated. The kernel computes in float32 and rounds a
+    bf16 result once. Elsewhere it returns a new tensor and leaves ``x`` alone: ``depthwise_conv2d(x, weight,
+    bias, residual=True)`` in float32/float64 (the identity folded into the centre tap), ``x + conv(x)`` in lower
+    precision. Callers must use the result and must not rely on ``x`` keeping or losing its values.
 
     Args:
         x: ``[B, H, W, C]``, a map the caller owns (no one else may still need its values).
-        weight: ``[C, 1, k, k]``, ``k`` odd.
-        bias: ``[C]`` or None.
+        weight: ``[C, 1, k, k]``, ``k`` odd, in ``x``'s dtype.
+        bias: ``[C]`` or None, in ``x``'s dtype.
 
     Returns:
-        ``x`` itself (overwritten) or a new tensor; equal to :func:`depthwise_conv2d_ref` with ``residual=True``
-        up to rounding (the kernel adds the taps in its own order).
+        ``x`` itself (overwritten) or a new tensor; equal to ``x + conv(x)`` up to rounding (the kernel adds the
+        taps in its own order).
     """
     _check(x, weight, bias)
     if not uses_residual_kernel(x, weight, bias):
-        return depthwise_conv2d(x, weight, bias, residual=True)
-    torch.ops.ppma.depthwise_conv2d_residual_(x, weight, bias)
+        if x.dtype in (torch.float32, torch.float64):
+            return depthwise_conv2d(x, weight, bias, residual=True)
+        return x + depthwise_conv2d(x, weight, bias)
+    torch.ops.ppma.depthwise_conv2d_residual_(x, weight.float(), None if bias is None else bias.float())
     return x
 
 
