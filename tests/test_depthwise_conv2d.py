@@ -131,14 +131,20 @@ print(json.dumps({"cap": backends.cpu_capability(), "w": gw.double().flatten().t
 """
 
 
-@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
-def test_every_simd_path(capability):
-    """Each SIMD path the machine has (a fresh process capped at it) matches torch within the fp32 tolerance."""
-    res = subprocess.run([sys.executable, "-c", _PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
+def _on_path(code: str, capability: str) -> dict:
+    """Runs ``code`` in a fresh process capped at the SIMD path ``capability``; its last line's JSON."""
+    res = subprocess.run([sys.executable, "-c", code], env=cpu_subprocess_env(capability), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["cap"] == capability
+    return got
+
+
+@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
+def test_every_simd_path(capability):
+    """Each SIMD path the machine has (a fresh process capped at it) matches torch within the fp32 tolerance."""
+    got = _on_path(_PATH_CODE, capability)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
     g = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
@@ -292,11 +298,7 @@ print(json.dumps({"cap": backends.cpu_capability(), "y": x.double().flatten().to
 
 @pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
 def test_residual_kernel_every_simd_path(capability):
-    res = subprocess.run([sys.executable, "-c", _RESIDUAL_PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["cap"] == capability
+    got = _on_path(_RESIDUAL_PATH_CODE, capability)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 10, 9, 40, generator=gen)
     w = torch.randn(40, 1, 3, 3, generator=gen)
