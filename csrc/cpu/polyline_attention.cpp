@@ -79,21 +79,26 @@ PPMA_SIMD_INLINE void bias_lanes(int64_t l, int32_t j, float crIj, float crKj, f
   m2 = x2 > m2 ? x2 : m2;
 }
 
+// The member of a chain of per-width accumulators (MaxPair, SumTriple: width M, then .tail of width M / 2 ... 4, 1)
+// that has width K, the vector width for_lanes passes.
+template <int K, typename A>
+PPMA_SIMD_INLINE auto& width_at(A& acc) {
+  static_assert(K <= A::width, "no such width");
+  if constexpr (K == A::width) {
+    return acc;
+  } else {
+    return width_at<K>(acc.tail);
+  }
+}
+
 // Running maxima of add_biases_row, one pair per vector width of for_lanes (a key row runs L lanes at a time, then at
 // most one vector of each of L / 2 ... 4 lanes, then single lanes), kept across the key rows and reduced across lanes
 // once at the end (reducing the narrow widths per key row measured 10 % slower at W = 14).
 template <int M>
 struct MaxPair {
+  static constexpr int width = M;
   vec<M> a = vec<M>{} - std::numeric_limits<float>::infinity(), b = a;
   MaxPair<(M > 4 ? M / 2 : 1)> tail;
-  template <int K>  // the pair of width K (for_lanes' widths)
-  PPMA_SIMD_INLINE auto& at() {
-    if constexpr (K == M) {
-      return *this;
-    } else {
-      return tail.template at<K>();
-    }
-  }
   PPMA_SIMD_INLINE void reduce(float& m1, float& m2) const {
     tail.reduce(m1, m2);
     const float x = lane_max<M>(a), y = lane_max<M>(b);
@@ -103,12 +108,8 @@ struct MaxPair {
 };
 template <>
 struct MaxPair<1> {
+  static constexpr int width = 1;
   vec<1> a = -std::numeric_limits<float>::infinity(), b = a;
-  template <int K>
-  PPMA_SIMD_INLINE MaxPair<1>& at() {
-    static_assert(K == 1, "no such width");
-    return *this;
-  }
   PPMA_SIMD_INLINE void reduce(float& m1, float& m2) const {
     m1 = a > m1 ? a : m1;
     m2 = b > m2 ? b : m2;
@@ -136,7 +137,7 @@ inline void add_biases_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t 
       const float ct2 = sk * (ccK[j] - ccI[j]);  // C_j(i, k), constant over the key row
       const float crKj = crK[j];
       for_lanes(ln, W, [&](auto lm, int64_t l) {
-        auto& acc = m.template at<decltype(lm)::value>();
+        auto& acc = width_at<decltype(lm)::value>(m);
         bias_lanes<decltype(lm)::value>(l, int32_t(j), crIj, crKj, sk, ct2, crI, ccI, crK, ccK, y1, y2, acc.a, acc.b);
       });
     }
@@ -464,16 +465,9 @@ inline void bias_grad_segment_same_row(int64_t l0, int64_t ub, int64_t len, int6
 // summed by hsum (cpu/simd.h) at the end of the row.
 template <int M>
 struct SumTriple {
+  static constexpr int width = M;
   vec<M> s1{}, s2{}, t2{};
   SumTriple<(M > 4 ? M / 2 : 1)> tail;
-  template <int K>  // the sums of width K (for_lanes' widths)
-  PPMA_SIMD_INLINE auto& at() {
-    if constexpr (K == M) {
-      return *this;
-    } else {
-      return tail.template at<K>();
-    }
-  }
   PPMA_SIMD_INLINE void add_to(float& a, float& b, float& c) const {
     a += hsum<M>(s1), b += hsum<M>(s2), c += hsum<M>(t2);
     tail.add_to(a, b, c);
@@ -481,12 +475,8 @@ struct SumTriple {
 };
 template <>
 struct SumTriple<1> {
+  static constexpr int width = 1;
   float s1 = 0, s2 = 0, t2 = 0;
-  template <int K>
-  PPMA_SIMD_INLINE SumTriple<1>& at() {
-    static_assert(K == 1, "no such width");
-    return *this;
-  }
   PPMA_SIMD_INLINE void add_to(float& a, float& b, float& c) const { a += s1, b += s2, c += t2; }
 };
 
@@ -526,7 +516,7 @@ PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k
     if (k == i) {
       for_lanes(ln, W, [&](auto lm, int64_t l) {
         constexpr int M = decltype(lm)::value;
-        bias_grad_lanes<M, true>(l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, acc.template at<M>());
+        bias_grad_lanes<M, true>(l, j32, 0.0f, g1, g2, gcrI, gccI, gcrK, gccK, width_at<M>(acc));
       });
       acc.add_to(s1, s2, t2);
       gcrI[j] -= s1;
@@ -534,7 +524,7 @@ PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k
       const float sk = sgn_diff<float>(k, i);
       for_lanes(ln, W, [&](auto lm, int64_t l) {
         constexpr int M = decltype(lm)::value;
-        bias_grad_lanes<M, false>(l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, acc.template at<M>());
+        bias_grad_lanes<M, false>(l, j32, sk, g1, g2, gcrI, gccI, gcrK, gccK, width_at<M>(acc));
       });
       acc.add_to(s1, s2, t2);
       gcrI[j] -= s1;
