@@ -37,15 +37,29 @@ namespace cpu {
 namespace {
 
 // X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
-// (common/math.h). With mx, the rows' maxima go to mx[j] (NaN ignored, as max_of). float: each row in vectors
+// (common/math.h). With mx, the rows' maxima go to mx[j] (NaN ignored, as max_of). With lse (then mx is null),
+// X[j][l] = exp(X[j][l] + bias(j, l) - lse[j * ls]) instead: the map recomputed from its statistics, the bias
+// and the exp in one pass for float (the same values as the two passes). float: each row in vectors
 // (for_lanes), the branch chosen lane by lane (a - b is -(b - a) exactly: the same values as the hoisted loops of
 // double).
 template <int L, typename T>
-inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx) {
+inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const T* lse = nullptr,
+                          int64_t ls = 0) {
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
     const T cj = c[j];
     if constexpr (std::is_same<T, float>::value) {
+      if (lse) {
+        const int32_t j32 = static_cast<int32_t>(j);
+        const float sh = lse[j * ls];
+        for_lanes(ln, n, [&](auto lm, int64_t l) {
+          constexpr int M = decltype(lm)::value;
+          const vec<M> cl = load<M>(c + l);
+          const vec<M> y = load<M>(x + l) + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
+          store<M>(x + l, fast_exp<M>(y - sh));
+        });
+        continue;
+      }
       vec<L> m = vec<L>{} - std::numeric_limits<float>::infinity();
       float ms = -std::numeric_limits<float>::infinity();
       const int32_t j32 = static_cast<int32_t>(j);
@@ -71,17 +85,18 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx) {
 #pragma omp simd
       for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
       if (mx) mx[j] = max_of(n, x);
+      if (lse) exp_shift(ln, n, x, lse[j * ls]);
     }
   }
 }
 
-// X[j][l] = scale <Q_j, K_l> + bias(j, l) for one line of n tokens (rows' maxima into mx[j] where mx is given).
-// Q rows have stride qs; Kt is [d][n].
+// X[j][l] = scale <Q_j, K_l> + bias(j, l) for one line of n tokens (rows' maxima into mx[j] where mx is given;
+// with lse, the map exp(X[j][l] - lse[j * ls]) instead, as add_line_bias). Q rows have stride qs; Kt is [d][n].
 template <int L, typename T>
 inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X,
-                        T scale, T* mx) {
+                        T scale, T* mx, const T* lse = nullptr, int64_t ls = 0) {
   small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false, scale);
-  add_line_bias(ln, n, c, X, mx);
+  add_line_bias(ln, n, c, X, mx, lse, ls);
 }
 
 // In-place row softmax of X [n][n]; lse[j * ls] = logsumexp of row j. mx: the rows' maxima (from add_line_bias),
@@ -95,12 +110,6 @@ inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const
     scale_inplace(n, x, T(1) / s);
     lse[j * ls] = m + std::log(s);
   }
-}
-
-// X[j][:] = exp(X[j][:] - lse[j * ls]): the softmax recomputed from its statistics.
-template <int L, typename T>
-inline void line_softmax_from_lse(Lanes<L> ln, int64_t n, T* X, const T* lse, int64_t ls) {
-  for (int64_t j = 0; j < n; ++j) exp_shift(ln, n, X + j * n, lse[j * ls]);
 }
 
 // out[j] (=|+=) alpha * sum_l P[j][l] V[l] (rows of V / out with strides vs / os, dv columns).
@@ -294,13 +303,14 @@ inline Rows<T> line_rows(const Line<T>& li, const I* src, int64_t ch, T* scratch
 }
 
 // The logits of a line into S.X (the keys transposed into S.kt, the queries read by line_rows), its rows' maxima
-// into S.mx when maxima is set. Returns the queries' rows (copied into S.q with gather).
+// into S.mx when maxima is set; or, given lse (row j's at lse[j * ls]), the line's map recomputed from its
+// statistics, exp(logits - lse). Returns the queries' rows (copied into S.q with gather).
 template <int L, typename T, typename I>
 inline Rows<T> line_scores(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S,
-                           bool maxima = false, bool gather = false) {
+                           bool maxima = false, bool gather = false, const T* lse = nullptr, int64_t ls = 0) {
   const Rows<T> q = line_rows(li, D.q, D.d, S.q, gather);
   gather_input_rows_t(ln, li.n, D.d, li.at(D.k, D.d), li.ld(D.d), S.kt);
-  line_logits(ln, li.n, D.d, q.p, q.s, S.kt, li.c, S.X, D.scale, maxima ? S.mx : nullptr);
+  line_logits(ln, li.n, D.d, q.p, q.s, S.kt, li.c, S.X, D.scale, maxima ? S.mx : nullptr, lse, ls);
   return q;
 }
 
@@ -334,8 +344,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
   parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
-    line_scores(ln, D, r, S);
-    line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2));
     line_apply(ln, r.n, dv, S.X, r.at(Z, dv), r.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
   });
 }
@@ -436,15 +445,15 @@ inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Bo
       [&](int64_t t, LineScratchBf16& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
 }
 
-// The logits of a line into S.X: scale * (q k^T) + bias.
+// The logits of a line into S.X: scale * (q k^T) + bias; given lse, the map exp(logits - lse) (add_line_bias).
 template <int L>
 inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                             LineScratchBf16& S) {
+                             LineScratchBf16& S, const float* lse = nullptr, int64_t ls = 0) {
   const int64_t n = li.n, d = D.d, d2 = ceil_div(d, 2), np = ceil_div(n, 16) * 16;
   gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
   gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
   small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
-  add_line_bias(ln, n, li.c, S.X, static_cast<float*>(nullptr));
+  add_line_bias(ln, n, li.c, S.X, static_cast<float*>(nullptr), lse, ls);
 }
 
 // The map in S.X rounded to bf16 into S.pb, rows of pairs of positions (the last one 0 when n is odd).
@@ -502,8 +511,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
   // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
   parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
     const Line<float> r(D, true, t);
-    line_scores_bf16(ln, D, P, r, S);
-    line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    line_scores_bf16(ln, D, P, r, S, r.at(lse, 2), r.ld(2));
     map_to_bf16(ln, r.n, S);
     line_apply_bf16(ln, D, r, S, Z, r.at(out, dv), r.ld(dv), true, 0.5f);
   });
@@ -519,13 +527,12 @@ inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, Li
                        const T* lse, int side, const T* z, const T* dz, T* dq, T* dk, T* gv, T* gdecay,
                        bool accumulate) {
   const int64_t n = li.n, d = D.d, dv = D.dv;
-  const Rows<T> q = line_scores(ln, D, li, S, false, true);
+  const Rows<T> q = line_scores(ln, D, li, S, false, true, li.at(lse, 2) + side, li.ld(2));  // the map P
   const Rows<T> k = line_rows(li, D.k, d, S.k, true);
   gather_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv, T(0.5));  // [g | dz], row stride 2 dv
   gather_rows(n, dv, li.at(dz, dv), li.ld(dv), S.gu + dv, 2 * dv);
   gather_rows_t(ln, n, dv, li.at(z, dv), li.ld(dv), S.ut);  // [z^T ; v^T]
   gather_input_rows_t(ln, n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n);
-  line_softmax_from_lse(ln, n, S.X, li.at(lse, 2) + side, li.ld(2));
   line_backward(ln, n, d, dv, S.X, S.gu, 2 * dv, S.ut, q.p, q.s, k.p, k.s, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
                 li.at(dk, d), li.ld(d), accumulate);
   line_apply_t(ln, n, dv, S.X, S.gu + dv, 2 * dv, li.at(gv, dv), li.ld(dv), accumulate);
@@ -542,8 +549,7 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* ZA, T*
   // Phase 1: rows. z1 = A v, dz2 = A^T g.
   parallel_lines(D, BG * D.H, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
     const Line<T> r(D, true, t);
-    line_scores(ln, D, r, S);
-    line_softmax_from_lse(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
+    line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2));
     line_values(ln, D, r, S, ZA);
     gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
     line_apply_t(ln, r.n, dv, S.X, S.gu, dv, r.at(ZB, dv), r.ld(dv));
