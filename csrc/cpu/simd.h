@@ -97,37 +97,45 @@ PPMA_SIMD_INLINE float hsum(vec<L> v) {
   }
 }
 
-// exp(x), lane for lane and branch-free (Cephes-style range reduction and a degree-6 polynomial; relative
-// error ~2e-7 over the range that matters); the same formula for every width. Returns exactly 0 below -87.3
-// (and for -inf), so that a masked score of log-decay -1e4 contributes nothing, like the reference; NaN
-// propagates. With FMA (the AVX instance) contraction may change the last bit.
-// 16 lanes (AVX-512): the same polynomial, with 2^n applied by vscalefps (one instruction in place of the
-// integer conversion, the exponent shift and the multiplication; an exact scaling, so the same value as p * 2^n)
-// and no lower clamp or NaN select (lanes below -87.3 are zeroed by the select; NaN flows through the
-// arithmetic): six fewer vector operations per call, the same results up to a NaN's payload. polyline_attention
-// inference at 32 x 32 tokens (1 thread, CPU time) runs 3-5 % faster with it.
+// The range reduction and polynomial of fast_exp: for xc inside the clamps, n = round(xc / ln 2) (an integer as a
+// float) and the returned p = exp(xc - n ln 2) (Cephes: ln 2 in two parts, a degree-6 polynomial in r).
+template <int L>
+PPMA_SIMD_INLINE vec<L> exp_reduced(vec<L> xc, vec<L>& n) {
+  using V = vec<L>;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V t = xc * 1.44269504088896341f + magic;
+  n = t - magic;  // round(x / ln 2)
+  V r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const V r2 = r * r;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r2 + r + 1.0f;
+}
+
+// exp(x), lane for lane and branch-free (Cephes-style range reduction and a degree-6 polynomial, exp_reduced;
+// relative error ~2e-7 over the range that matters); the same formula for every width. Returns exactly 0 below
+// -87.3 (and for -inf), so that a masked score of log-decay -1e4 contributes nothing, like the reference; NaN
+// propagates. With FMA (the AVX instances) contraction may change the last bit.
+// 16 lanes (AVX-512): 2^n is applied by vscalefps (one instruction in place of the integer conversion, the
+// exponent shift and the multiplication; an exact scaling, so the same value as p * 2^n), with no lower clamp or
+// NaN select (lanes below -87.3 are zeroed by the select; NaN flows through the arithmetic): six fewer vector
+// operations per call, the same results up to a NaN's payload. polyline_attention inference at 32 x 32 tokens
+// (1 thread, CPU time) runs 3-5 % faster with it.
 template <int L>
 PPMA_SIMD_INLINE vec<L> fast_exp(vec<L> x) {
   using V = vec<L>;
   using I = ivec<L>;
   const V lo = V{} - 87.33654f, hi = V{} + 88.3762626647949f;
   const I under = x < lo;
+  V n;
 #ifdef PPMA_SIMD_X86
   if constexpr (L == 16) {
-    const V xc = hi < x ? hi : x;  // a NaN lane compares false and stays NaN
-    const float magic = 12582912.0f;
-    const V t = xc * 1.44269504088896341f + magic;
-    const V n = t - magic;
-    V r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    const V r2 = r * r;
-    V p = V{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r + 1.0f;
+    const V p = exp_reduced<L>(hi < x ? hi : x, n);  // a NaN lane compares false and stays NaN
     // p * 2^floor(n) (n is an integer here). Inline assembly rather than the intrinsic, like dpbf16 below: this
     // instance is only ever inlined into run_lanes16() / run_lanes16_bf16(), whose targets have AVX-512 F.
     V res;
@@ -138,19 +146,7 @@ PPMA_SIMD_INLINE vec<L> fast_exp(vec<L> x) {
   const I nan = x != x;
   V xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const V t = xc * 1.44269504088896341f + magic;
-  const V n = t - magic;  // round(x / ln 2)
-  V r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const V r2 = r * r;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r2 + r + 1.0f;
+  const V p = exp_reduced<L>(xc, n);
   I ni;
   if constexpr (L == 1) {
     ni = static_cast<int32_t>(n);
