@@ -49,24 +49,25 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const
     T* __restrict x = X + j * n;
     const T cj = c[j];
     if constexpr (std::is_same<T, float>::value) {
+      const int32_t j32 = static_cast<int32_t>(j);
+      auto biased = [&](auto lm, int64_t l) {  // x[l ..] + bias(j, l ..), the width of lm
+        constexpr int M = decltype(lm)::value;
+        const vec<M> cl = load<M>(c + l);
+        return load<M>(x + l) + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
+      };
       if (lse) {
-        const int32_t j32 = static_cast<int32_t>(j);
         const float sh = lse[j * ls];
         for_lanes(ln, n, [&](auto lm, int64_t l) {
           constexpr int M = decltype(lm)::value;
-          const vec<M> cl = load<M>(c + l);
-          const vec<M> y = load<M>(x + l) + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
-          store<M>(x + l, fast_exp<M>(y - sh));
+          store<M>(x + l, fast_exp<M>(biased(lm, l) - sh));
         });
         continue;
       }
       vec<L> m = vec<L>{} - std::numeric_limits<float>::infinity();
       float ms = -std::numeric_limits<float>::infinity();
-      const int32_t j32 = static_cast<int32_t>(j);
       for_lanes(ln, n, [&](auto lm, int64_t l) {
         constexpr int M = decltype(lm)::value;
-        const vec<M> cl = load<M>(c + l);
-        const vec<M> y = load<M>(x + l) + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
+        const vec<M> y = biased(lm, l);
         store<M>(x + l, y);
         if constexpr (M == L) {
           m = y > m ? y : m;
