@@ -4,11 +4,17 @@ second derivatives, opcheck, ``torch.compile`` and the argument checks."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import ppma
 from op_utils import SWEEPS, TOLERANCES, assert_close, needs_ext
+from ppma import backends
+from test_cpu_baseline import ROOT, cpu_subprocess_env
 from ppma.nn.rope import apply_rotary, rotary_angle, rotary_sin_cos
 from ppma.ops.reference import rope_ref
 
@@ -168,3 +174,41 @@ def test_bad_scale_and_transpose_named():
         ppma.ops.rope(x, sin, cos, "1")
     with pytest.raises(ValueError, match="transpose"):
         ppma.ops.rope(x, sin, cos, 1.0, 1)
+
+
+_PATH_CODE = """
+import json, torch, ppma
+from ppma import backends
+from ppma.nn.rope import rotary_angle, rotary_sin_cos
+out = {"cap": backends.cpu_capability()}
+for shape in [(2, 3, 5, 2, 16), (1, 4, 3, 3, 32), (2, 3, 4, 2, 6), (1, 2, 5, 2, 10), (1, 2, 2, 1, 2)]:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    sin, cos = rotary_sin_cos(rotary_angle(shape[-1]).float(), shape[1], shape[2])
+    for dtype in ("float32", "bfloat16"):
+        for t in (False, True):
+            y = ppma.ops.rope(x.to(getattr(torch, dtype)), sin, cos, 0.3, t)
+            out[f"{shape}{dtype}{t}"] = y.double().flatten().tolist()
+print(json.dumps(out))
+"""
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
+def test_every_simd_path(capability):
+    """Each SIMD path the machine has (a fresh process capped at it) matches the reference, float32 and bf16, both
+    directions, with a last channel pair outside the vectors (d = 6, 10, 2)."""
+    res = subprocess.run([sys.executable, "-c", _PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["cap"] == capability
+    for shape in [(2, 3, 5, 2, 16), (1, 4, 3, 3, 32), (2, 3, 4, 2, 6), (1, 2, 5, 2, 10), (1, 2, 2, 1, 2)]:
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        sin, cos = rotary_sin_cos(rotary_angle(shape[-1]).float(), shape[1], shape[2])
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype).double()
+            for t in (False, True):
+                y = torch.tensor(got[f"{shape}{str(dtype)[6:]}{t}"], dtype=torch.float64).view(shape)
+                assert_close(y, rope_ref(xd, sin.double(), cos.double(), 0.3, t), dtype, f"rope {shape} {t}")

@@ -6,6 +6,8 @@
 // (transpose=true is the adjoint, i.e. the backward of transpose=false and vice versa).
 // x: [B, H, W, heads, d] (d even); sin, cos: [H, W, d]. Computed in fp32 (fp64 when x or the tables are
 // fp64) and written in x's dtype, so bf16/fp16 queries with fp32 tables stay bf16/fp16 without a copy.
+// float32 and bf16 x with float32 tables run at the lane width of the SIMD path (rope_rows_lanes), the other
+// dtypes the formula's loop (rope_rows_scalar).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -15,60 +17,128 @@
 #include "cpu/simd.h"
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace ppma {
 namespace cpu {
 namespace {
 
-// One head's channel pairs of bf16 x (as bits) with float tables: the same float arithmetic as rope_rows' loop,
-// with the conversions of cpu/simd.h, integer operations the compiler vectorises (c10::BFloat16's do not; with
-// them the bf16 op took 1.6x as long at PPMA-T's stage-1 shape).
-template <bool Transpose>
-inline void rope_pairs_bf16(const uint16_t* __restrict xr, const float* __restrict s, const float* __restrict c,
-                            uint16_t* __restrict yr, int64_t d, float scale) {
-#pragma omp simd
-  for (int64_t m = 0; m < d; m += 2) {
-    const float x0 = bf16_to_float(xr[m]) * scale, x1 = bf16_to_float(xr[m + 1]) * scale;
-    if (Transpose) {
-      yr[m] = float_to_bf16(x0 * c[m] + x1 * s[m + 1]);
-      yr[m + 1] = float_to_bf16(x1 * c[m + 1] + (-x0) * s[m]);
-    } else {
-      yr[m] = float_to_bf16(x0 * c[m] + (-x1) * s[m]);
-      yr[m + 1] = float_to_bf16(x1 * c[m + 1] + x0 * s[m + 1]);
+// The pairs of lanes exchanged: (v1, v0, v3, v2, ...).
+template <int M, size_t... E>
+PPMA_SIMD_INLINE vec<M> swap_pairs(vec<M> v, std::index_sequence<E...>) {
+#if defined(__clang__)
+  return __builtin_shufflevector(v, v, (E ^ 1)...);
+#else
+  return __builtin_shuffle(v, ivec<M>{static_cast<int32_t>(E ^ 1)...});
+#endif
+}
+
+// float or bf16 x (as bits) with float tables, at the lane width of the path (cpu/simd.h), M >= 4 channels at a
+// time (M even: whole pairs), each pair's partner from a lane exchange:
+//   y_e = xs_e cos_e + partner_e * s'_e,  s'_e = -sin_e / +sin_e (even / odd e),
+// or, transposed, s'_e = +sin_{e+1} / -sin_{e-1}: the formula's products and sum ((-a) b = a (-b) exactly). A last
+// pair (d % 4 == 2) runs the scalar formula. bf16 values are widened and rounded by load_bf16 / store_bf16.
+template <typename X, int M>
+PPMA_SIMD_INLINE vec<M> load_x(const X* p) {
+  if constexpr (std::is_same_v<X, float>) {
+    return load<M>(p);
+  } else {
+    return load_bf16<M>(p);
+  }
+}
+template <typename X, int M>
+PPMA_SIMD_INLINE void store_x(X* p, vec<M> v) {
+  if constexpr (std::is_same_v<X, float>) {
+    store<M>(p, v);
+  } else {
+    store_bf16<M>(p, v);
+  }
+}
+
+template <bool Transpose, int L, typename X>
+PPMA_SIMD_INLINE void rope_rows_lanes(Lanes<L> ln, const X* x, const float* sin, const float* cos, X* y,
+                                      int64_t begin, int64_t end, int64_t hw, int64_t heads, int64_t d, float scale) {
+  const int64_t row = heads * d;
+  for (int64_t r = begin; r < end; ++r) {
+    const float* s = sin + (r % hw) * d;
+    const float* c = cos + (r % hw) * d;
+    for (int64_t g = 0; g < heads; ++g) {
+      const X* xr = x + r * row + g * d;
+      X* yr = y + r * row + g * d;
+      for_lanes(ln, d, [&](auto lm, int64_t e) {
+        constexpr int M = decltype(lm)::value;
+        if constexpr (M == 1) {  // the last pair (e, e + 1), at its even e
+          if (e % 2) return;
+          const float x0 = load_x<X, 1>(xr + e) * scale, x1 = load_x<X, 1>(xr + e + 1) * scale;
+          if (Transpose) {
+            store_x<X, 1>(yr + e, x0 * c[e] + x1 * s[e + 1]);
+            store_x<X, 1>(yr + e + 1, x1 * c[e + 1] + (-x0) * s[e]);
+          } else {
+            store_x<X, 1>(yr + e, x0 * c[e] + (-x1) * s[e]);
+            store_x<X, 1>(yr + e + 1, x1 * c[e + 1] + x0 * s[e + 1]);
+          }
+        } else {
+          const auto odd = ((lane_indices<M>() + static_cast<int32_t>(e)) & 1) != 0;
+          const vec<M> xs = load_x<X, M>(xr + e) * scale;
+          const vec<M> partner = swap_pairs<M>(xs, std::make_index_sequence<M>());
+          vec<M> sv = load<M>(s + e);
+          if constexpr (Transpose) {
+            sv = swap_pairs<M>(sv, std::make_index_sequence<M>());
+            sv = odd ? -sv : sv;
+          } else {
+            sv = odd ? sv : -sv;
+          }
+          store_x<X, M>(yr + e, xs * load<M>(c + e) + partner * sv);
+        }
+      });
     }
   }
 }
 
+// Any dtype: the formula's loop over the channel pairs, computed in A (float or double).
+template <typename T, typename A, bool Transpose>
+void rope_rows_scalar(const T* x, const A* sin, const A* cos, T* y, int64_t begin, int64_t end, int64_t hw,
+                      int64_t heads, int64_t d, A scale) {
+  const int64_t row = heads * d;
+  for (int64_t r = begin; r < end; ++r) {
+    const A* s = sin + (r % hw) * d;
+    const A* c = cos + (r % hw) * d;
+    for (int64_t g = 0; g < heads; ++g) {
+      const T* xr = x + r * row + g * d;
+      T* yr = y + r * row + g * d;
+#pragma omp simd
+      for (int64_t m = 0; m < d; m += 2) {
+        const A x0 = static_cast<A>(xr[m]) * scale, x1 = static_cast<A>(xr[m + 1]) * scale;
+        if (Transpose) {
+          yr[m] = static_cast<T>(x0 * c[m] + x1 * s[m + 1]);
+          yr[m + 1] = static_cast<T>(x1 * c[m + 1] + (-x0) * s[m]);
+        } else {
+          yr[m] = static_cast<T>(x0 * c[m] + (-x1) * s[m]);
+          yr[m + 1] = static_cast<T>(x1 * c[m + 1] + x0 * s[m + 1]);
+        }
+      }
+    }
+  }
+}
+
+// float and bf16 x with float tables run rope_rows_lanes, everything else rope_rows_scalar.
 template <typename T, typename A, bool Transpose>
 void rope_rows(const T* x, const A* sin, const A* cos, T* y, int64_t rows, int64_t hw, int64_t heads, int64_t d,
                A scale) {
   const int64_t row = heads * d;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const A* s = sin + (r % hw) * d;
-      const A* c = cos + (r % hw) * d;
-      for (int64_t g = 0; g < heads; ++g) {
-        const T* xr = x + r * row + g * d;
-        T* yr = y + r * row + g * d;
-        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
-          rope_pairs_bf16<Transpose>(reinterpret_cast<const uint16_t*>(xr), s, c, reinterpret_cast<uint16_t*>(yr), d,
-                                     scale);
-          continue;
-        }
-#pragma omp simd
-        for (int64_t m = 0; m < d; m += 2) {
-          const A x0 = static_cast<A>(xr[m]) * scale, x1 = static_cast<A>(xr[m + 1]) * scale;
-          if (Transpose) {
-            yr[m] = static_cast<T>(x0 * c[m] + x1 * s[m + 1]);
-            yr[m + 1] = static_cast<T>(x1 * c[m + 1] + (-x0) * s[m]);
-          } else {
-            yr[m] = static_cast<T>(x0 * c[m] + (-x1) * s[m]);
-            yr[m + 1] = static_cast<T>(x1 * c[m + 1] + x0 * s[m + 1]);
-          }
-        }
-      }
+    if constexpr (std::is_same_v<A, float> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+      using X = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+      const X* xp = reinterpret_cast<const X*>(x);
+      X* yp = reinterpret_cast<X*>(y);
+      with_lanes([&](auto ln) {
+        rope_rows_lanes<Transpose>(ln, xp, sin, cos, yp, begin, end, hw, heads, d, scale);
+      });
+    } else {
+      rope_rows_scalar<T, A, Transpose>(x, sin, cos, y, begin, end, hw, heads, d, scale);
     }
   });
 }

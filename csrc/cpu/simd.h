@@ -41,7 +41,8 @@ template <int L>
 using Lanes = std::integral_constant<int, L>;
 
 // ---------------------------------------------------------------------------------------------
-// Vectors of L floats (L = 1: the scalar, for the tails of the array loops) and their int32 twins.
+// Vectors of L floats (L = 1: the scalar, for the tails of the array loops), their int32 and uint32 twins, and
+// vectors of L uint16 (bf16 bits).
 // ---------------------------------------------------------------------------------------------
 template <int L>
 struct VecTypes;
@@ -54,16 +55,22 @@ template <>
 struct VecTypes<4> {
   typedef float f __attribute__((vector_size(16)));
   typedef int32_t i __attribute__((vector_size(16)));
+  typedef uint32_t u __attribute__((vector_size(16)));
+  typedef uint16_t h __attribute__((vector_size(8)));  // bf16 bits
 };
 template <>
 struct VecTypes<8> {
   typedef float f __attribute__((vector_size(32)));
   typedef int32_t i __attribute__((vector_size(32)));
+  typedef uint32_t u __attribute__((vector_size(32)));
+  typedef uint16_t h __attribute__((vector_size(16)));  // bf16 bits
 };
 template <>
 struct VecTypes<16> {
   typedef float f __attribute__((vector_size(64)));
   typedef int32_t i __attribute__((vector_size(64)));
+  typedef uint32_t u __attribute__((vector_size(64)));
+  typedef uint16_t h __attribute__((vector_size(32)));  // bf16 bits
 };
 template <int L>
 using vec = typename VecTypes<L>::f;
@@ -552,20 +559,44 @@ inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t 
   }
 }
 
+// M bf16 values (bits) widened to floats (exact), and M floats rounded to bf16 (float_to_bf16's rounding, NaN kept
+// a quiet NaN): integer vector operations, at the width of the path that inlines them (M = 1: the scalar ones).
+template <int M>
+PPMA_SIMD_INLINE vec<M> load_bf16(const uint16_t* p) {
+  if constexpr (M == 1) {
+    return bf16_to_float(*p);
+  } else {
+    using h = typename VecTypes<M>::h;
+    using u = typename VecTypes<M>::u;
+    h v;
+    std::memcpy(&v, p, sizeof(v));
+    const u w = __builtin_convertvector(v, u) << 16;
+    vec<M> f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+  }
+}
+template <int M>
+PPMA_SIMD_INLINE void store_bf16(uint16_t* p, vec<M> x) {
+  if constexpr (M == 1) {
+    *p = float_to_bf16(x);
+  } else {
+    using h = typename VecTypes<M>::h;
+    using u = typename VecTypes<M>::u;
+    u w;
+    std::memcpy(&w, &x, sizeof(w));
+    const u nan = (w & 0x7fffffffu) > 0x7f800000u;
+    const u r = nan ? ((w >> 16) | 0x40u) : ((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+    const h v = __builtin_convertvector(r, h);
+    std::memcpy(p, &v, sizeof(v));
+  }
+}
+
 #ifdef PPMA_SIMD_X86
 // dst[e] = bf16(x[e]) for e < n (16 at a time, the same rounding as float_to_bf16).
 PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, uint16_t* __restrict dst) {
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
   int64_t e = 0;
-  for (; e + 16 <= n; e += 16) {
-    u32x16 u;
-    std::memcpy(&u, x + e, sizeof(u));
-    const u32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const u32x16 r = nan ? ((u >> 16) | 0x40u) : ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    const u16x16 h = __builtin_convertvector(r, u16x16);
-    std::memcpy(dst + e, &h, sizeof(h));
-  }
+  for (; e + 16 <= n; e += 16) store_bf16<16>(dst + e, load<16>(x + e));
   for (; e < n; ++e) dst[e] = float_to_bf16(x[e]);
 }
 
