@@ -147,6 +147,8 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
     }
     if constexpr (direct) {
       if (n != CB) std::memcpy(out + w * C, tmp, n * sizeof(float));
+    } else if (n == CB) {
+      for (int64_t c = 0; c < CB; c += L) store_bf16<L>(out + w * C + c, load<L>(tmp + c));
     } else {
       for (int64_t c = 0; c < n; ++c) out[w * C + c] = float_to_bf16(tmp[c]);
     }
@@ -172,34 +174,37 @@ void residual_inplace(X* x, const float* weight, const float* bias, int64_t B, i
       bb[c] = bias ? bias[c0 + c] : 0.0f;
     }
     X* xb = x + b * H * W * C + c0;
-    auto keep_row = [&](int64_t r) {  // the original row r into its slot (widened to float)
+    auto keep_row = [&](auto ln, int64_t r) {  // the original row r into its slot (widened to float)
+      constexpr int L = decltype(ln)::value;
       float* s = ring + (r % K) * slot + P * CB;
       const X* src = xb + r * W * C;
       for (int64_t w = 0; w < W; ++w) {
         if constexpr (std::is_same_v<X, float>) {
           std::memcpy(s + w * CB, src + w * C, n * sizeof(float));
+        } else if (n == CB) {
+          for (int64_t c = 0; c < CB; c += L) store<L>(s + w * CB + c, load_bf16<L>(src + w * C + c));
         } else {
           for (int64_t c = 0; c < n; ++c) s[w * CB + c] = bf16_to_float(src[w * C + c]);
         }
       }
     };
-    for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(r);
     std::vector<const float*> rows(K);
-    for (int64_t h = 0; h < H; ++h) {
-      if (h + P < H) keep_row(h + P);  // into the slot of row h - P - 1, no longer needed
-      for (int64_t i = 0; i < K; ++i) {
-        const int64_t r = h + i - P;
-        rows[i] = r < 0 || r >= H ? zero : ring + (r % K) * slot;
-      }
-      const float* centre = ring + (h % K) * slot + P * CB;
-      with_lanes([&](auto ln) {
+    with_lanes([&](auto ln) {
+      for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(ln, r);
+      for (int64_t h = 0; h < H; ++h) {
+        if (h + P < H) keep_row(ln, h + P);  // into the slot of row h - P - 1, no longer needed
+        for (int64_t i = 0; i < K; ++i) {
+          const int64_t r = h + i - P;
+          rows[i] = r < 0 || r >= H ? zero : ring + (r % K) * slot;
+        }
+        const float* centre = ring + (h % K) * slot + P * CB;
         if (K == 3) {
           residual_row<3>(ln, W, C, K, rows.data(), centre, wt, bb, n, xb + h * W * C);
         } else {
           residual_row<0>(ln, W, C, K, rows.data(), centre, wt, bb, n, xb + h * W * C);
         }
-      });
-    }
+      }
+    });
   });
 }
 
