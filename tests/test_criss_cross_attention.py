@@ -122,3 +122,35 @@ def test_bf16_products(path, tmp_path):
                                          lb.float().double(), 0.3)
         err = rel_err(out, want)
         assert err <= BF16_TOL, f"{what}: relative error {err:.2e} > {BF16_TOL:.2e} against the float64 reference"
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_row_maps_groups_and_long_lines(dtype):
+    """The CPU forward keeps a group of (batch, head) pairs' row maps (2 MiB) for its third phase: a pair's output
+    does not depend on which pairs share its group (48 x 48 maps: 4 float32 pairs a group, so 6 pairs make a full
+    and a partial group) and matches the reference; on lines too long to keep (104 x 104: one pair's maps > 2 MiB,
+    float32 or bf16) the recomputed maps give the reference's numbers, the same for any thread count."""
+    q, k, v, la, lb = make_attention_inputs((3, 48, 48, 2, 8, 8), dtype, requires_grad=False, seed=2)
+    with torch.inference_mode():
+        out = criss_cross_attention(q, k, v, la, lb, 0.4)
+        for b in range(3):
+            for g in range(2):
+                one = criss_cross_attention(*(t[b:b + 1, :, :, g:g + 1] for t in (q, k, v, la, lb)), 0.4)
+                assert torch.equal(one, out[b:b + 1, :, :, g:g + 1]), (b, g)
+    tol = 1e-5 if dtype == torch.float32 else BF16_TOL
+    want = criss_cross_attention_ref(q.double(), k.double(), v.double(), la.double(), lb.double(), 0.4)
+    assert rel_err(out, want) <= tol
+    q, k, v, la, lb = make_attention_inputs((1, 104, 104, 1, 4, 4), dtype, requires_grad=False, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                runs.append(criss_cross_attention(q, k, v, la, lb, 0.4))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    want = criss_cross_attention_ref(q.double(), k.double(), v.double(), la.double(), lb.double(), 0.4)
+    assert rel_err(runs[0], want) <= tol

@@ -2,15 +2,17 @@
 //
 // Per (batch, head): row attention A_i = softmax(S + R_i) inside every row (W x W) and column attention
 // B_l = softmax(S + C_l) inside every column (H x H); out = 0.5 B (A v) + 0.5 A (B v). The maps live
-// only in per-task scratch (one line at a time). Three parallel phases, each over lines:
-//   forward:  rows (A, lse0, z1 = A v) -> columns (B, lse1, out1 = B z1, z2 = B v) -> rows (A from lse0,
-//             out = 0.5 out1 + 0.5 A z2)
+// in per-task scratch (one line at a time), except the forward's row maps, kept from its first phase for its third
+// for a group of (batch, head) pairs at a time (kRowMapBytes). Three parallel phases, each over lines:
+//   forward:  rows (A, lse0, z1 = A v) -> columns (B, lse1, out1 = B z1, z2 = B v) -> rows (A kept, or
+//             recomputed from the rows' m and 1 / s; out = 0.5 out1 + 0.5 A z2)
 //   backward: rows (z1 = A v, dz2 = A^T g) -> columns (z2 = B v, dz1 = B^T g, dB, softmax backward,
 //             column grads, grad log_beta) -> rows (dA, softmax backward, row grads, grad log_alpha)
 // with g = 0.5 grad_out. Every output element is written by exactly one task per phase: deterministic.
 // Memory: the inputs are read in place (queries, values and the z buffers through their row strides, the keys
 // of each line transposed into per-thread scratch; scale multiplies the products); the forward needs
-// one input-sized buffer (z1, then z2), the backward two ((z1, dz2), then (z2, dz1)) besides its outputs.
+// one input-sized buffer (z1, then z2) and at most kRowMapBytes of row maps, the backward two ((z1, dz2), then
+// (z2, dz1)) besides its outputs.
 //
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
 // task runs at the lane width with_lanes() chooses (line kernels take it as their first argument).
@@ -39,12 +41,13 @@ namespace {
 // X[j][l] += bias(j, l) for one line of n tokens: c holds the line's prefix sums; the bias is line_bias(j, l)
 // (common/math.h). With mx, the rows' maxima go to mx[j] (NaN ignored, as max_of). With lse (then mx is null),
 // X[j][l] = exp(X[j][l] + bias(j, l) - lse[j * ls]) instead: the map recomputed from its statistics, the bias
-// and the exp in one pass for float (the same values as the two passes). float: each row in vectors
-// (for_lanes), the branch chosen lane by lane (a - b is -(b - a) exactly: the same values as the hoisted loops of
-// double).
+// and the exp in one pass for float (the same values as the two passes); with inv too, that times inv[j * ls]
+// (lse then holds the rows' maxima: the map line_softmax forms, recomputed bit for bit). float: each row in
+// vectors (for_lanes), the branch chosen lane by lane (a - b is -(b - a) exactly: the same values as the hoisted
+// loops of double).
 template <int L, typename T>
 inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const T* lse = nullptr,
-                          int64_t ls = 0) {
+                          int64_t ls = 0, const T* inv = nullptr) {
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
     const T cj = c[j];
@@ -57,10 +60,18 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const
       };
       if (lse) {
         const float sh = lse[j * ls];
-        for_lanes(ln, n, [&](auto lm, int64_t l) {
-          constexpr int M = decltype(lm)::value;
-          store<M>(x + l, fast_exp<M>(biased(lm, l) - sh));
-        });
+        if (inv) {
+          const float a = inv[j * ls];
+          for_lanes(ln, n, [&](auto lm, int64_t l) {
+            constexpr int M = decltype(lm)::value;
+            store<M>(x + l, fast_exp<M>(biased(lm, l) - sh) * a);
+          });
+        } else {
+          for_lanes(ln, n, [&](auto lm, int64_t l) {
+            constexpr int M = decltype(lm)::value;
+            store<M>(x + l, fast_exp<M>(biased(lm, l) - sh));
+          });
+        }
         continue;
       }
       vec<L> m = vec<L>{} - std::numeric_limits<float>::infinity();
@@ -87,6 +98,7 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const
       for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
       if (mx) mx[j] = max_of(n, x);
       if (lse) exp_shift(ln, n, x, lse[j * ls]);
+      if (inv) scale_inplace(n, x, inv[j * ls]);
     }
   }
 }
@@ -95,21 +107,24 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const
 // with lse, the map exp(X[j][l] - lse[j * ls]) instead, as add_line_bias). Q rows have stride qs; Kt is [d][n].
 template <int L, typename T>
 inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t qs, const T* Kt, const T* c, T* X,
-                        T scale, T* mx, const T* lse = nullptr, int64_t ls = 0) {
+                        T scale, T* mx, const T* lse = nullptr, int64_t ls = 0, const T* inv = nullptr) {
   small_gemm(ln, n, n, d, Q, qs, 1, Kt, n, X, n, false, scale);
-  add_line_bias(ln, n, c, X, mx, lse, ls);
+  add_line_bias(ln, n, c, X, mx, lse, ls, inv);
 }
 
-// In-place row softmax of X [n][n]; lse[j * ls] = logsumexp of row j. mx: the rows' maxima (from add_line_bias),
-// or null.
+// In-place row softmax of X [n][n], exp(x - m) * (1 / s); lse[j * ls] = logsumexp of row j. mx: the rows' maxima
+// (from add_line_bias), or null. st (or null): row j's m and 1 / s at st[j * ls], st[j * ls + 1], from which
+// add_line_bias recomputes the map bit for bit.
 template <int L, typename T>
-inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const T* mx = nullptr) {
+inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const T* mx = nullptr, T* st = nullptr) {
   for (int64_t j = 0; j < n; ++j) {
     T* x = X + j * n;
     const T m = mx ? mx[j] : max_of(n, x);
     const T s = exp_shift_sum(ln, n, x, m);
-    scale_inplace(n, x, T(1) / s);
+    const T a = T(1) / s;
+    scale_inplace(n, x, a);
     lse[j * ls] = m + std::log(s);
+    if (st) st[j * ls] = m, st[j * ls + 1] = a;
   }
 }
 
@@ -303,51 +318,81 @@ inline Rows<T> line_rows(const Line<T>& li, const I* src, int64_t ch, T* scratch
   }
 }
 
-// The logits of a line into S.X (the keys transposed into S.kt, the queries read by line_rows), its rows' maxima
-// into S.mx when maxima is set; or, given lse (row j's at lse[j * ls]), the line's map recomputed from its
-// statistics, exp(logits - lse). Returns the queries' rows (copied into S.q with gather).
+// The logits of a line into X (S.X unless given; the keys transposed into S.kt, the queries read by line_rows), its
+// rows' maxima into S.mx when maxima is set; or, given lse (row j's at lse[j * ls]), the line's map recomputed
+// from its statistics, exp(logits - lse) (times inv[j * ls] where inv is given: add_line_bias). Returns the
+// queries' rows (copied into S.q with gather).
 template <int L, typename T, typename I>
 inline Rows<T> line_scores(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S,
-                           bool maxima = false, bool gather = false, const T* lse = nullptr, int64_t ls = 0) {
+                           bool maxima = false, bool gather = false, const T* lse = nullptr, int64_t ls = 0,
+                           const T* inv = nullptr, T* X = nullptr) {
   const Rows<T> q = line_rows(li, D.q, D.d, S.q, gather);
   gather_input_rows_t(ln, li.n, D.d, li.at(D.k, D.d), li.ld(D.d), S.kt);
-  line_logits(ln, li.n, D.d, q.p, q.s, S.kt, li.c, S.X, D.scale, maxima ? S.mx : nullptr, lse, ls);
+  line_logits(ln, li.n, D.d, q.p, q.s, S.kt, li.c, X ? X : S.X, D.scale, maxima ? S.mx : nullptr, lse, ls, inv);
   return q;
 }
 
-// out = P v for the line's map P in S.X (its values read by line_rows): z1 = A v of a row, z2 = B v of a column.
+// out = P v for the line's map P (in X, or S.X; its values read by line_rows): z1 = A v of a row, z2 = B v of a
+// column.
 template <int L, typename T, typename I>
-inline void line_values(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, T* out) {
+inline void line_values(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, T* out,
+                        const T* X = nullptr) {
   const Rows<T> v = line_rows(li, D.v, D.dv, S.v);
-  line_apply(ln, li.n, D.dv, S.X, v.p, v.s, li.at(out, D.dv), li.ld(D.dv));
+  line_apply(ln, li.n, D.dv, X ? X : S.X, v.p, v.s, li.at(out, D.dv), li.ld(D.dv));
 }
 
-// Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column).
+// The forward keeps the row maps A of phase 1 for phase 3 (instead of recomputing them there) for as many
+// (batch, head) pairs at a time as fit in kRowMapBytes, and runs its three phases once per such group of pairs.
+// Where the maps of one pair do not fit, phase 3 recomputes them from the rows' maxima m and 1 / s (add_line_bias),
+// bit for bit the maps phase 1 formed, so both give the same numbers; the groups depend on the shapes only.
+constexpr int64_t kRowMapBytes = int64_t(2) << 20;
+
+// (batch, head) pairs per group whose row maps (H rows of elems elements of `bytes` bytes each per pair) fit in
+// kRowMapBytes, at most BG; 0 where one pair's do not.
+inline int64_t pairs_kept(int64_t BG, int64_t H, int64_t elems, int64_t bytes) {
+  const int64_t one = H * elems * bytes;
+  return one <= kRowMapBytes ? std::min(BG, kRowMapBytes / one) : 0;
+}
+
+// Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column). The phases run per group of
+// (batch, head) pairs (kRowMapBytes); a group's lines are t = g0 * H + u (rows) or g0 * W + u (columns).
 template <typename T, typename I>
 void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
-  const int64_t BG = D.B * D.G, dv = D.dv;
-  // Phase 1: rows. A, lse0, z1 = A v.
-  parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
-    const Line<T> r(D, true, t);
-    line_scores(ln, D, r, S, true);
-    line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), S.mx);
-    line_values(ln, D, r, S, Z);
-  });
-  // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
-  parallel_lines(D, BG * D.W, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
-    const Line<T> c(D, false, t);
-    line_scores(ln, D, c, S, true);
-    line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
-    // out = 0.5 B z1, z1 read in place before z2 replaces it
-    line_apply(ln, c.n, dv, S.X, c.at(Z, dv), c.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
-    line_values(ln, D, c, S, Z);                                                   // z2 = B v
-  });
-  // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
-  parallel_lines(D, BG * D.H, false, [&](auto ln, int64_t t, LineScratch<T>& S) {
-    const Line<T> r(D, true, t);
-    line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2));
-    line_apply(ln, r.n, dv, S.X, r.at(Z, dv), r.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
-  });
+  const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
+  const int64_t keep = pairs_kept(BG, H, nn, sizeof(T)), group = keep ? keep : BG;
+  std::vector<T> maps(keep * H * nn);                  // the group's row maps, [pair][row][W][W]
+  std::vector<T> stats(keep ? 0 : 2 * D.B * D.N * D.G);  // else the rows' m and 1 / s, [B, N, G, 2]
+  for (int64_t g0 = 0; g0 < BG; g0 += group) {
+    const int64_t gn = std::min(group, BG - g0);
+    // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+    parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
+      const Line<T> r(D, true, g0 * H + u);
+      T* X = keep ? maps.data() + u * nn : S.X;
+      line_scores(ln, D, r, S, true, false, static_cast<const T*>(nullptr), 0, static_cast<const T*>(nullptr), X);
+      line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : r.at(stats.data(), 2));
+      line_values(ln, D, r, S, Z, X);
+    });
+    // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
+    parallel_lines(D, gn * W, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
+      const Line<T> c(D, false, g0 * W + u);
+      line_scores(ln, D, c, S, true);
+      line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
+      // out = 0.5 B z1, z1 read in place before z2 replaces it
+      line_apply(ln, c.n, dv, S.X, c.at(Z, dv), c.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
+      line_values(ln, D, c, S, Z);  // z2 = B v
+    });
+    // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
+    parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
+      const Line<T> r(D, true, g0 * H + u);
+      const T* X = keep ? maps.data() + u * nn : nullptr;
+      if (!keep) {
+        const T* st = r.at(stats.data(), 2);
+        line_scores(ln, D, r, S, false, false, st, r.ld(2), st + 1);
+        X = S.X;
+      }
+      line_apply(ln, r.n, dv, X, r.at(Z, dv), r.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
+    });
+  }
 }
 
 #ifdef PPMA_SIMD_X86
@@ -446,76 +491,94 @@ inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Bo
       [&](int64_t t, LineScratchBf16& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
 }
 
-// The logits of a line into S.X: scale * (q k^T) + bias; given lse, the map exp(logits - lse) (add_line_bias).
+// The logits of a line into S.X: scale * (q k^T) + bias; given lse (and inv), the map exp(logits - lse) (times inv)
+// (add_line_bias).
 template <int L>
 inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                             LineScratchBf16& S, const float* lse = nullptr, int64_t ls = 0) {
+                             LineScratchBf16& S, const float* lse = nullptr, int64_t ls = 0,
+                             const float* inv = nullptr) {
   const int64_t n = li.n, d = D.d, d2 = ceil_div(d, 2), np = ceil_div(n, 16) * 16;
   gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
   gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
   small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
-  add_line_bias(ln, n, li.c, S.X, static_cast<float*>(nullptr), lse, ls);
+  add_line_bias(ln, n, li.c, S.X, static_cast<float*>(nullptr), lse, ls, inv);
 }
 
-// The map in S.X rounded to bf16 into S.pb, rows of pairs of positions (the last one 0 when n is odd).
+// The map in S.X rounded to bf16 into pb (S.pb unless given), rows of pairs of positions (the last one 0 when n is
+// odd).
 template <int L>
-inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S) {
+inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S, uint16_t* pb = nullptr) {
   const int64_t w = n + (n & 1);
+  if (!pb) pb = S.pb;
   for (int64_t j = 0; j < n; ++j) {
-    floats_to_bf16(ln, n, S.X + j * n, S.pb + j * w);
-    if (n & 1) S.pb[j * w + n] = 0;
+    floats_to_bf16(ln, n, S.X + j * n, pb + j * w);
+    if (n & 1) pb[j * w + n] = 0;
   }
 }
 
-// C (=|+=) alpha * P src for the line's bf16 map (S.pb) and the line's rows of a bf16 [B, N, G, dv] tensor src
-// (gathered into S.vp); C rows at stride ldc.
+// C (=|+=) alpha * P src for the line's bf16 map (pb, or S.pb) and the line's rows of a bf16 [B, N, G, dv] tensor
+// src (gathered into S.vp); C rows at stride ldc.
 template <int L>
 inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, const Line<float>& li, LineScratchBf16& S,
-                            const uint16_t* src, float* C, int64_t ldc, bool accumulate, float alpha) {
+                            const uint16_t* src, float* C, int64_t ldc, bool accumulate, float alpha,
+                            const uint16_t* pb = nullptr) {
   const int64_t n = li.n, dv = D.dv, n2 = ceil_div(n, 2);
   gather_pairs_positions(n, dv, li.at(src, dv), li.ld(dv), S.vp, S.dvp);
-  small_gemm_bf16(ln, n, dv, n2, S.pb, n2, reinterpret_cast<const uint16_t*>(S.vp), S.dvp, C, ldc, accumulate,
-                  alpha);
+  small_gemm_bf16(ln, n, dv, n2, pb ? pb : S.pb, n2, reinterpret_cast<const uint16_t*>(S.vp), S.dvp, C, ldc,
+                  accumulate, alpha);
 }
 
-// The line's rows of Z (bf16 [B, N, G, dv]) = bf16(P v).
+// The line's rows of Z (bf16 [B, N, G, dv]) = bf16(P v) (P: pb, or S.pb).
 template <int L>
 inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                             LineScratchBf16& S, uint16_t* Z) {
+                             LineScratchBf16& S, uint16_t* Z, const uint16_t* pb = nullptr) {
   const int64_t dv = D.dv;
-  line_apply_bf16(ln, D, li, S, P.v, S.O, dv, false, 1.0f);
+  line_apply_bf16(ln, D, li, S, P.v, S.O, dv, false, 1.0f, pb);
   uint16_t* z = li.at(Z, dv);
   for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, z + j * li.ld(dv));
 }
 
 // forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused); Z: bf16
-// [B, N, G, dv] scratch (z1, then z2 in place, column by column).
+// [B, N, G, dv] scratch (z1, then z2 in place, column by column). The row maps are kept in bf16 (as rounded for
+// their products) for the groups of pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s.
 void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, float* lse, uint16_t* Z) {
-  const int64_t BG = D.B * D.G, dv = D.dv;
-  // Phase 1: rows. A, lse0, z1 = A v.
-  parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
-    const Line<float> r(D, true, t);
-    line_scores_bf16(ln, D, P, r, S);
-    line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2));
-    map_to_bf16(ln, r.n, S);
-    line_values_bf16(ln, D, P, r, S, Z);
-  });
-  // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1, which is gathered first).
-  parallel_lines_bf16(D, BG * D.W, [&](auto ln, int64_t t, LineScratchBf16& S) {
-    const Line<float> c(D, false, t);
-    line_scores_bf16(ln, D, P, c, S);
-    line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
-    map_to_bf16(ln, c.n, S);
-    line_apply_bf16(ln, D, c, S, Z, c.at(out, dv), c.ld(dv), false, 0.5f);  // out = 0.5 B z1
-    line_values_bf16(ln, D, P, c, S, Z);                                     // z2 = B v
-  });
-  // Phase 3: rows again, A from its statistics; out += 0.5 A z2.
-  parallel_lines_bf16(D, BG * D.H, [&](auto ln, int64_t t, LineScratchBf16& S) {
-    const Line<float> r(D, true, t);
-    line_scores_bf16(ln, D, P, r, S, r.at(lse, 2), r.ld(2));
-    map_to_bf16(ln, r.n, S);
-    line_apply_bf16(ln, D, r, S, Z, r.at(out, dv), r.ld(dv), true, 0.5f);
-  });
+  const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nw = W * (W + (W & 1));
+  const int64_t keep = pairs_kept(BG, H, nw, sizeof(uint16_t)), group = keep ? keep : BG;
+  std::vector<uint16_t> maps(keep * H * nw);               // the group's row maps in bf16, [pair][row][W][W2]
+  std::vector<float> stats(keep ? 0 : 2 * D.B * D.N * D.G);  // else the rows' m and 1 / s, [B, N, G, 2]
+  for (int64_t g0 = 0; g0 < BG; g0 += group) {
+    const int64_t gn = std::min(group, BG - g0);
+    // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+    parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
+      const Line<float> r(D, true, g0 * H + u);
+      uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
+      line_scores_bf16(ln, D, P, r, S);
+      line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
+                   keep ? nullptr : r.at(stats.data(), 2));
+      map_to_bf16(ln, r.n, S, pb);
+      line_values_bf16(ln, D, P, r, S, Z, pb);
+    });
+    // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1, which is gathered first).
+    parallel_lines_bf16(D, gn * W, [&](auto ln, int64_t u, LineScratchBf16& S) {
+      const Line<float> c(D, false, g0 * W + u);
+      line_scores_bf16(ln, D, P, c, S);
+      line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
+      map_to_bf16(ln, c.n, S);
+      line_apply_bf16(ln, D, c, S, Z, c.at(out, dv), c.ld(dv), false, 0.5f);  // out = 0.5 B z1
+      line_values_bf16(ln, D, P, c, S, Z);                                     // z2 = B v
+    });
+    // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
+    parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
+      const Line<float> r(D, true, g0 * H + u);
+      const uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
+      if (!keep) {
+        const float* st = r.at(stats.data(), 2);
+        line_scores_bf16(ln, D, P, r, S, st, r.ld(2), st + 1);
+        map_to_bf16(ln, r.n, S);
+      }
+      line_apply_bf16(ln, D, r, S, Z, r.at(out, dv), r.ld(dv), true, 0.5f, pb);
+    });
+  }
 }
 #endif  // PPMA_SIMD_X86
 
