@@ -57,70 +57,72 @@ PPMA_SIMD_INLINE void store_x(X* p, vec<M> v) {
   }
 }
 
+// The rotation of one channel pair (x0, x1) (= scale * (x_m, x_{m + 1})) with the tables s, c at m: the formula.
+template <bool Transpose, typename A>
+PPMA_SIMD_INLINE void rotate_pair(A x0, A x1, const A* s, const A* c, int64_t m, A& y0, A& y1) {
+  if (Transpose) {
+    y0 = x0 * c[m] + x1 * s[m + 1];
+    y1 = x1 * c[m + 1] + (-x0) * s[m];
+  } else {
+    y0 = x0 * c[m] + (-x1) * s[m];
+    y1 = x1 * c[m + 1] + x0 * s[m + 1];
+  }
+}
+
+// f(s, c, xr, yr) for every token r in [begin, end) and head: the token's tables, the head's channels in x and y.
+template <typename T, typename A, typename F>
+PPMA_SIMD_INLINE void for_each_head(const T* x, const A* sin, const A* cos, T* y, int64_t begin, int64_t end,
+                                    int64_t hw, int64_t heads, int64_t d, F&& f) {
+  const int64_t row = heads * d;
+  for (int64_t r = begin; r < end; ++r) {
+    const A* s = sin + (r % hw) * d;
+    const A* c = cos + (r % hw) * d;
+    for (int64_t g = 0; g < heads; ++g) f(s, c, x + r * row + g * d, y + r * row + g * d);
+  }
+}
+
 template <bool Transpose, int L, typename X>
 PPMA_SIMD_INLINE void rope_rows_lanes(Lanes<L> ln, const X* x, const float* sin, const float* cos, X* y,
                                       int64_t begin, int64_t end, int64_t hw, int64_t heads, int64_t d, float scale) {
-  const int64_t row = heads * d;
-  for (int64_t r = begin; r < end; ++r) {
-    const float* s = sin + (r % hw) * d;
-    const float* c = cos + (r % hw) * d;
-    for (int64_t g = 0; g < heads; ++g) {
-      const X* xr = x + r * row + g * d;
-      X* yr = y + r * row + g * d;
-      for_lanes(ln, d, [&](auto lm, int64_t e) {
-        constexpr int M = decltype(lm)::value;
-        if constexpr (M == 1) {  // the last pair (e, e + 1), at its even e
-          if (e % 2) return;
-          const float x0 = load_x<X, 1>(xr + e) * scale, x1 = load_x<X, 1>(xr + e + 1) * scale;
-          if (Transpose) {
-            store_x<X, 1>(yr + e, x0 * c[e] + x1 * s[e + 1]);
-            store_x<X, 1>(yr + e + 1, x1 * c[e + 1] + (-x0) * s[e]);
-          } else {
-            store_x<X, 1>(yr + e, x0 * c[e] + (-x1) * s[e]);
-            store_x<X, 1>(yr + e + 1, x1 * c[e + 1] + x0 * s[e + 1]);
-          }
+  for_each_head(x, sin, cos, y, begin, end, hw, heads, d, [&](const float* s, const float* c, const X* xr, X* yr) {
+    for_lanes(ln, d, [&](auto lm, int64_t e) {
+      constexpr int M = decltype(lm)::value;
+      if constexpr (M == 1) {  // the last pair (e, e + 1), at its even e
+        if (e % 2) return;
+        float y0, y1;
+        rotate_pair<Transpose>(load_x<X, 1>(xr + e) * scale, load_x<X, 1>(xr + e + 1) * scale, s, c, e, y0, y1);
+        store_x<X, 1>(yr + e, y0);
+        store_x<X, 1>(yr + e + 1, y1);
+      } else {
+        const auto odd = ((lane_indices<M>() + static_cast<int32_t>(e)) & 1) != 0;
+        const vec<M> xs = load_x<X, M>(xr + e) * scale;
+        const vec<M> partner = swap_pairs<M>(xs, std::make_index_sequence<M>());
+        vec<M> sv = load<M>(s + e);
+        if constexpr (Transpose) {
+          sv = swap_pairs<M>(sv, std::make_index_sequence<M>());
+          sv = odd ? -sv : sv;
         } else {
-          const auto odd = ((lane_indices<M>() + static_cast<int32_t>(e)) & 1) != 0;
-          const vec<M> xs = load_x<X, M>(xr + e) * scale;
-          const vec<M> partner = swap_pairs<M>(xs, std::make_index_sequence<M>());
-          vec<M> sv = load<M>(s + e);
-          if constexpr (Transpose) {
-            sv = swap_pairs<M>(sv, std::make_index_sequence<M>());
-            sv = odd ? -sv : sv;
-          } else {
-            sv = odd ? sv : -sv;
-          }
-          store_x<X, M>(yr + e, xs * load<M>(c + e) + partner * sv);
+          sv = odd ? sv : -sv;
         }
-      });
-    }
-  }
+        store_x<X, M>(yr + e, xs * load<M>(c + e) + partner * sv);
+      }
+    });
+  });
 }
 
 // Any dtype: the formula's loop over the channel pairs, computed in A (float or double).
 template <typename T, typename A, bool Transpose>
 void rope_rows_scalar(const T* x, const A* sin, const A* cos, T* y, int64_t begin, int64_t end, int64_t hw,
                       int64_t heads, int64_t d, A scale) {
-  const int64_t row = heads * d;
-  for (int64_t r = begin; r < end; ++r) {
-    const A* s = sin + (r % hw) * d;
-    const A* c = cos + (r % hw) * d;
-    for (int64_t g = 0; g < heads; ++g) {
-      const T* xr = x + r * row + g * d;
-      T* yr = y + r * row + g * d;
+  for_each_head(x, sin, cos, y, begin, end, hw, heads, d, [&](const A* s, const A* c, const T* xr, T* yr) {
 #pragma omp simd
-      for (int64_t m = 0; m < d; m += 2) {
-        const A x0 = static_cast<A>(xr[m]) * scale, x1 = static_cast<A>(xr[m + 1]) * scale;
-        if (Transpose) {
-          yr[m] = static_cast<T>(x0 * c[m] + x1 * s[m + 1]);
-          yr[m + 1] = static_cast<T>(x1 * c[m + 1] + (-x0) * s[m]);
-        } else {
-          yr[m] = static_cast<T>(x0 * c[m] + (-x1) * s[m]);
-          yr[m + 1] = static_cast<T>(x1 * c[m + 1] + x0 * s[m + 1]);
-        }
-      }
+    for (int64_t m = 0; m < d; m += 2) {
+      A y0, y1;
+      rotate_pair<Transpose>(static_cast<A>(xr[m]) * scale, static_cast<A>(xr[m + 1]) * scale, s, c, m, y0, y1);
+      yr[m] = static_cast<T>(y0);
+      yr[m + 1] = static_cast<T>(y1);
     }
-  }
+  });
 }
 
 // float and bf16 x with float tables run rope_rows_lanes, everything else rope_rows_scalar.
