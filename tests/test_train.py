@@ -1,6 +1,7 @@
 """Training machinery: configs, a few steps reduce the loss, exact resume, metrics.jsonl, DDP on 2 CPU processes."""
 
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -184,6 +185,31 @@ def test_weight_decay_groups_follow_the_official_recipe_on_ppma():
     for name, p in names.items():
         expect = name.endswith((".ls1.gamma", ".ls2.gamma")) or (p.ndim > 1 and not name.endswith(".bias"))
         assert (id(p) in decayed) == expect, name
+
+
+
+def test_adam_takes_the_fused_step_where_the_device_has_one():
+    """AdamW runs torch's fused step on CPU parameters by default (``optim.fused`` None), not when ``fused=False``;
+    ``fused=True`` with another optimiser is an error; the fused and multi-tensor updates agree up to rounding."""
+    from ppma.train.build import build_optimizer
+
+    cfg = load_config().optim
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [build_optimizer(models[0], cfg, lr=1e-2),
+            build_optimizer(models[1], dataclasses.replace(cfg, fused=False), lr=1e-2)]
+    assert opts[0].defaults["fused"] is True and not opts[1].defaults.get("fused")
+    x = torch.randn(5, 6)
+    for _ in range(3):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="optim.fused=True needs"):
+        build_optimizer(models[0], dataclasses.replace(cfg, opt="sgd", fused=True), lr=1e-2)
 
 
 # ------------------------------------------------------------------------------------------------ training

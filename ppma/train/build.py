@@ -72,13 +72,27 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
+# Devices on which torch's Adam / AdamW have a fused step.
+_FUSED_ADAM_DEVICES = ("cpu", "cuda")
+
+
 def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optimizer:
-    """timm ``create_optimizer_v2`` over the parameter groups of ``weight_decay_groups``."""
+    """timm ``create_optimizer_v2`` over the parameter groups of ``weight_decay_groups``; Adam and AdamW take torch's
+    fused step (``fused=True``) where ``optim_cfg.fused`` is True, or None and every parameter is a floating tensor on
+    a device that has it (``_FUSED_ADAM_DEVICES``)."""
     from timm.optim import create_optimizer_v2
 
     kwargs = {}
-    if optim_cfg.opt.lower() in ("adamw", "adam", "lamb", "nadamw"):
+    opt = optim_cfg.opt.lower()
+    if opt in ("adamw", "adam", "lamb", "nadamw"):
         kwargs = {"eps": float(optim_cfg.eps), "betas": tuple(optim_cfg.betas)}
+    fused = getattr(optim_cfg, "fused", None)
+    if fused and opt not in ("adamw", "adam"):
+        raise ValueError(f"optim.fused=True needs optim.opt adamw or adam, got {optim_cfg.opt!r}")
+    if fused is None and opt in ("adamw", "adam"):
+        fused = all(p.is_floating_point() and p.device.type in _FUSED_ADAM_DEVICES for p in model.parameters())
+    if fused:
+        kwargs["fused"] = True
     wd = float(optim_cfg.weight_decay)
     return create_optimizer_v2(weight_decay_groups(model, wd), opt=optim_cfg.opt, lr=lr, weight_decay=wd, **kwargs)
 
