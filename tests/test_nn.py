@@ -257,3 +257,30 @@ def test_model_inference_matches_training_path():
     with torch.inference_mode():
         got = model(x)
     torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_drop_path_is_x_times_mask_over_keep_bit_for_bit(dtype):
+    """``drop_path`` gives ``x * mask / keep`` exactly (the official stochastic depth), forward and backward, NaN,
+    Inf and signed zeros included, for the same random mask."""
+    from ppma.nn.layers import drop_path
+
+    x = torch.randn(64, 5, 3, 7, dtype=torch.float64).to(dtype)
+    x[0, 0, 0, 0], x[1, 0, 0, 1], x[2, 0, 0, 2], x[3, 0, 0, 3] = float("nan"), float("inf"), -float("inf"), -0.0
+    g = torch.randn_like(x)
+
+    def bits(t):
+        return torch.nan_to_num(t, nan=7.0), t.isnan(), torch.signbit(t)
+
+    for p in (0.1, 0.123, 0.5):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(0)
+        a = drop_path(xa, p, training=True)
+        torch.manual_seed(0)
+        mask = x.new_empty((64, 1, 1, 1)).bernoulli_(1 - p)
+        b = xb * mask / (1 - p)
+        assert 0 < int(mask.sum()) < 64 or p == 0.1
+        a.backward(g)
+        b.backward(g)
+        for u, v in ((a, b), (xa.grad, xb.grad)):
+            assert u.dtype == v.dtype and all(torch.equal(s, t) for s, t in zip(bits(u), bits(v))), p
