@@ -404,7 +404,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
 //   - each map (A in phases 1 and 3, B in phase 2; the normalised softmax, in [0, 1]) before its products;
 //   - z1 = A v and z2 = B v, whose only use is as the right operand of B z1 and A z2: they are held in bf16
 //     (the Z buffer is bf16), rounded once from their float32 accumulators.
-// out accumulates 0.5 B z1 + 0.5 A z2 in float32 (rounded to the dtype of v by the caller). lse is what the
+// out accumulates 0.5 B z1 + 0.5 A z2 in float32 and is rounded to bf16 once, row by row in phase 3. lse is what the
 // float32 kernel computes on the same bf16 values up to float32 rounding, so the float32 backward, which
 // recomputes the maps from lse and its own logits, is consistent with it: its gradients from this lse and from the
 // float32 kernel's differ by float32 rounding only (measured; tests/test_criss_cross_attention.py,
@@ -540,8 +540,11 @@ inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& 
 
 // forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused); Z: bf16
 // [B, N, G, dv] scratch (z1, then z2 in place, column by column). The row maps are kept in bf16 (as rounded for
-// their products) for the groups of pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s.
-void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, float* lse, uint16_t* Z) {
+// their products) for the groups of pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. out: float32
+// 0.5 B z1 after phase 2; phase 3 adds 0.5 A z2 to each row's copy in scratch and writes the sum rounded to bf16
+// into outb (the float32 sum rounded once, as out.to(bf16) would, without that pass over out).
+void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, float* lse, uint16_t* Z,
+                         uint16_t* outb) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nw = W * (W + (W & 1));
   const int64_t keep = pairs_kept(BG, H, nw, sizeof(uint16_t)), group = keep ? keep : BG;
   std::vector<uint16_t> maps(keep * H * nw);               // the group's row maps in bf16, [pair][row][W][W2]
@@ -567,7 +570,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
       line_apply_bf16(ln, D, c, S, Z, c.at(out, dv), c.ld(dv), false, 0.5f);  // out = 0.5 B z1
       line_values_bf16(ln, D, P, c, S, Z);                                     // z2 = B v
     });
-    // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
+    // Phase 3: rows again, A kept or recomputed; outb = bf16(out + 0.5 A z2).
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> r(D, true, g0 * H + u);
       const uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
@@ -576,7 +579,10 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
         line_scores_bf16(ln, D, P, r, S, st, r.ld(2), st + 1);
         map_to_bf16(ln, r.n, S);
       }
-      line_apply_bf16(ln, D, r, S, Z, r.at(out, dv), r.ld(dv), true, 0.5f, pb);
+      gather_rows(r.n, dv, r.at(out, dv), r.ld(dv), S.O, dv);
+      line_apply_bf16(ln, D, r, S, Z, S.O, dv, true, 0.5f, pb);
+      uint16_t* o = r.at(outb, dv);
+      for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, o + j * r.ld(dv));
     });
   }
 }
@@ -677,9 +683,11 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
     CCData<float> D{nullptr,     nullptr, nullptr, cr.data_ptr<float>(), cct.data_ptr<float>(), B, G, H, W, H * W,
                     q.size(4), dv,      static_cast<float>(scale)};
+    at::Tensor outb = at::empty({B, H, W, G, dv}, q.options());
     forward_kernel_bf16(D, CCBf16{bits(qc), bits(kc), bits(vc)}, out.data_ptr<float>(), lse.data_ptr<float>(),
-                        reinterpret_cast<uint16_t*>(Z.data_ptr<at::BFloat16>()));
-    return {out.to(v.scalar_type()), lse};
+                        reinterpret_cast<uint16_t*>(Z.data_ptr<at::BFloat16>()),
+                        reinterpret_cast<uint16_t*>(outb.data_ptr<at::BFloat16>()));
+    return {outb, lse};
   }
 #endif
   if (out.numel() > 0) {
