@@ -373,13 +373,41 @@ struct PackedBf16 {
     const int64_t N = H * W, d2 = ceil_div(d, 2), N2 = ceil_div(N, 2), Np = ceil_div(N, 16) * 16,
                   dvp = ceil_div(dv, 16) * 16;
     qc = q.contiguous();
-    // keys [B, N, G, d] -> [B, G, d2, Np, 2]; values [B, N, G, dv] -> [B, G, N2, dvp, 2] (zeros in the padding)
-    at::Tensor kq = at::constant_pad_nd(k.reshape({B, N, G, d}), {0, 2 * d2 - d});
-    kp = at::constant_pad_nd(kq.view({B, N, G, d2, 2}).permute({0, 2, 3, 1, 4}), {0, 0, 0, Np - N}).contiguous();
-    at::Tensor vq = at::constant_pad_nd(v.reshape({B, N, G, dv}), {0, 0, 0, 0, 0, 2 * N2 - N});
-    vp = at::constant_pad_nd(vq.view({B, N2, 2, G, dv}).permute({0, 3, 1, 4, 2}), {0, 0, 0, dvp - dv}).contiguous();
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    P = PABf16{bits(qc), bits(kp), bits(vp), d2, Np, N2, dvp};
+    const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+    // keys [B, N, G, d] -> [B, G, d2, Np, 2]; values [B, N, G, dv] -> [B, G, N2, dvp, 2] (zeros in the padding),
+    // one pass per (batch, head)
+    kp = at::empty({B, G, d2, Np, 2}, q.options());
+    vp = at::empty({B, G, N2, dvp, 2}, q.options());
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    const uint16_t *ks = bits(kc), *vs = bits(vc);
+    uint16_t *kd = bits(kp), *vd = bits(vp);
+    at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bg = begin; bg < end; ++bg) {
+        const int64_t b = bg / G, g = bg % G;
+        uint16_t* ko = kd + bg * d2 * Np * 2;  // [d2][Np][2]
+        for (int64_t p = 0; p < d2; ++p) {
+          uint16_t* o = ko + p * Np * 2;
+          for (int64_t n = 0; n < N; ++n) {
+            const uint16_t* src = ks + ((b * N + n) * G + g) * d;
+            o[2 * n] = src[2 * p];
+            o[2 * n + 1] = 2 * p + 1 < d ? src[2 * p + 1] : 0;
+          }
+          std::fill(o + 2 * N, o + 2 * Np, uint16_t(0));
+        }
+        uint16_t* vo = vd + bg * N2 * dvp * 2;  // [N2][dvp][2]
+        for (int64_t m = 0; m < N2; ++m) {
+          const uint16_t* a = vs + ((b * N + 2 * m) * G + g) * dv;
+          const uint16_t* c = 2 * m + 1 < N ? vs + ((b * N + 2 * m + 1) * G + g) * dv : nullptr;
+          uint16_t* o = vo + m * dvp * 2;
+          for (int64_t e = 0; e < dv; ++e) {
+            o[2 * e] = a[e];
+            o[2 * e + 1] = c ? c[e] : 0;
+          }
+          std::fill(o + 2 * dv, o + 2 * dvp, uint16_t(0));
+        }
+      }
+    });
+    P = PABf16{bits(qc), kd, vd, d2, Np, N2, dvp};
   }
 };
 
