@@ -336,17 +336,18 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
 }
 
 // The inference forward of bf16 q, k, v on the bf16 products (forward_inference_kernel's map P, rounded to bf16
-// once for the single P v product).
-void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out) {
+// once for the single P v product); out: bf16 [B, N, G, dv], each row's float32 product rounded once.
+void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint16_t* out) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
   const int64_t nqb = ceil_div(N, TQ);
   parallel_tasks(
       D.B * G * nqb,
-      [&] { return Bf16Scratch{std::vector<float>(TQ * N + N), std::vector<uint16_t>(TQ * 2 * (d2 + N2))}; },
+      [&] { return Bf16Scratch{std::vector<float>(TQ * N + N + TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + N2))}; },
       [&](int64_t task, Bf16Scratch& S) {
     with_lanes_bf16([&](auto ln) {
       float* X = S.f.data();  // [tq][N]: the V2H logits, then the averaged map
       float* x2 = X + TQ * N;
+      float* O = x2 + N;      // [tq][dv]: P v before its rounding
       uint16_t* Qp = S.h.data();        // [tq][d2][2] the tile's queries, zero padded
       uint16_t* Pb = Qp + TQ * 2 * d2;  // [tq][N2][2] the map in bf16, zero padded
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
@@ -358,7 +359,8 @@ void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, floa
         floats_to_bf16(ln, N, X + a * N, Pb + a * 2 * N2);
         if (N % 2) Pb[a * 2 * N2 + N] = 0;
       }
-      small_gemm_bf16(ln, tq, dv, N2, Pb, N2, P.vp + bg * N2 * P.dvp * 2, P.dvp, out + row0 * dv, G * dv, false);
+      small_gemm_bf16(ln, tq, dv, N2, Pb, N2, P.vp + bg * N2 * P.dvp * 2, P.dvp, O, dv, false);
+      for (int64_t a = 0; a < tq; ++a) floats_to_bf16(ln, dv, O + a * dv, out + (row0 + a * G) * dv);
     });
   });
 }
@@ -418,15 +420,15 @@ PAData<float> bf16_data(const at::Tensor& q, const at::Tensor& v, const at::Tens
                        dv, static_cast<float>(scale)};
 }
 
-// Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16, or
-// forward_inference_kernel_bf16 when out_v2h and lse are undefined (the inference op).
+// Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16 (out
+// float32), or forward_inference_kernel_bf16 when out_v2h and lse are null (the inference op; out bf16).
 void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
                              const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor* out_v2h,
                              at::Tensor* lse) {
   const PackedBf16 packed(q, k, v);
   const PAData<float> D = bf16_data(q, v, cr, cc, scale);
   if (out_v2h == nullptr) {
-    forward_inference_kernel_bf16(D, packed.P, out.data_ptr<float>());
+    forward_inference_kernel_bf16(D, packed.P, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   } else {
     forward_kernel_bf16(D, packed.P, out.data_ptr<float>(), out_v2h->data_ptr<float>(), lse->data_ptr<float>());
   }
@@ -743,16 +745,17 @@ at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tenso
   check_inputs(kOpInf, q, k, v, log_alpha, log_beta);
   const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
   const auto acc = acc_type(q);
-  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
-  if (out.numel() == 0) return out.to(v.scalar_type());
+  if (B * H * W * G * dv == 0) return at::empty({B, H, W, G, dv}, v.options());
   auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
 #ifdef PPMA_SIMD_X86
   if (q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
       cpu_bf16_dot()) {
-    polyline_attention_bf16(q, k, v, cr, cc, scale, out, nullptr, nullptr);
-    return out.to(v.scalar_type());
+    at::Tensor outb = at::empty({B, H, W, G, dv}, v.options());  // written in bf16 by the kernel
+    polyline_attention_bf16(q, k, v, cr, cc, scale, outb, nullptr, nullptr);
+    return outb;
   }
 #endif
+  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
   at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
   AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_inference_cpu", [&] {
     PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
