@@ -187,7 +187,6 @@ def test_weight_decay_groups_follow_the_official_recipe_on_ppma():
         assert (id(p) in decayed) == expect, name
 
 
-
 def test_adam_takes_the_fused_step_where_the_device_has_one():
     """AdamW runs torch's fused step on CPU parameters by default (``optim.fused`` None), not when ``fused=False``;
     ``fused=True`` with another optimiser is an error; the fused and multi-tensor updates agree up to rounding."""

@@ -342,7 +342,9 @@ void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint
   const int64_t nqb = ceil_div(N, TQ);
   parallel_tasks(
       D.B * G * nqb,
-      [&] { return Bf16Scratch{std::vector<float>(TQ * N + N + TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + N2))}; },
+      [&] {
+        return Bf16Scratch{std::vector<float>(TQ * N + N + TQ * dv), std::vector<uint16_t>(TQ * 2 * (d2 + N2))};
+      },
       [&](int64_t task, Bf16Scratch& S) {
     with_lanes_bf16([&](auto ln) {
       float* X = S.f.data();  // [tq][N]: the V2H logits, then the averaged map

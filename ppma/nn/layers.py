@@ -254,7 +254,7 @@ def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -
     keep = 1.0 - drop_prob
     mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
     if x.dtype in (torch.float32, torch.float64):
-        return x / torch.where(mask.bool(), torch.tensor(keep, dtype=x.dtype, device=x.device), float("inf"))
+        return x / mask.new_full(mask.shape, float("inf")).masked_fill_(mask.bool(), keep)
     return x * mask / keep  # low precision: the scalar division runs in float32 inside the op
 
 

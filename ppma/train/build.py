@@ -86,7 +86,7 @@ def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optim
     opt = optim_cfg.opt.lower()
     if opt in ("adamw", "adam", "lamb", "nadamw"):
         kwargs = {"eps": float(optim_cfg.eps), "betas": tuple(optim_cfg.betas)}
-    fused = getattr(optim_cfg, "fused", None)
+    fused = optim_cfg.fused
     if fused and opt not in ("adamw", "adam"):
         raise ValueError(f"optim.fused=True needs optim.opt adamw or adam, got {optim_cfg.opt!r}")
     if fused is None and opt in ("adamw", "adam"):
