@@ -31,7 +31,7 @@ from test_cpu_baseline import ROOT, cpu_subprocess_env
 pytestmark = needs_ext
 
 # (B, H, W, C, k): C below, at and above the kernel's channel block (16) and group (1024), maps smaller than the
-# kernel, odd sizes.
+# kernel, odd sizes; k = 3, 5 and 7 (the register-blocked rows of full blocks) and 9 (position by position).
 SHAPES = [
     (2, 9, 7, 20, 5),
     (1, 3, 2, 16, 5),
@@ -40,6 +40,10 @@ SHAPES = [
     (2, 14, 14, 64, 5),
     (1, 4, 3, 1040, 5),
     (2, 6, 5, 8, 9),
+    (2, 7, 9, 48, 3),
+    (1, 2, 1, 32, 3),
+    (2, 3, 4, 16, 7),
+    (1, 8, 2, 32, 7),
 ]
 
 
@@ -113,11 +117,11 @@ def test_deterministic_across_thread_counts():
         out = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            out.append(torch.ops.ppma.depthwise_conv2d_backward(g, x, 5))
+            out.append([torch.ops.ppma.depthwise_conv2d_backward(g, x, k) for k in (3, 5)])
     finally:
         torch.set_num_threads(n)
     for o in out[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(o, out[0]))
+        assert all(torch.equal(a, b) for ko, k0 in zip(o, out[0]) for a, b in zip(ko, k0))
 
 
 _PATH_CODE = """
@@ -126,8 +130,11 @@ from ppma import backends
 gen = torch.Generator().manual_seed(4)
 x = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
 g = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
-gw, gb = torch.ops.ppma.depthwise_conv2d_backward(g.float(), x.float(), 5)
-print(json.dumps({"cap": backends.cpu_capability(), "w": gw.double().flatten().tolist(), "b": gb.double().tolist()}))
+out = {"cap": backends.cpu_capability()}
+for k in (3, 5, 7):
+    gw, gb = torch.ops.ppma.depthwise_conv2d_backward(g.float(), x.float(), k)
+    out[k] = {"w": gw.double().flatten().tolist(), "b": gb.double().tolist()}
+print(json.dumps(out))
 """
 
 
@@ -143,14 +150,17 @@ def _on_path(code: str, capability: str) -> dict:
 
 @pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
 def test_every_simd_path(capability):
-    """Each SIMD path the machine has (a fresh process capped at it) matches torch within the fp32 tolerance."""
+    """Each SIMD path the machine has (a fresh process capped at it) matches torch within the fp32 tolerance, for
+    k = 3, 5 and 7 (two full channel blocks and a partial one)."""
     got = _on_path(_PATH_CODE, capability)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
     g = torch.randn(2, 10, 9, 40, generator=gen, dtype=torch.float64)
-    want_w, want_b = _torch_grads(g, x, 5)
-    assert_close(torch.tensor(got["w"], dtype=torch.float64).view(40, 1, 5, 5), want_w, torch.float32, "w", grad=True)
-    assert_close(torch.tensor(got["b"], dtype=torch.float64), want_b, torch.float32, "b", grad=True)
+    for k in (3, 5, 7):
+        want_w, want_b = _torch_grads(g, x, k)
+        w = torch.tensor(got[str(k)]["w"], dtype=torch.float64).view(40, 1, k, k)
+        assert_close(w, want_w, torch.float32, f"w (k={k})", grad=True)
+        assert_close(torch.tensor(got[str(k)]["b"], dtype=torch.float64), want_b, torch.float32, f"b (k={k})", grad=True)
 
 
 def test_dispatch_rules():
