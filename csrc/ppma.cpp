@@ -57,6 +57,11 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "depthwise_conv2d_backward(Tensor grad_out, Tensor x, int kernel_size)"
       " -> (Tensor grad_weight, Tensor grad_bias)");
+  // Gradients of out = a + depthwise_conv(a) + bias with a = GELU(h) (exact) on channels-last [B, H, W, C] maps
+  // (the FFN's middle; CPU).
+  m.def(
+      "gelu_depthwise_conv2d_residual_backward(Tensor grad_out, Tensor h, Tensor weight)"
+      " -> (Tensor grad_h, Tensor grad_weight, Tensor grad_bias)");
   m.def("polyline_scan(Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose) -> Tensor");
   m.def(
       "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"

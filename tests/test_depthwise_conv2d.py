@@ -3,7 +3,10 @@
 thread count, every SIMD path, the dispatch rules, and DWConv2d taking the kernel in training. The in-place
 inference kernel ``torch.ops.ppma.depthwise_conv2d_residual_`` (``x + conv(x)`` written over ``x``): equal to
 torch's convolution up to rounding on swept shapes, deterministic, every SIMD path, its dispatch rules and its
-use by DWConv2d / ConvFFN in CPU inference only."""
+use by DWConv2d / ConvFFN in CPU inference only. The FFN's middle ``gelu_depthwise_conv2d_residual`` (GELU, then
+``a + conv(a)``) and its CPU backward kernel ``torch.ops.ppma.gelu_depthwise_conv2d_residual_backward``: gradients
+equal torch's autograd up to rounding on swept shapes, gradcheck, thread counts, every SIMD path, its dispatch rules
+and ConvFFN taking it in training only."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from ppma.ops.depthwise_conv2d import (
     depthwise_conv2d,
     depthwise_conv2d_ref,
     depthwise_conv2d_residual_,
+    gelu_depthwise_conv2d_residual,
+    gelu_depthwise_conv2d_residual_ref,
+    uses_gelu_kernel,
     uses_kernel,
     uses_residual_kernel,
 )
@@ -413,3 +419,172 @@ def test_dwconv2d_add_in_place_in_inference():
         m(x, residual=True, add=a)
     with pytest.raises(ValueError, match="add must have"):
         m(x, add=a[:, :3])
+
+
+# ------------------------------------------------------------------------------------------------
+# gelu_depthwise_conv2d_residual: a + conv(a), a = GELU(h)
+# ------------------------------------------------------------------------------------------------
+
+# (B, H, W, C, k): k = 3, 5, 7 (the float kernel's rings) and 9 (position by position); C below, at and past the
+# channel block; maps smaller than the kernel; PPMA-T's FFN at stage 3.
+GELU_SHAPES = [
+    (2, 9, 7, 20, 3),
+    (1, 3, 2, 16, 5),
+    (3, 5, 11, 33, 7),
+    (2, 6, 5, 8, 9),
+    (1, 1, 1, 4, 3),
+    (1, 2, 3, 48, 5),
+    (2, 14, 14, 96, 3),
+]
+
+
+def _gelu_case(shape, seed=0):
+    B, H, W, C, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, H, W, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(C, 1, k, k, generator=gen, dtype=torch.float64) * 0.3
+    b = torch.randn(C, generator=gen, dtype=torch.float64)
+    g = torch.randn(B, H, W, C, generator=gen, dtype=torch.float64)
+    return h, w, b, g
+
+
+def _gelu_torch_grads(h, w, b, g):
+    """torch's autograd through F.gelu and the convolution, in float64 (the reference)."""
+    h, w, b = (t.detach().double().requires_grad_() for t in (h, w, b))
+    y = gelu_depthwise_conv2d_residual_ref(h, w, b)
+    return torch.autograd.grad(y, (h, w, b), g.double())
+
+
+@pytest.mark.parametrize("shape", GELU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gelu_kernel_matches_torch(shape, dtype):
+    h, w, b, g = _gelu_case(shape)
+    want = _gelu_torch_grads(h, w, b, g)
+    got = torch.ops.ppma.gelu_depthwise_conv2d_residual_backward(g.to(dtype), h.to(dtype), w.to(dtype))
+    for name, a, e in zip(("grad_h", "grad_weight", "grad_bias"), got, want):
+        assert a.dtype == dtype
+        assert_close(a, e, dtype, name, grad=True)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gelu_gradcheck(bias):
+    gen = torch.Generator().manual_seed(6)
+    h = torch.randn(2, 5, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 1, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
+    assert uses_gelu_kernel(h, w, b)
+    inputs = (h, w, b) if bias else (h, w)
+    assert torch.autograd.gradcheck(lambda h, w, b=None: gelu_depthwise_conv2d_residual(h, w, b), inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gelu_op_matches_reference(dtype):
+    h, w, b, g = _gelu_case((2, 9, 7, 40, 3), seed=7)
+    h, w, b, g = (t.to(dtype) for t in (h, w, b, g))
+    out = {}
+    for name, fn in (("op", gelu_depthwise_conv2d_residual), ("ref", gelu_depthwise_conv2d_residual_ref)):
+        hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
+        y = fn(hh, ww, bb)
+        out[name] = (y, *torch.autograd.grad(y, (hh, ww, bb), g))
+    assert out["op"][0].is_contiguous()
+    assert_close(out["op"][0], out["ref"][0], dtype, "out")
+    for name, a, e in zip(("grad_h", "grad_weight", "grad_bias"), out["op"][1:], out["ref"][1:]):
+        assert_close(a, e, dtype, name, grad=True)
+
+
+def test_gelu_kernel_deterministic_across_thread_counts():
+    h, w, _, g = (t.float() for t in _gelu_case((3, 11, 9, 40, 3), seed=8))
+    n = torch.get_num_threads()
+    try:
+        out = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            out.append(torch.ops.ppma.gelu_depthwise_conv2d_residual_backward(g, h, w))
+    finally:
+        torch.set_num_threads(n)
+    for o in out[1:]:
+        assert all(torch.equal(a, e) for a, e in zip(o, out[0]))
+
+
+_GELU_PATH_CODE = """
+import json, torch, ppma
+from ppma import backends
+gen = torch.Generator().manual_seed(9)
+h = torch.randn(2, 6, 7, 40, generator=gen, dtype=torch.float64)
+g = torch.randn(2, 6, 7, 40, generator=gen, dtype=torch.float64)
+out = {"cap": backends.cpu_capability()}
+for k in (3, 5):
+    w = torch.randn(40, 1, k, k, generator=gen, dtype=torch.float64) * 0.3
+    got = torch.ops.ppma.gelu_depthwise_conv2d_residual_backward(g.float(), h.float(), w.float())
+    out[k] = [t.double().flatten().tolist() for t in got]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
+def test_gelu_kernel_every_simd_path(capability):
+    """Each SIMD path the machine has (a fresh process capped at it) matches torch within the fp32 tolerance for
+    k = 3 and 5 (two full channel blocks and a partial one)."""
+    got = _on_path(_GELU_PATH_CODE, capability)
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(2, 6, 7, 40, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 6, 7, 40, generator=gen, dtype=torch.float64)
+    for k in (3, 5):
+        w = torch.randn(40, 1, k, k, generator=gen, dtype=torch.float64) * 0.3
+        want = _gelu_torch_grads(h, w, torch.zeros(40, dtype=torch.float64), g)
+        for name, a, e in zip(("grad_h", "grad_weight", "grad_bias"), got[str(k)], want):
+            assert_close(torch.tensor(a, dtype=torch.float64).view(e.shape), e, torch.float32, f"{name} (k={k})",
+                         grad=True)
+
+
+def test_gelu_dispatch_rules():
+    h = torch.randn(1, 4, 4, 8, requires_grad=True)
+    w = torch.randn(8, 1, 3, 3, requires_grad=True)
+    assert uses_gelu_kernel(h, w) and uses_gelu_kernel(h, w, torch.randn(8))
+    assert not uses_gelu_kernel(h.detach(), w.detach())  # nothing to differentiate
+    assert not uses_gelu_kernel(h.bfloat16(), w.bfloat16())
+    assert not uses_gelu_kernel(h, w, torch.randn(8, dtype=torch.float64))
+    with torch.no_grad():
+        assert not uses_gelu_kernel(h, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not uses_gelu_kernel(h, w)
+    with ppma.ops.use_impl("reference"):
+        assert not uses_gelu_kernel(h, w)
+
+
+def test_convffn_takes_the_gelu_kernel_in_training_only():
+    """ConvFFN's middle is the op in CPU training (same output, gradients of the reference up to rounding) and not
+    in inference or with a hook on its activation."""
+    torch.manual_seed(10)
+    ffn = ConvFFN(16, 48)
+    x = torch.randn(2, 5, 6, 16, requires_grad=True)
+    res = {}
+    for impl in ("fused", "reference"):
+        with ppma.ops.use_impl(impl):
+            y = ffn(x)
+            res[impl] = (y, *torch.autograd.grad(y.square().sum(), (x, ffn.fc1.weight, ffn.dwconv.conv.weight,
+                                                                     ffn.dwconv.conv.bias)))
+    assert_close(res["fused"][0], res["reference"][0], torch.float32, "out")
+    for name, a, e in zip(("x", "fc1.weight", "dwconv.weight", "dwconv.bias"), res["fused"][1:],
+                          res["reference"][1:]):
+        assert_close(a, e, torch.float32, name, grad=True)
+
+    def grad_fns(y):  # the names of the nodes of y's graph
+        seen_nodes, stack = set(), [y.grad_fn]
+        while stack:
+            n = stack.pop()
+            if n is not None and n not in seen_nodes:
+                seen_nodes.add(n)
+                stack.extend(f for f, _ in n.next_functions)
+        return {n.name() for n in seen_nodes}
+
+    assert "_GeluDepthwiseConv2dResidualBackward" in grad_fns(ffn(x))
+    with ppma.ops.use_impl("reference"):
+        assert "_GeluDepthwiseConv2dResidualBackward" not in grad_fns(ffn(x))
+    handle = ffn.dwconv.register_forward_hook(lambda m, i, o: None)
+    try:
+        assert "_GeluDepthwiseConv2dResidualBackward" not in grad_fns(ffn(x))
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        assert ffn(x).grad_fn is None  # inference: the modules' own path

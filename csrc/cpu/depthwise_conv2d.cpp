@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -70,13 +71,13 @@ constexpr int64_t CS = CG + CB;
 constexpr int64_t kChunks = 8;
 
 // One row's taps for one full block of CB float channels, the sums in registers: for every tap row i whose input
-// row xr[i] exists (null: outside the map), acc[(i * K + j) * CS + c] += sum_w g[w][c] * xr[i][w + j - P][c] over
-// the row's W positions (x zero outside it), and ab[c] += sum_w g[w][c]. Each vector of channels keeps its K sums
+// row xr[i] exists (null: outside the map), acc[(i * K + j) * ts + c] += sum_w g[w][c] * xr[i][w + j - P][c] over
+// the row's W positions (x zero outside it; g and x rows at stride C per position), and ab[c] += sum_w g[w][c]. Each vector of channels keeps its K sums
 // of a tap row in registers while it walks the row (one load of x and one FMA per tap and position), instead of
 // loading and storing the sums at every position. KC = K at compile time (3, 5 or 7).
 template <int KC, int L>
 PPMA_SIMD_INLINE void row_taps(Lanes<L>, int64_t W, int64_t C, const float* g, const float* const* xr, float* acc,
-                               float* ab) {
+                               int64_t ts, float* ab) {
   constexpr int64_t P = KC / 2;
   const int64_t lo = std::min<int64_t>(P, W), hi = std::max<int64_t>(lo, W - P);  // all taps inside for [lo, hi)
   for (int64_t c = 0; c < CB; c += L) {
@@ -102,8 +103,8 @@ PPMA_SIMD_INLINE void row_taps(Lanes<L>, int64_t W, int64_t C, const float* g, c
         for (int64_t j = 0; j < KC; ++j) a[j] += gv * load<L>(xw + j * C);
       }
       for (int64_t w = hi; w < W; ++w) edge(w);
-      float* ar = acc + i * KC * CS + c;
-      for (int64_t j = 0; j < KC; ++j) store<L>(ar + j * CS, load<L>(ar + j * CS) + a[j]);
+      float* ar = acc + i * KC * ts + c;
+      for (int64_t j = 0; j < KC; ++j) store<L>(ar + j * ts, load<L>(ar + j * ts) + a[j]);
     }
   }
 }
@@ -138,11 +139,11 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
               }
               const float* gp = go + r * W * C + cg0 + c;
               if (K == 3) {
-                row_taps<3>(ln, W, C, gp, xr, acc + c, ab + c);
+                row_taps<3>(ln, W, C, gp, xr, acc + c, CS, ab + c);
               } else if (K == 5) {
-                row_taps<5>(ln, W, C, gp, xr, acc + c, ab + c);
+                row_taps<5>(ln, W, C, gp, xr, acc + c, CS, ab + c);
               } else {
-                row_taps<7>(ln, W, C, gp, xr, acc + c, ab + c);
+                row_taps<7>(ln, W, C, gp, xr, acc + c, CS, ab + c);
               }
             }
             continue;
@@ -191,7 +192,7 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
 // bits of bf16). KC: k when known at compile time (the taps then stay in registers), 0 for any k.
 template <int KC, int L, typename O>
 PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
-                                   const float* centre, const float* wt, const float* bb, int64_t n, O* out) {
+                                   const float* centre, const float* wt, const float* bb, int64_t n, O* __restrict out) {
   const int64_t K = KC ? KC : kr;
   constexpr bool direct = std::is_same_v<O, float>;
   float tmp[CB];
@@ -269,6 +270,244 @@ void residual_inplace(X* x, const float* weight, const float* bias, int64_t B, i
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The backward of the FFN's middle, out = a + conv(a) + bias with a = GELU(h) (exact, erf) (docs/ops.md
+// "gelu_depthwise_conv2d_residual"): given g = grad_out,
+//   grad_h[p]     = GELU'(h[p]) * (g[p] + sum_{i, j} weight[c, i, j] * g[p - (i - P, j - P)])
+//   grad_weight   = sum_p g[p] * a[p + (i - P, j - P)],   grad_bias = sum_p g[p]
+// (maps zero outside), a and GELU' recomputed from h, so that the forward keeps h only. One pass over g and h,
+// writing grad_h: every task owns one batch element and a block of CB channels and walks its rows top to bottom
+// with rings of the k rows of g and of a around the current one (zero-padded, per-thread scratch) and of GELU';
+// its weight and bias sums go to its own slot, added over the batch in a fixed order afterwards: deterministic
+// and independent of the thread count.
+
+// GELU(x) = x Phi(x) and GELU'(x) = Phi(x) + x phi(x) of float lanes, Phi(x) = (1 + erf(x / sqrt 2)) / 2 and
+// phi(x) = exp(-x^2 / 2) / sqrt(2 pi): erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7, the formula of
+// torch's vectorised CPU erf), whose exp(-z^2) is phi's exp.
+template <int L>
+PPMA_SIMD_INLINE void gelu_and_grad(vec<L> x, vec<L>& a, vec<L>& d) {
+  using V = vec<L>;
+  using I = ivec<L>;
+  const V z = x * 0.70710678118654752f;
+  I zb;
+  std::memcpy(&zb, &z, sizeof(V));
+  const I sign = zb & (I{} + int32_t(0x80000000u)), ab = zb & (I{} + 0x7fffffff);
+  V az;
+  std::memcpy(&az, &ab, sizeof(V));
+  const V t = 1.0f / (az * 0.3275911f + 1.0f);
+  V r = t * 1.061405429f - 1.453152027f;
+  r = r * t + 1.421413741f;
+  r = r * t - 0.284496736f;
+  r = r * t + 0.254829592f;
+  const V e = fast_exp<L>(V{} - z * z);  // exp(-x^2 / 2)
+  const V erf_abs = 1.0f - r * t * e;
+  I eb;
+  std::memcpy(&eb, &erf_abs, sizeof(V));
+  eb |= sign;
+  V erf;
+  std::memcpy(&erf, &eb, sizeof(V));
+  const V phi_cdf = erf * 0.5f + 0.5f;
+  a = x * phi_cdf;
+  d = phi_cdf + x * e * 0.39894228040143268f;
+}
+
+// GELU and GELU' of a double (std::erf, exact to double rounding).
+inline void gelu_and_grad(double x, double& a, double& d) {
+  const double cdf = 0.5 * (1.0 + std::erf(x * 0.70710678118654752440));
+  a = x * cdf;
+  d = cdf + x * std::exp(-0.5 * x * x) * 0.39894228040143267794;
+}
+
+// GELU and GELU' of a single float (the direct path): the double values, rounded.
+inline void gelu_and_grad(float x, float& a, float& d) {
+  double ad, dd;
+  gelu_and_grad(double(x), ad, dd);
+  a = float(ad), d = float(dd);
+}
+
+// float, k = 3, 5 or 7. g, h: [B, H, W, C]; weight [C, K, K]; gh: [B, H, W, C]; part: [B][nblk][K * K + 1][CB].
+template <int KC>
+void gelu_residual_backward_rings(const float* g, const float* hx, const float* weight, int64_t B, int64_t H, int64_t W,
+                                  int64_t C, float* gh, float* part) {
+  constexpr int64_t K = KC, P = KC / 2, KK = KC * KC;
+  const int64_t nblk = ceil_div(C, CB), slot = (W + 2 * P) * CB;
+  parallel_tasks(
+      B * nblk, [&] { return std::vector<float>((3 * K + 1) * slot + (KK + 1) * CB + W * CB); },
+      [&](int64_t t, std::vector<float>& buf) {
+    std::fill(buf.begin(), buf.end(), 0.0f);  // the padding columns and channels, the zero row
+    const int64_t b = t / nblk, c0 = (t % nblk) * CB, n = std::min(CB, C - c0);
+    float* ga = buf.data();               // K slots: rows of g
+    float* ra = ga + K * slot;            // K slots: rows of a = GELU(h)
+    float* rd = ra + K * slot;            // K slots: rows of GELU'(h)
+    const float* zero = rd + K * slot;    // a zero row
+    float* wf = const_cast<float*>(zero) + slot;  // [K * K][CB] the block's taps flipped (the input gradient's)
+    float* tmp = wf + KK * CB;            // [W][CB] a row of the input gradient before GELU'
+    float* acc = part + t * (KK + 1) * CB;  // [K * K][CB] the weight sums, then [CB] the bias sums
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t ij = 0; ij < KK; ++ij) wf[(KK - 1 - ij) * CB + c] = weight[(c0 + c) * KK + ij];
+    const float* gb = g + b * H * W * C + c0;
+    const float* hb = hx + b * H * W * C + c0;
+    float* ob = gh + b * H * W * C + c0;
+    const float bb[CB] = {};
+    with_lanes([&](auto ln) {
+      constexpr int L = decltype(ln)::value;
+      auto keep_row = [&](int64_t r) {  // row r of g, a and GELU' into their slots (channels past n stay 0)
+        float* sg = ga + (r % K) * slot + P * CB;
+        float* sa = ra + (r % K) * slot + P * CB;
+        float* sd = rd + (r % K) * slot + P * CB;
+        const float* gr = gb + r * W * C;
+        const float* hr = hb + r * W * C;
+        if (n < CB) {  // the last block: its channels into the zero-padded slots first
+          for (int64_t w = 0; w < W; ++w) {
+            for (int64_t c = 0; c < n; ++c) sg[w * CB + c] = gr[w * C + c], sa[w * CB + c] = hr[w * C + c];
+          }
+          gr = sg, hr = sa;
+        }
+        const int64_t cs = n < CB ? CB : C;  // the source's stride per position
+        for (int64_t w = 0; w < W; ++w) {
+          for (int64_t c = 0; c < CB; c += L) {
+            vec<L> a, d;
+            store<L>(sg + w * CB + c, load<L>(gr + w * cs + c));
+            gelu_and_grad<L>(load<L>(hr + w * cs + c), a, d);
+            store<L>(sa + w * CB + c, a);
+            store<L>(sd + w * CB + c, d);
+          }
+        }
+      };
+      for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(r);
+      const float* rows_g[K];
+      const float* rows_a[K];
+      for (int64_t y = 0; y < H; ++y) {
+        if (y + P < H) keep_row(y + P);  // into the slots of row y - P - 1, no longer needed
+        for (int64_t i = 0; i < K; ++i) {
+          const int64_t r = y + i - P;
+          const bool in = r >= 0 && r < H;
+          rows_g[i] = in ? ga + (r % K) * slot : zero;
+          rows_a[i] = in ? ra + (r % K) * slot + P * CB : nullptr;
+        }
+        const float* gc = ga + (y % K) * slot + P * CB;
+        // the weight and bias sums: g's row against the rows of a around it
+        row_taps<KC>(ln, W, CB, gc, rows_a, acc, CB, acc + KK * CB);
+        // the input gradient of a + conv(a): g + the flipped taps over the rows of g around it; times GELU'
+        residual_row<KC == 3 ? 3 : 0>(ln, W, CB, K, rows_g, gc, wf, bb, CB, tmp);
+        const float* dr = rd + (y % K) * slot + P * CB;
+        float* o = ob + y * W * C;
+        for (int64_t w = 0; w < W; ++w) {
+          if (n == CB) {
+            for (int64_t c = 0; c < CB; c += L)
+              store<L>(o + w * C + c, load<L>(tmp + w * CB + c) * load<L>(dr + w * CB + c));
+          } else {
+            for (int64_t c = 0; c < n; ++c) o[w * C + c] = tmp[w * CB + c] * dr[w * CB + c];
+          }
+        }
+      }
+    });
+  });
+}
+
+// Any k and dtype, position by position (double; float with k other than 3, 5, 7): each task owns one channel and
+// sums over its batch elements, rows and columns in that order.
+template <typename T>
+void gelu_residual_backward_direct(const T* g, const T* hx, const T* weight, int64_t B, int64_t H, int64_t W,
+                                   int64_t C, int64_t K, T* gh, T* gw, T* gbias) {
+  const int64_t P = K / 2, KK = K * K;
+  parallel_tasks(
+      C, [] { return 0; },
+      [&](int64_t c, int) {
+    std::vector<T> acc(KK, T(0));
+    T sb = 0;
+    const T* wt = weight + c * KK;
+    for (int64_t b = 0; b < B; ++b) {
+      const T* gp = g + b * H * W * C + c;
+      const T* hp = hx + b * H * W * C + c;
+      for (int64_t y = 0; y < H; ++y) {
+        for (int64_t x = 0; x < W; ++x) {
+          const T gv = gp[(y * W + x) * C];
+          T s = gv;
+          for (int64_t i = 0; i < K; ++i) {
+            for (int64_t j = 0; j < K; ++j) {
+              const int64_t yi = y - i + P, xj = x - j + P, yo = y + i - P, xo = x + j - P;
+              if (yi >= 0 && yi < H && xj >= 0 && xj < W) s += wt[i * K + j] * gp[(yi * W + xj) * C];
+              if (yo >= 0 && yo < H && xo >= 0 && xo < W) {
+                T a, d;
+                gelu_and_grad(hp[(yo * W + xo) * C], a, d);
+                acc[i * K + j] += gv * a;
+              }
+            }
+          }
+          T a, d;
+          gelu_and_grad(hp[(y * W + x) * C], a, d);
+          gh[((b * H + y) * W + x) * C + c] = s * d;
+          sb += gv;
+        }
+      }
+    }
+    for (int64_t ij = 0; ij < KK; ++ij) gw[c * KK + ij] = acc[ij];
+    gbias[c] = sb;
+  });
+}
+
+constexpr const char* kGeluOp = "ppma::gelu_depthwise_conv2d_residual_backward";
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& h, const at::Tensor& weight) {
+  TORCH_CHECK(h.dim() == 4, kGeluOp, ": h must be [B, H, W, C], got shape ", h.sizes());
+  TORCH_CHECK(grad_out.sizes() == h.sizes(), kGeluOp, ": grad_out must have h's shape ", h.sizes(), ", got ",
+              grad_out.sizes());
+  check_floating(kGeluOp, "h", h);
+  check_like(kGeluOp, "grad_out", grad_out, "h", h);
+  TORCH_CHECK(h.scalar_type() == at::kFloat || h.scalar_type() == at::kDouble, kGeluOp,
+              ": h must be float32 or float64, got ", h.scalar_type());
+  const int64_t B = h.size(0), H = h.size(1), W = h.size(2), C = h.size(3);
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
+                  weight.size(2) % 2 == 1,
+              kGeluOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
+  check_like(kGeluOp, "weight", weight, "h", h);
+  const int64_t K = weight.size(2), KK = K * K;
+  at::Tensor gh = at::empty_like(h, at::MemoryFormat::Contiguous);
+  at::Tensor gw = at::zeros({C, 1, K, K}, h.options()), gb = at::zeros({C}, h.options());
+  if (h.numel() == 0) return {gh, gw, gb};
+  const at::Tensor hc = h.contiguous(), gc = grad_out.contiguous(), wc = weight.contiguous();
+  if (h.scalar_type() == at::kFloat && (K == 3 || K == 5 || K == 7)) {
+    const int64_t nblk = ceil_div(C, CB);
+    std::vector<float> part(B * nblk * (KK + 1) * CB);
+    auto run = [&](auto kc) {
+      gelu_residual_backward_rings<decltype(kc)::value>(gc.data_ptr<float>(), hc.data_ptr<float>(),
+                                                        wc.data_ptr<float>(), B, H, W, C, gh.data_ptr<float>(),
+                                                        part.data());
+    };
+    if (K == 3) {
+      run(std::integral_constant<int, 3>{});
+    } else if (K == 5) {
+      run(std::integral_constant<int, 5>{});
+    } else {
+      run(std::integral_constant<int, 7>{});
+    }
+    // the batch elements' sums in batch order
+    float* gwp = gw.data_ptr<float>();
+    float* gbp = gb.data_ptr<float>();
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t blk = c / CB, cc = c % CB;
+      for (int64_t ij = 0; ij <= KK; ++ij) {
+        float s = 0;
+        for (int64_t b = 0; b < B; ++b) s += part[((b * nblk + blk) * (KK + 1) + ij) * CB + cc];
+        if (ij < KK) {
+          gwp[c * KK + ij] = s;
+        } else {
+          gbp[c] = s;
+        }
+      }
+    }
+    return {gh, gw, gb};
+  }
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "ppma_gelu_depthwise_conv2d_residual_backward_cpu", [&] {
+    gelu_residual_backward_direct<scalar_t>(gc.data_ptr<scalar_t>(), hc.data_ptr<scalar_t>(),
+                                            wc.data_ptr<scalar_t>(), B, H, W, C, K, gh.data_ptr<scalar_t>(),
+                                            gw.data_ptr<scalar_t>(), gb.data_ptr<scalar_t>());
+  });
+  return {gh, gw, gb};
+}
+
 constexpr const char* kResidualOp = "ppma::depthwise_conv2d_residual_";
 
 void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -332,4 +571,5 @@ std::tuple<at::Tensor, at::Tensor> depthwise_conv2d_backward_cpu(const at::Tenso
 TORCH_LIBRARY_IMPL(ppma, CPU, m) {
   m.impl("depthwise_conv2d_residual_", &ppma::cpu::depthwise_conv2d_residual_cpu);
   m.impl("depthwise_conv2d_backward", &ppma::cpu::depthwise_conv2d_backward_cpu);
+  m.impl("gelu_depthwise_conv2d_residual_backward", &ppma::cpu::gelu_depthwise_conv2d_residual_backward_cpu);
 }

@@ -9,6 +9,7 @@ from torch.nn.modules import module as _module
 
 from ppma.nn.monarch import MonarchLinear
 from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
+from ppma.ops.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
 from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
@@ -303,7 +304,14 @@ class ConvFFN(nn.Module):
         self.fc2 = linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.dwconv.conv
         if type(self.act) is nn.GELU and self.act.approximate == "none":
+            if (type(self.dwconv) is DWConv2d and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))
+                    and uses_gelu_kernel(x, conv.weight, conv.bias)):
+                # CPU training: GELU and h + dwconv(h) as one op that keeps fc1's output only and whose backward is
+                # one ppma kernel (ppma.ops.gelu_depthwise_conv2d_residual; the same forward, gradients up to
+                # rounding)
+                return self.fc2(gelu_depthwise_conv2d_residual(self.fc1(x), conv.weight, conv.bias))
             x = linear(x, self.fc1, gelu=True)
         else:
             x = self.act(self.fc1(x))

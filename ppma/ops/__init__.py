@@ -26,7 +26,7 @@ from ppma.ops.polyline_attention_3d import polyline_attention_3d
 from ppma.ops.polyline_linear_attention_3d import polyline_linear_attention_3d
 from ppma.ops.polyline_scan_3d import polyline_scan_3d
 from ppma.ops.rope import rope
-from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
+from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_, gelu_depthwise_conv2d_residual
 from ppma.ops import reference, reference_3d
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "rope",
     "depthwise_conv2d",
     "depthwise_conv2d_residual_",
+    "gelu_depthwise_conv2d_residual",
     "reference",
     "reference_3d",
     "IMPLS",

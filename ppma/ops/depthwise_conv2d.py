@@ -1,6 +1,8 @@
 """``ppma.ops.depthwise_conv2d``: the depthwise ``k x k`` convolution of PPMA's LePE / CPE / FFN on channels-last
 maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d"), and
-``depthwise_conv2d_residual_``, the FFN's ``x + conv(x)`` written over ``x`` in CPU inference.
+``depthwise_conv2d_residual_``, the FFN's ``x + conv(x)`` written over ``x`` in CPU inference, and
+``gelu_depthwise_conv2d_residual``, the FFN's GELU and ``a + conv(a)`` with one CPU backward kernel for training
+(docs/ops.md "gelu_depthwise_conv2d_residual").
 
 The forward is torch's convolution (``F.conv2d`` on the NCHW view of a ``[B, H, W, C]`` map, which is channels-last
 in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs 10-35x its
@@ -21,13 +23,21 @@ from ppma import _ext
 from ppma.ops import _dispatch
 from ppma.ops._validate import records_grad
 
-__all__ = ["depthwise_conv2d", "depthwise_conv2d_ref", "depthwise_conv2d_residual_"]
+__all__ = [
+    "depthwise_conv2d",
+    "depthwise_conv2d_ref",
+    "depthwise_conv2d_residual_",
+    "gelu_depthwise_conv2d_residual",
+    "gelu_depthwise_conv2d_residual_ref",
+]
 
 _OP = "depthwise_conv2d_backward"
 _HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _OP)
 _RESIDUAL_OP = "depthwise_conv2d_residual_"
 # A library built before the in-place op existed has none: uses_residual_kernel() is then False.
 _HAS_RESIDUAL_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _RESIDUAL_OP)
+_GELU_OP = "gelu_depthwise_conv2d_residual_backward"
+_HAS_GELU_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _GELU_OP)
 # The smallest kernel whose weight gradient the ppma kernel computes (torch's 3 x 3 backward is fast already).
 MIN_KERNEL = 5
 
@@ -188,6 +198,79 @@ def depthwise_conv2d_residual_(
     return x
 
 
+def gelu_depthwise_conv2d_residual_ref(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference of :func:`gelu_depthwise_conv2d_residual`: ``a + conv(a)`` with ``a = F.gelu(h)``, torch's
+    modules and autograd."""
+    _check(h, weight, bias)
+    a = F.gelu(h)
+    return a + _conv(a, weight, bias)
+
+
+def uses_gelu_kernel(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gelu_depthwise_conv2d_residual` takes its gradients from
+    ``torch.ops.ppma.gelu_depthwise_conv2d_residual_backward``: a built kernel, the "fused" implementation, CPU
+    tensors of float32/float64 with the weight and bias in ``h``'s dtype, a gradient to compute, no autocast, outside
+    torch.compile."""
+    return (
+        _HAS_GELU_OP
+        and _dispatch.get_impl() == "fused"
+        and h.device.type == "cpu"
+        and h.dtype in (torch.float32, torch.float64)
+        and weight.dtype == h.dtype
+        and (bias is None or bias.dtype == h.dtype)
+        and records_grad(h, weight, *(() if bias is None else (bias,)))
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def gelu_depthwise_conv2d_residual(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The middle of PPMA's FFN (``ppma.nn.ConvFFN``): ``a + conv(a)`` with ``a = GELU(h)`` (exact, erf) and
+    ``conv`` the depthwise ``k x k`` convolution (stride 1, padding ``k // 2``) of a channels-last map.
+
+    Args:
+        h: ``[B, H, W, C]``, the FFN's first linear layer's output.
+        weight: ``[C, 1, k, k]``, ``k`` odd; bias: ``[C]`` or None.
+
+    Returns:
+        ``[B, H, W, C]``. The forward is torch's (``F.gelu``, then the convolution with the identity folded into
+        its centre tap, as :func:`depthwise_conv2d` with ``residual=True``). Where :func:`uses_gelu_kernel` says
+        so (CPU training in float32/float64), only ``h`` is kept for the backward, and all three gradients come
+        from one pass of ``torch.ops.ppma.gelu_depthwise_conv2d_residual_backward`` over the output's gradient and
+        ``h`` (docs/ops.md "gelu_depthwise_conv2d_residual"), instead of torch keeping ``h`` and ``a`` and running
+        the convolution's backward and then GELU's. Elsewhere it is :func:`gelu_depthwise_conv2d_residual_ref`.
+        Both give the same gradients up to rounding (float32: the kernel's GELU and GELU' of ``h`` are within
+        ~2e-7 of torch's); the backward is once-differentiable.
+    """
+    _check(h, weight, bias)
+    if not uses_gelu_kernel(h, weight, bias):
+        return gelu_depthwise_conv2d_residual_ref(h, weight, bias)
+    return _GeluDepthwiseConv2dResidual.apply(h, weight, bias)
+
+
+class _GeluDepthwiseConv2dResidual(torch.autograd.Function):
+    """Forward: torch's GELU and convolution, keeping ``h`` only; backward: ppma's kernel for all three gradients."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias):
+        ctx.save_for_backward(h, weight)
+        ctx.has_bias = bias is not None
+        return _conv(F.gelu(h), _folded(weight, True), bias)
+
+    @staticmethod
+    @once_differentiable  # the kernel has no derivative of its own
+    def backward(ctx, grad_out):
+        h, weight = ctx.saved_tensors
+        gh, gw, gb = torch.ops.ppma.gelu_depthwise_conv2d_residual_backward(grad_out.contiguous(), h.contiguous(),
+                                                                           weight)
+        need = ctx.needs_input_grad
+        return gh if need[0] else None, gw if need[1] else None, gb if ctx.has_bias and need[2] else None
+
+
 def _fake_residual(x, weight, bias):
     return None
 
@@ -197,7 +280,13 @@ def _fake_backward(grad_out, x, kernel_size):
     return x.new_empty((C, 1, kernel_size, kernel_size)), x.new_empty((C,))
 
 
+def _fake_gelu_backward(grad_out, h, weight):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape), h.new_empty((h.shape[-1],))
+
+
 if _HAS_OP:
     torch.library.register_fake("ppma::" + _OP)(_fake_backward)
+if _HAS_GELU_OP:
+    torch.library.register_fake("ppma::" + _GELU_OP)(_fake_gelu_backward)
 if _HAS_RESIDUAL_OP:
     torch.library.register_fake("ppma::" + _RESIDUAL_OP)(_fake_residual)
