@@ -554,7 +554,7 @@ def test_gelu_dispatch_rules():
 
 def test_convffn_takes_the_gelu_kernel_in_training_only():
     """ConvFFN's middle is the op in CPU training (same output, gradients of the reference up to rounding) and not
-    in inference or with a hook on its activation."""
+    in inference or with a hook on its convolution."""
     torch.manual_seed(10)
     ffn = ConvFFN(16, 48)
     x = torch.randn(2, 5, 6, 16, requires_grad=True)
