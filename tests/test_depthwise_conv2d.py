@@ -166,7 +166,8 @@ def test_every_simd_path(capability):
         want_w, want_b = _torch_grads(g, x, k)
         w = torch.tensor(got[str(k)]["w"], dtype=torch.float64).view(40, 1, k, k)
         assert_close(w, want_w, torch.float32, f"w (k={k})", grad=True)
-        assert_close(torch.tensor(got[str(k)]["b"], dtype=torch.float64), want_b, torch.float32, f"b (k={k})", grad=True)
+        b = torch.tensor(got[str(k)]["b"], dtype=torch.float64)
+        assert_close(b, want_b, torch.float32, f"b (k={k})", grad=True)
 
 
 def test_dispatch_rules():

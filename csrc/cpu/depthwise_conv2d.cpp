@@ -72,9 +72,10 @@ constexpr int64_t kChunks = 8;
 
 // One row's taps for one full block of CB float channels, the sums in registers: for every tap row i whose input
 // row xr[i] exists (null: outside the map), acc[(i * K + j) * ts + c] += sum_w g[w][c] * xr[i][w + j - P][c] over
-// the row's W positions (x zero outside it; g and x rows at stride C per position), and ab[c] += sum_w g[w][c]. Each vector of channels keeps its K sums
-// of a tap row in registers while it walks the row (one load of x and one FMA per tap and position), instead of
-// loading and storing the sums at every position. KC = K at compile time (3, 5 or 7).
+// the row's W positions (x zero outside it; g and x rows at stride C per position), and ab[c] += sum_w g[w][c].
+// Each vector of channels keeps its K sums of a tap row in registers while it walks the row (one load of x and one
+// FMA per tap and position), instead of loading and storing the sums at every position. KC = K at compile time
+// (3, 5 or 7).
 template <int KC, int L>
 PPMA_SIMD_INLINE void row_taps(Lanes<L>, int64_t W, int64_t C, const float* g, const float* const* xr, float* acc,
                                int64_t ts, float* ab) {
@@ -192,7 +193,7 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
 // bits of bf16). KC: k when known at compile time (the taps then stay in registers), 0 for any k.
 template <int KC, int L, typename O>
 PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
-                                   const float* centre, const float* wt, const float* bb, int64_t n, O* __restrict out) {
+                                   const float* centre, const float* wt, const float* bb, int64_t n, O* out) {
   const int64_t K = KC ? KC : kr;
   constexpr bool direct = std::is_same_v<O, float>;
   float tmp[CB];
