@@ -110,6 +110,25 @@ PPMA_SIMD_INLINE void row_taps(Lanes<L>, int64_t W, int64_t C, const float* g, c
   }
 }
 
+// gw[c][ij] (ij < KK) and gb[c] (ij == KK) = the sum of n partial sums, added in order p = 0, 1, ...: the one of
+// channel c at part[at(c) + p * ps + ij * is] (the tasks' sums of weight_grad and of the FFN-middle backward).
+template <typename T, typename At>
+void sum_partials(const T* part, int64_t C, int64_t KK, int64_t n, int64_t ps, int64_t is, const At& at, T* gw,
+                  T* gb) {
+  for (int64_t c = 0; c < C; ++c) {
+    const T* pc = part + at(c);
+    for (int64_t ij = 0; ij <= KK; ++ij) {
+      T s = 0;
+      for (int64_t p = 0; p < n; ++p) s += pc[p * ps + ij * is];
+      if (ij < KK) {
+        gw[c * KK + ij] = s;
+      } else {
+        gb[c] = s;
+      }
+    }
+  }
+}
+
 // go, x: [B, H, W, C] contiguous; gw: [C, K, K]; gb: [C]. Full float blocks with k = 3, 5 or 7 run row_taps; the
 // rest (double, a last block of fewer than CB channels, other k) sums position by position.
 template <typename T>
@@ -168,20 +187,8 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
     });
   });
   // The chunks' partial sums in chunk order.
-  for (int64_t grp = 0; grp < ngrp; ++grp) {
-    const int64_t cg0 = grp * CG, cgn = std::min(CG, C - cg0);
-    for (int64_t c = 0; c < cgn; ++c) {
-      for (int64_t ij = 0; ij <= KK; ++ij) {
-        T s = 0;
-        for (int64_t ch = 0; ch < nchunk; ++ch) s += part[(grp * nchunk + ch) * psize + ij * CS + c];
-        if (ij < KK) {
-          gw[(cg0 + c) * KK + ij] = s;
-        } else {
-          gb[cg0 + c] = s;
-        }
-      }
-    }
-  }
+  sum_partials(part.data(), C, KK, nchunk, psize, CS,
+               [&](int64_t c) { return (c / CG) * nchunk * psize + c % CG; }, gw, gb);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -341,7 +348,7 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
     float* ra = ga + K * slot;            // K slots: rows of a = GELU(h)
     float* rd = ra + K * slot;            // K slots: rows of GELU'(h)
     const float* zero = rd + K * slot;    // a zero row
-    float* wf = const_cast<float*>(zero) + slot;  // [K * K][CB] the block's taps flipped (the input gradient's)
+    float* wf = rd + (K + 1) * slot;      // [K * K][CB] the block's taps flipped (the input gradient's)
     float* tmp = wf + KK * CB;            // [W][CB] a row of the input gradient before GELU'
     float* acc = part + t * (KK + 1) * CB;  // [K * K][CB] the weight sums, then [CB] the bias sums
     for (int64_t c = 0; c < n; ++c)
@@ -406,21 +413,23 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
   });
 }
 
-// Any k and dtype, position by position (double; float with k other than 3, 5, 7): each task owns one channel and
-// sums over its batch elements, rows and columns in that order.
+// Any k and dtype, position by position (double; float with k other than 3, 5, 7): each task owns one channel, forms
+// GELU and GELU' of its h once, and sums over its batch elements, rows and columns in that order.
 template <typename T>
 void gelu_residual_backward_direct(const T* g, const T* hx, const T* weight, int64_t B, int64_t H, int64_t W,
                                    int64_t C, int64_t K, T* gh, T* gw, T* gbias) {
-  const int64_t P = K / 2, KK = K * K;
+  const int64_t P = K / 2, KK = K * K, N = H * W;
   parallel_tasks(
-      C, [] { return 0; },
-      [&](int64_t c, int) {
+      C, [&] { return std::vector<T>(2 * N); },
+      [&](int64_t c, std::vector<T>& ad) {  // one image's GELU(h) and GELU'(h) of channel c
     std::vector<T> acc(KK, T(0));
     T sb = 0;
     const T* wt = weight + c * KK;
+    T* a = ad.data();
+    T* d = a + N;
     for (int64_t b = 0; b < B; ++b) {
-      const T* gp = g + b * H * W * C + c;
-      const T* hp = hx + b * H * W * C + c;
+      const T* gp = g + b * N * C + c;
+      for (int64_t p = 0; p < N; ++p) gelu_and_grad(hx[(b * N + p) * C + c], a[p], d[p]);
       for (int64_t y = 0; y < H; ++y) {
         for (int64_t x = 0; x < W; ++x) {
           const T gv = gp[(y * W + x) * C];
@@ -429,16 +438,10 @@ void gelu_residual_backward_direct(const T* g, const T* hx, const T* weight, int
             for (int64_t j = 0; j < K; ++j) {
               const int64_t yi = y - i + P, xj = x - j + P, yo = y + i - P, xo = x + j - P;
               if (yi >= 0 && yi < H && xj >= 0 && xj < W) s += wt[i * K + j] * gp[(yi * W + xj) * C];
-              if (yo >= 0 && yo < H && xo >= 0 && xo < W) {
-                T a, d;
-                gelu_and_grad(hp[(yo * W + xo) * C], a, d);
-                acc[i * K + j] += gv * a;
-              }
+              if (yo >= 0 && yo < H && xo >= 0 && xo < W) acc[i * K + j] += gv * a[yo * W + xo];
             }
           }
-          T a, d;
-          gelu_and_grad(hp[(y * W + x) * C], a, d);
-          gh[((b * H + y) * W + x) * C + c] = s * d;
+          gh[(b * N + y * W + x) * C + c] = s * d[y * W + x];
           sb += gv;
         }
       }
@@ -485,20 +488,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_ba
       run(std::integral_constant<int, 7>{});
     }
     // the batch elements' sums in batch order
-    float* gwp = gw.data_ptr<float>();
-    float* gbp = gb.data_ptr<float>();
-    for (int64_t c = 0; c < C; ++c) {
-      const int64_t blk = c / CB, cc = c % CB;
-      for (int64_t ij = 0; ij <= KK; ++ij) {
-        float s = 0;
-        for (int64_t b = 0; b < B; ++b) s += part[((b * nblk + blk) * (KK + 1) + ij) * CB + cc];
-        if (ij < KK) {
-          gwp[c * KK + ij] = s;
-        } else {
-          gbp[c] = s;
-        }
-      }
-    }
+    sum_partials(part.data(), C, KK, B, nblk * (KK + 1) * CB, CB,
+                 [&](int64_t c) { return (c / CB) * (KK + 1) * CB + c % CB; }, gw.data_ptr<float>(),
+                 gb.data_ptr<float>());
     return {gh, gw, gb};
   }
   AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "ppma_gelu_depthwise_conv2d_residual_backward_cpu", [&] {

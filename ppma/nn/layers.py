@@ -304,9 +304,9 @@ class ConvFFN(nn.Module):
         self.fc2 = linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        conv = self.dwconv.conv
         if type(self.act) is nn.GELU and self.act.approximate == "none":
-            if (type(self.dwconv) is DWConv2d and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))
+            conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
+            if (conv is not None and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))
                     and uses_gelu_kernel(x, conv.weight, conv.bias)):
                 # CPU training: GELU and h + dwconv(h) as one op that keeps fc1's output only and whose backward is
                 # one ppma kernel (ppma.ops.gelu_depthwise_conv2d_residual; the same forward, gradients up to

@@ -204,6 +204,10 @@ def gelu_depthwise_conv2d_residual_ref(
     """The reference of :func:`gelu_depthwise_conv2d_residual`: ``a + conv(a)`` with ``a = F.gelu(h)``, torch's
     modules and autograd."""
     _check(h, weight, bias)
+    return _gelu_residual(h, weight, bias)
+
+
+def _gelu_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     a = F.gelu(h)
     return a + _conv(a, weight, bias)
 
@@ -248,7 +252,7 @@ def gelu_depthwise_conv2d_residual(
     """
     _check(h, weight, bias)
     if not uses_gelu_kernel(h, weight, bias):
-        return gelu_depthwise_conv2d_residual_ref(h, weight, bias)
+        return _gelu_residual(h, weight, bias)
     return _GeluDepthwiseConv2dResidual.apply(h, weight, bias)
 
 
