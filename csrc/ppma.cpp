@@ -57,8 +57,9 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "depthwise_conv2d_backward(Tensor grad_out, Tensor x, int kernel_size)"
       " -> (Tensor grad_weight, Tensor grad_bias)");
-  // Gradients of out = a + depthwise_conv(a) + bias with a = GELU(h) (exact) on channels-last [B, H, W, C] maps
-  // (the FFN's middle; CPU).
+  // out = a + depthwise_conv(a) + bias with a = GELU(h) (exact) on a channels-last [B, H, W, C] float32 map, and its
+  // gradients (float32 / float64; the FFN's middle in training; CPU).
+  m.def("gelu_depthwise_conv2d_residual_forward(Tensor h, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "gelu_depthwise_conv2d_residual_backward(Tensor grad_out, Tensor h, Tensor weight)"
       " -> (Tensor grad_h, Tensor grad_weight, Tensor grad_bias)");

@@ -467,6 +467,54 @@ def test_gelu_kernel_matches_torch(shape, dtype):
         assert_close(a, e, dtype, name, grad=True)
 
 
+def _gelu_forward_error(got: torch.Tensor, h, w, b) -> float:
+    """Max |got - reference| over max(1, |reference|), the reference a + conv(a) in float64."""
+    want = gelu_depthwise_conv2d_residual_ref(h.double(), w.double(), None if b is None else b.double())
+    return ((got.double() - want).abs() / want.abs().clamp(min=1.0)).max().item()
+
+
+@pytest.mark.parametrize("shape", GELU_SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gelu_forward_kernel_matches_float64(shape, bias):
+    """The forward kernel (GELU, then a + conv(a) + bias in one pass over h) against the float64 reference: within a
+    few float32 roundings elementwise (GELU's erf by A&S 7.1.26, |error| <= 1.5e-7), as close as torch's float32
+    modules are."""
+    h, w, b, _ = (t.float() for t in _gelu_case(shape))
+    b = b if bias else None
+    got = torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h, w, b)
+    assert got.dtype == torch.float32 and got.shape == h.shape and got.is_contiguous()
+    torch_err = _gelu_forward_error(gelu_depthwise_conv2d_residual_ref(h, w, b), h, w, b)
+    err = _gelu_forward_error(got, h, w, b)
+    assert err <= max(4 * torch_err, 2e-6), f"{err:.2e} (torch's float32 modules: {torch_err:.2e})"
+
+
+def test_gelu_forward_kernel_non_contiguous_and_deterministic():
+    h, w, b, _ = (t.float() for t in _gelu_case((3, 11, 9, 40, 3), seed=11))
+    ht = h.transpose(1, 2).contiguous().transpose(1, 2)  # the same values in another memory layout
+    want = torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h, w, b)
+    assert torch.equal(torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(ht, w, b), want)
+    n = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h, w, b), want)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_gelu_forward_kernel_rejects_bad_inputs():
+    h, w, b = torch.randn(1, 4, 4, 8), torch.randn(8, 1, 3, 3), torch.randn(8)
+    op = torch.ops.ppma.gelu_depthwise_conv2d_residual_forward
+    with pytest.raises(RuntimeError, match="h must be float32"):
+        op(h.double(), w.double(), b.double())
+    with pytest.raises(RuntimeError, match="h must be \\[B, H, W, C\\]"):
+        op(h[0], w, b)
+    with pytest.raises(RuntimeError, match="weight must be \\[C, 1, k, k\\]"):
+        op(h, torch.randn(8, 1, 2, 2), b)
+    with pytest.raises(RuntimeError, match="bias must be \\[C\\]"):
+        op(h, w, torch.randn(4))
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_gelu_gradcheck(bias):
     gen = torch.Generator().manual_seed(6)
@@ -518,6 +566,8 @@ for k in (3, 5):
     w = torch.randn(40, 1, k, k, generator=gen, dtype=torch.float64) * 0.3
     got = torch.ops.ppma.gelu_depthwise_conv2d_residual_backward(g.float(), h.float(), w.float())
     out[k] = [t.double().flatten().tolist() for t in got]
+    y = torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h.float(), w.float(), None)
+    out["fwd%d" % k] = y.double().flatten().tolist()
 print(json.dumps(out))
 """
 
@@ -536,6 +586,8 @@ def test_gelu_kernel_every_simd_path(capability):
         for name, a, e in zip(("grad_h", "grad_weight", "grad_bias"), got[str(k)], want):
             assert_close(torch.tensor(a, dtype=torch.float64).view(e.shape), e, torch.float32, f"{name} (k={k})",
                          grad=True)
+        fwd = torch.tensor(got[f"fwd{k}"], dtype=torch.float64).view(h.shape)
+        assert _gelu_forward_error(fwd, h.float(), w.float(), None) <= 2e-6, f"forward (k={k})"
 
 
 def test_gelu_dispatch_rules():

@@ -6,9 +6,13 @@
 //   y[b, h, w, c] = (bias[c] + x[b, h, w, c]) + sum_{i, j} weight[c, i, j] * x[b, h + i - k // 2, w + j - k // 2, c]
 // with x zero outside the map and the taps added in row-major order, in float32 (a bf16 map is widened as its rows
 // are kept, and each output is rounded to bf16 once, to nearest even). Every task owns one batch element and a
-// block of CB channels and walks its rows top to bottom, keeping the original values of the k rows around the
-// current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that row. Each output is
+// slot of up to kMaxSlot channels and walks its rows top to bottom, keeping the original values of the k rows around
+// the current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that row. Each output is
 // written by one task in one fixed order: deterministic and independent of the thread count.
+//
+// ppma::gelu_depthwise_conv2d_residual_forward (training, float32): out = a + conv(a) + bias with a = GELU(h), the
+// same ring walk from h into a new map, GELU applied to each row as it enters the ring (docs/ops.md
+// "gelu_depthwise_conv2d_residual"; its backward is the last kernel of this file).
 //
 // ppma::depthwise_conv2d_backward: the weight and bias gradients
 //   grad_weight[c, 0, i, j] = sum_{b, h, w} grad_out[b, h, w, c] * x[b, h + i - k // 2, w + j - k // 2, c]
@@ -35,6 +39,8 @@ namespace {
 
 // Channels per vector block: one 16-lane vector of floats (two of the 8-lane path, four of the 4-lane one).
 constexpr int64_t CB = 16;
+// Channels of a slot of the residual convolution's rings, at most (a multiple of CB).
+constexpr int64_t kMaxSlot = 64;
 
 // Adds g[c] * x[c] to acc[c] for the n <= CB channels of a block: whole vectors of the task's lane width for a
 // full float block, a plain loop otherwise (double, the last block of a C that is not a multiple of CB).
@@ -192,103 +198,6 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The in-place residual convolution. A ring slot is one original row of the task's channel block, zero-padded by
-// P = k / 2 columns on each side and to CB channels: [W + 2P][CB]; row r lives in slot r % k.
-
-// One output row: out[w * C + c] = bb[c] + centre[w][c] + sum_{i, j} wt[i * k + j][c] * rows[i][w + j][c] for the
-// block's n channels (rows[i]: the padded slot of input row h + i - P, or a zero row), stored as O (float, or the
-// bits of bf16). KC: k when known at compile time (the taps then stay in registers), 0 for any k.
-template <int KC, int L, typename O>
-PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
-                                   const float* centre, const float* wt, const float* bb, int64_t n, O* out) {
-  const int64_t K = KC ? KC : kr;
-  constexpr bool direct = std::is_same_v<O, float>;
-  float tmp[CB];
-  for (int64_t w = 0; w < W; ++w) {
-    float* o = direct && n == CB ? reinterpret_cast<float*>(out + w * C) : tmp;
-    for (int64_t c = 0; c < CB; c += L) {
-      vec<L> acc = load<L>(bb + c) + load<L>(centre + w * CB + c);
-      for (int64_t i = 0; i < K; ++i) {
-        const float* r = rows[i] + w * CB + c;
-        const float* t = wt + i * K * CB + c;
-        for (int64_t j = 0; j < K; ++j) acc += load<L>(t + j * CB) * load<L>(r + j * CB);
-      }
-      store<L>(o + c, acc);
-    }
-    if constexpr (direct) {
-      if (n != CB) std::memcpy(out + w * C, tmp, n * sizeof(float));
-    } else if (n == CB) {
-      for (int64_t c = 0; c < CB; c += L) store_bf16<L>(out + w * C + c, load<L>(tmp + c));
-    } else {
-      for (int64_t c = 0; c < n; ++c) out[w * C + c] = float_to_bf16(tmp[c]);
-    }
-  }
-}
-
-// x: [B, H, W, C] contiguous (float, or bf16 bits as uint16_t); weight: [C, K, K]; bias: [C] or null.
-template <typename X>
-void residual_inplace(X* x, const float* weight, const float* bias, int64_t B, int64_t H, int64_t W, int64_t C,
-                      int64_t K) {
-  const int64_t P = K / 2, nblk = ceil_div(C, CB), slot = (W + 2 * P) * CB;
-  parallel_tasks(
-      B * nblk, [&] { return std::vector<float>((K + 1) * slot + (K * K + 1) * CB); },
-      [&](int64_t t, std::vector<float>& buf) {
-    std::fill(buf.begin(), buf.end(), 0.0f);  // the padding columns and channels, the zero row
-    const int64_t b = t / nblk, c0 = (t % nblk) * CB, n = std::min(CB, C - c0);
-    float* ring = buf.data();
-    const float* zero = ring + K * slot;
-    float* wt = ring + (K + 1) * slot;  // [K * K][CB] the block's taps
-    float* bb = wt + K * K * CB;        // [CB] its bias
-    for (int64_t c = 0; c < n; ++c) {
-      for (int64_t ij = 0; ij < K * K; ++ij) wt[ij * CB + c] = weight[(c0 + c) * K * K + ij];
-      bb[c] = bias ? bias[c0 + c] : 0.0f;
-    }
-    X* xb = x + b * H * W * C + c0;
-    auto keep_row = [&](auto ln, int64_t r) {  // the original row r into its slot (widened to float)
-      constexpr int L = decltype(ln)::value;
-      float* s = ring + (r % K) * slot + P * CB;
-      const X* src = xb + r * W * C;
-      for (int64_t w = 0; w < W; ++w) {
-        if constexpr (std::is_same_v<X, float>) {
-          std::memcpy(s + w * CB, src + w * C, n * sizeof(float));
-        } else if (n == CB) {
-          for (int64_t c = 0; c < CB; c += L) store<L>(s + w * CB + c, load_bf16<L>(src + w * C + c));
-        } else {
-          for (int64_t c = 0; c < n; ++c) s[w * CB + c] = bf16_to_float(src[w * C + c]);
-        }
-      }
-    };
-    std::vector<const float*> rows(K);
-    with_lanes([&](auto ln) {
-      for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(ln, r);
-      for (int64_t h = 0; h < H; ++h) {
-        if (h + P < H) keep_row(ln, h + P);  // into the slot of row h - P - 1, no longer needed
-        for (int64_t i = 0; i < K; ++i) {
-          const int64_t r = h + i - P;
-          rows[i] = r < 0 || r >= H ? zero : ring + (r % K) * slot;
-        }
-        const float* centre = ring + (h % K) * slot + P * CB;
-        if (K == 3) {
-          residual_row<3>(ln, W, C, K, rows.data(), centre, wt, bb, n, xb + h * W * C);
-        } else {
-          residual_row<0>(ln, W, C, K, rows.data(), centre, wt, bb, n, xb + h * W * C);
-        }
-      }
-    });
-  });
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// The backward of the FFN's middle, out = a + conv(a) + bias with a = GELU(h) (exact, erf) (docs/ops.md
-// "gelu_depthwise_conv2d_residual"): given g = grad_out,
-//   grad_h[p]     = GELU'(h[p]) * (g[p] + sum_{i, j} weight[c, i, j] * g[p - (i - P, j - P)])
-//   grad_weight   = sum_p g[p] * a[p + (i - P, j - P)],   grad_bias = sum_p g[p]
-// (maps zero outside), a and GELU' recomputed from h, so that the forward keeps h only. One pass over g and h,
-// writing grad_h: every task owns one batch element and a block of CB channels and walks its rows top to bottom
-// with rings of the k rows of g and of a around the current one (zero-padded, per-thread scratch) and of GELU';
-// its weight and bias sums go to its own slot, added over the batch in a fixed order afterwards: deterministic
-// and independent of the thread count.
-
 // GELU(x) = x Phi(x) and GELU'(x) = Phi(x) + x phi(x) of float lanes, Phi(x) = (1 + erf(x / sqrt 2)) / 2 and
 // phi(x) = exp(-x^2 / 2) / sqrt(2 pi): erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7, the formula of
 // torch's vectorised CPU erf), whose exp(-z^2) is phi's exp.
@@ -332,6 +241,182 @@ inline void gelu_and_grad(float x, float& a, float& d) {
   gelu_and_grad(double(x), ad, dd);
   a = float(ad), d = float(dd);
 }
+
+// The residual convolution (in place, or from GELU(h) into another map). A task owns one batch element and a slot of
+// up to kMaxSlot channels (four 64-byte lines of a position). A ring slot is one original row of the task's channels, zero-padded by P = k / 2 columns on
+// each side and to cw channels: [W + 2P][cw]; row r lives in slot r % k.
+
+// One output row: out[w * C + c] = bb[c] + centre[w][c] + sum_{i, j} wt[i * k + j][c] * rows[i][w + j][c] for the
+// n <= cw channels of a slot of cw channels (a multiple of CB; rows[i]: the padded slot of input row h + i - P, or
+// a zero row), stored as O (float, or the bits of bf16). KC: k when known at compile time, 0 for any k.
+// Positions run in register blocks of UW (8 at 16 lanes, 4 below; 7 where W is a multiple of 7), then of 4 and 2, the
+// last one alone: each tap row's UW + k - 1 input vectors are loaded once for the UW * k products (oneDNN's
+// depthwise blocking). Every
+// output adds its taps in the same order (bias + centre, then row-major), whatever the blocking.
+template <int KC, int L, typename O>
+PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
+                                   const float* centre, const float* wt, const float* bb, int64_t cw, int64_t n,
+                                   O* out) {
+  constexpr int UW = L >= 16 ? 8 : 4;
+  const int64_t K = KC ? KC : kr;
+  constexpr bool direct = std::is_same_v<O, float>;
+  const bool in_place = direct && n == cw;  // whole float rows straight into out
+  float tmp[UW * kMaxSlot];
+  // The UW (or 1) positions from w0 staged in tmp (row stride cw) go to out.
+  auto flush = [&](int64_t w0, int64_t uw) {
+    for (int64_t u = 0; u < uw; ++u) {
+      const float* t = tmp + u * cw;
+      O* o = out + (w0 + u) * C;
+      if constexpr (direct) {
+        std::memcpy(o, t, n * sizeof(float));
+      } else if (n == cw) {
+        for (int64_t c = 0; c < cw; c += L) store_bf16<L>(o + c, load<L>(t + c));
+      } else {
+        for (int64_t c = 0; c < n; ++c) o[c] = float_to_bf16(t[c]);
+      }
+    }
+  };
+  // UB positions from w0, every channel vector of the slot.
+  auto block = [&](auto ub, int64_t w0) {
+    constexpr int UB = decltype(ub)::value;
+    for (int64_t c = 0; c < cw; c += L) {
+      vec<L> acc[UB];
+      for (int u = 0; u < UB; ++u) acc[u] = load<L>(bb + c) + load<L>(centre + (w0 + u) * cw + c);
+      for (int64_t i = 0; i < K; ++i) {
+        const float* r = rows[i] + w0 * cw + c;
+        const float* t = wt + i * K * cw + c;
+        if constexpr (KC > 0) {
+          vec<L> x[UB + KC - 1];
+          for (int m = 0; m < UB + KC - 1; ++m) x[m] = load<L>(r + m * cw);
+          for (int j = 0; j < KC; ++j) {
+            const vec<L> tj = load<L>(t + j * cw);
+            for (int u = 0; u < UB; ++u) acc[u] += tj * x[u + j];
+          }
+        } else {
+          for (int64_t j = 0; j < K; ++j) {
+            const vec<L> tj = load<L>(t + j * cw);
+            for (int u = 0; u < UB; ++u) acc[u] += tj * load<L>(r + (u + j) * cw);
+          }
+        }
+      }
+      for (int u = 0; u < UB; ++u) {
+        if (in_place) {
+          store<L>(reinterpret_cast<float*>(out + (w0 + u) * C) + c, acc[u]);
+        } else {
+          store<L>(tmp + u * cw + c, acc[u]);
+        }
+      }
+    }
+    if (!in_place) flush(w0, UB);
+  };
+  int64_t w0 = 0;
+  if (UW == 8 && W % 7 == 0) {  // PPMA's maps at 224² (56, 28, 14, 7 columns): blocks of 7, no remainder
+    for (; w0 < W; w0 += 7) block(std::integral_constant<int, 7>{}, w0);
+  }
+  for (; w0 + UW <= W; w0 += UW) block(std::integral_constant<int, UW>{}, w0);
+  if (UW > 4 && w0 + 4 <= W) block(std::integral_constant<int, 4>{}, w0), w0 += 4;
+  if (w0 + 2 <= W) block(std::integral_constant<int, 2>{}, w0), w0 += 2;
+  for (; w0 < W; ++w0) {
+    for (int64_t c = 0; c < cw; c += L) {
+      vec<L> acc = load<L>(bb + c) + load<L>(centre + w0 * cw + c);
+      for (int64_t i = 0; i < K; ++i) {
+        const float* r = rows[i] + w0 * cw + c;
+        const float* t = wt + i * K * cw + c;
+        for (int64_t j = 0; j < K; ++j) acc += load<L>(t + j * cw) * load<L>(r + j * cw);
+      }
+      if (in_place) {
+        store<L>(reinterpret_cast<float*>(out + w0 * C) + c, acc);
+      } else {
+        store<L>(tmp + c, acc);
+      }
+    }
+    if (!in_place) flush(w0, 1);
+  }
+}
+
+// dst = src + conv(src) + bias, or with gelu dst = a + conv(a) + bias for a = GELU(src) (float only: the FFN's
+// middle in training, gelu_depthwise_conv2d_residual_forward). src, dst: [B, H, W, C] contiguous (float, or bf16
+// bits as uint16_t), the same map for the in-place op (the ring keeps the rows it still needs before they are
+// overwritten); weight: [C, K, K]; bias: [C] or null.
+template <typename X>
+void residual_conv(const X* src, X* dst, const float* weight, const float* bias, int64_t B, int64_t H, int64_t W,
+                   int64_t C, int64_t K, bool gelu = false) {
+  const int64_t P = K / 2, cw = std::min(kMaxSlot, ceil_div(C, CB) * CB), nblk = ceil_div(C, cw);
+  const int64_t slot = (W + 2 * P) * cw;
+  parallel_tasks(
+      B * nblk, [&] { return std::vector<float>((K + 1) * slot + (K * K + 1) * cw); },
+      [&](int64_t t, std::vector<float>& buf) {
+    std::fill(buf.begin(), buf.end(), 0.0f);  // the padding columns and channels, the zero row
+    const int64_t b = t / nblk, c0 = (t % nblk) * cw, n = std::min(cw, C - c0);
+    float* ring = buf.data();
+    const float* zero = ring + K * slot;
+    float* wt = ring + (K + 1) * slot;  // [K * K][cw] the slot's taps
+    float* bb = wt + K * K * cw;        // [cw] its bias
+    for (int64_t c = 0; c < n; ++c) {
+      for (int64_t ij = 0; ij < K * K; ++ij) wt[ij * cw + c] = weight[(c0 + c) * K * K + ij];
+      bb[c] = bias ? bias[c0 + c] : 0.0f;
+    }
+    const X* sb = src + b * H * W * C + c0;
+    X* db = dst + b * H * W * C + c0;
+    auto keep_row = [&](auto ln, int64_t r) {  // the source row r into its slot (widened to float; GELU applied)
+      constexpr int L = decltype(ln)::value;
+      // locals, so that the loops below keep them in registers (the stores may alias the captures)
+      const int64_t Wl = W, Cl = C, cwl = cw, nl = n;
+      float* __restrict s = ring + (r % K) * slot + P * cwl;
+      const X* __restrict sr = sb + r * Wl * Cl;
+      for (int64_t w = 0; w < Wl; ++w) {
+        if constexpr (std::is_same_v<X, float>) {
+          if (nl == cwl) {
+            for (int64_t c = 0; c < cwl; c += L) store<L>(s + w * cwl + c, load<L>(sr + w * Cl + c));
+          } else {
+            std::memcpy(s + w * cwl, sr + w * Cl, nl * sizeof(float));
+          }
+        } else if (nl == cwl) {
+          for (int64_t c = 0; c < cwl; c += L) store<L>(s + w * cwl + c, load_bf16<L>(sr + w * Cl + c));
+        } else {
+          for (int64_t c = 0; c < nl; ++c) s[w * cwl + c] = bf16_to_float(sr[w * Cl + c]);
+        }
+      }
+      if (gelu) {  // in the slot (padding channels: GELU(0) = 0)
+        for (int64_t e = 0; e < Wl * cwl; e += L) {
+          vec<L> a, d;
+          gelu_and_grad<L>(load<L>(s + e), a, d);
+          store<L>(s + e, a);
+        }
+      }
+    };
+    std::vector<const float*> rows(K);
+    with_lanes([&](auto ln) {
+      for (int64_t r = 0; r < std::min(P, H); ++r) keep_row(ln, r);
+      for (int64_t h = 0; h < H; ++h) {
+        if (h + P < H) keep_row(ln, h + P);  // into the slot of row h - P - 1, no longer needed
+        for (int64_t i = 0; i < K; ++i) {
+          const int64_t r = h + i - P;
+          rows[i] = r < 0 || r >= H ? zero : ring + (r % K) * slot;
+        }
+        const float* centre = ring + (h % K) * slot + P * cw;
+        if (K == 3) {
+          residual_row<3>(ln, W, C, K, rows.data(), centre, wt, bb, cw, n, db + h * W * C);
+        } else if (K == 5) {
+          residual_row<5>(ln, W, C, K, rows.data(), centre, wt, bb, cw, n, db + h * W * C);
+        } else {
+          residual_row<0>(ln, W, C, K, rows.data(), centre, wt, bb, cw, n, db + h * W * C);
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The backward of the FFN's middle, out = a + conv(a) + bias with a = GELU(h) (exact, erf) (docs/ops.md
+// "gelu_depthwise_conv2d_residual"): given g = grad_out,
+//   grad_h[p]     = GELU'(h[p]) * (g[p] + sum_{i, j} weight[c, i, j] * g[p - (i - P, j - P)])
+//   grad_weight   = sum_p g[p] * a[p + (i - P, j - P)],   grad_bias = sum_p g[p]
+// (maps zero outside), a and GELU' recomputed from h, so that the forward keeps h only. One pass over g and h,
+// writing grad_h: every task owns one batch element and a block of CB channels and walks its rows top to bottom
+// with rings of the k rows of g and of a around the current one (zero-padded, per-thread scratch) and of GELU';
+// its weight and bias sums go to its own slot, added over the batch in a fixed order afterwards: deterministic
+// and independent of the thread count.
 
 // float, k = 3, 5 or 7. g, h: [B, H, W, C]; weight [C, K, K]; gh: [B, H, W, C]; part: [B][nblk][K * K + 1][CB].
 template <int KC>
@@ -397,7 +482,7 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
         // the weight and bias sums: g's row against the rows of a around it
         row_taps<KC>(ln, W, CB, gc, rows_a, acc, CB, acc + KK * CB);
         // the input gradient of a + conv(a): g + the flipped taps over the rows of g around it; times GELU'
-        residual_row<KC == 3 ? 3 : 0>(ln, W, CB, K, rows_g, gc, wf, bb, CB, tmp);
+        residual_row<KC>(ln, W, CB, K, rows_g, gc, wf, bb, CB, CB, tmp);
         const float* dr = rd + (y % K) * slot + P * CB;
         float* o = ob + y * W * C;
         for (int64_t w = 0; w < W; ++w) {
@@ -526,11 +611,39 @@ void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, cons
   if (x.numel() == 0) return;
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    residual_inplace(x.data_ptr<float>(), wc.data_ptr<float>(), bp, B, H, W, C, K);
+    residual_conv(x.data_ptr<float>(), x.data_ptr<float>(), wc.data_ptr<float>(), bp, B, H, W, C, K);
   } else {
-    residual_inplace(reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>()), wc.data_ptr<float>(), bp, B, H, W, C,
-                     K);
+    uint16_t* xb = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+    residual_conv(xb, xb, wc.data_ptr<float>(), bp, B, H, W, C, K);
   }
+}
+
+constexpr const char* kGeluFwdOp = "ppma::gelu_depthwise_conv2d_residual_forward";
+
+// out = a + conv(a) + bias with a = GELU(h), float32: one pass over h (residual_conv with gelu), the same GELU values
+// as the backward kernel's.
+at::Tensor gelu_depthwise_conv2d_residual_forward_cpu(const at::Tensor& h, const at::Tensor& weight,
+                                                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(h.dim() == 4, kGeluFwdOp, ": h must be [B, H, W, C], got shape ", h.sizes());
+  TORCH_CHECK(h.scalar_type() == at::kFloat, kGeluFwdOp, ": h must be float32, got ", h.scalar_type());
+  const int64_t B = h.size(0), H = h.size(1), W = h.size(2), C = h.size(3);
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
+                  weight.size(2) % 2 == 1,
+              kGeluFwdOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
+  check_like(kGeluFwdOp, "weight", weight, "h", h);
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, kGeluFwdOp, ": bias must be [C] = [", C, "], got ",
+                bias->sizes());
+    check_like(kGeluFwdOp, "bias", *bias, "h", h);
+    bc = bias->contiguous();
+  }
+  at::Tensor out = at::empty(h.sizes(), h.options());
+  if (h.numel() == 0) return out;
+  const at::Tensor hc = h.contiguous(), wc = weight.contiguous();
+  residual_conv(hc.data_ptr<float>(), out.data_ptr<float>(), wc.data_ptr<float>(),
+                bc.defined() ? bc.data_ptr<float>() : nullptr, B, H, W, C, weight.size(2), /*gelu=*/true);
+  return out;
 }
 
 constexpr const char* kOp = "ppma::depthwise_conv2d_backward";
@@ -564,5 +677,6 @@ std::tuple<at::Tensor, at::Tensor> depthwise_conv2d_backward_cpu(const at::Tenso
 TORCH_LIBRARY_IMPL(ppma, CPU, m) {
   m.impl("depthwise_conv2d_residual_", &ppma::cpu::depthwise_conv2d_residual_cpu);
   m.impl("depthwise_conv2d_backward", &ppma::cpu::depthwise_conv2d_backward_cpu);
+  m.impl("gelu_depthwise_conv2d_residual_forward", &ppma::cpu::gelu_depthwise_conv2d_residual_forward_cpu);
   m.impl("gelu_depthwise_conv2d_residual_backward", &ppma::cpu::gelu_depthwise_conv2d_residual_backward_cpu);
 }

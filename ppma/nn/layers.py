@@ -308,8 +308,8 @@ class ConvFFN(nn.Module):
             conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
             if (conv is not None and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))
                     and uses_gelu_kernel(x, conv.weight, conv.bias)):
-                # CPU training: GELU and h + dwconv(h) as one op that keeps fc1's output only and whose backward is
-                # one ppma kernel (ppma.ops.gelu_depthwise_conv2d_residual; the same forward, gradients up to
+                # CPU training: GELU and h + dwconv(h) as one op that keeps fc1's output only, one ppma kernel each
+                # way (ppma.ops.gelu_depthwise_conv2d_residual; output and gradients equal to the modules' up to
                 # rounding)
                 return self.fc2(gelu_depthwise_conv2d_residual(self.fc1(x), conv.weight, conv.bias))
             x = linear(x, self.fc1, gelu=True)

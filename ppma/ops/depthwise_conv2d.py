@@ -38,6 +38,8 @@ _RESIDUAL_OP = "depthwise_conv2d_residual_"
 _HAS_RESIDUAL_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _RESIDUAL_OP)
 _GELU_OP = "gelu_depthwise_conv2d_residual_backward"
 _HAS_GELU_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _GELU_OP)
+_GELU_FWD_OP = "gelu_depthwise_conv2d_residual_forward"
+_HAS_GELU_FWD_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _GELU_FWD_OP)
 # The smallest kernel whose weight gradient the ppma kernel computes (torch's 3 x 3 backward is fast already).
 MIN_KERNEL = 5
 
@@ -241,9 +243,12 @@ def gelu_depthwise_conv2d_residual(
         weight: ``[C, 1, k, k]``, ``k`` odd; bias: ``[C]`` or None.
 
     Returns:
-        ``[B, H, W, C]``. The forward is torch's (``F.gelu``, then the convolution with the identity folded into
-        its centre tap, as :func:`depthwise_conv2d` with ``residual=True``). Where :func:`uses_gelu_kernel` says
-        so (CPU training in float32/float64), only ``h`` is kept for the backward, and all three gradients come
+        ``[B, H, W, C]``. Where :func:`uses_gelu_kernel` says so (CPU training in float32/float64), the float32
+        forward is one pass over ``h`` (``torch.ops.ppma.gelu_depthwise_conv2d_residual_forward``: GELU applied
+        to each row as the residual kernel reads it, equal to torch's modules up to float32 rounding) and the
+        float64 one is torch's (``F.gelu``, then the convolution with the identity folded into its centre tap, as
+        :func:`depthwise_conv2d` with ``residual=True``); only ``h`` is kept for the backward, and all three
+        gradients come
         from one pass of ``torch.ops.ppma.gelu_depthwise_conv2d_residual_backward`` over the output's gradient and
         ``h`` (docs/ops.md "gelu_depthwise_conv2d_residual"), instead of torch keeping ``h`` and ``a`` and running
         the convolution's backward and then GELU's. Elsewhere it is :func:`gelu_depthwise_conv2d_residual_ref`.
@@ -257,12 +262,15 @@ def gelu_depthwise_conv2d_residual(
 
 
 class _GeluDepthwiseConv2dResidual(torch.autograd.Function):
-    """Forward: torch's GELU and convolution, keeping ``h`` only; backward: ppma's kernel for all three gradients."""
+    """Forward: ppma's one-pass kernel (float32) or torch's GELU and convolution (float64), keeping ``h`` only;
+    backward: ppma's kernel for all three gradients."""
 
     @staticmethod
     def forward(ctx, h, weight, bias):
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
+        if _HAS_GELU_FWD_OP and h.dtype == torch.float32:
+            return torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h, weight, bias)
         return _conv(F.gelu(h), _folded(weight, True), bias)
 
     @staticmethod
