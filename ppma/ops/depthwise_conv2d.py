@@ -292,6 +292,10 @@ def _fake_backward(grad_out, x, kernel_size):
     return x.new_empty((C, 1, kernel_size, kernel_size)), x.new_empty((C,))
 
 
+def _fake_gelu_forward(h, weight, bias):
+    return h.new_empty(h.shape)
+
+
 def _fake_gelu_backward(grad_out, h, weight):
     return h.new_empty(h.shape), weight.new_empty(weight.shape), h.new_empty((h.shape[-1],))
 
@@ -300,5 +304,7 @@ if _HAS_OP:
     torch.library.register_fake("ppma::" + _OP)(_fake_backward)
 if _HAS_GELU_OP:
     torch.library.register_fake("ppma::" + _GELU_OP)(_fake_gelu_backward)
+if _HAS_GELU_FWD_OP:
+    torch.library.register_fake("ppma::" + _GELU_FWD_OP)(_fake_gelu_forward)
 if _HAS_RESIDUAL_OP:
     torch.library.register_fake("ppma::" + _RESIDUAL_OP)(_fake_residual)
