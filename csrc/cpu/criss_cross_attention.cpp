@@ -2,17 +2,18 @@
 //
 // Per (batch, head): row attention A_i = softmax(S + R_i) inside every row (W x W) and column attention
 // B_l = softmax(S + C_l) inside every column (H x H); out = 0.5 B (A v) + 0.5 A (B v). The maps live
-// in per-task scratch (one line at a time), except the forward's row maps, kept from its first phase for its third
-// for a group of (batch, head) pairs at a time (kRowMapBytes). Three parallel phases, each over lines:
+// in per-task scratch (one line at a time), except the row maps, kept from the first phase for the third (forward
+// and backward) for a group of (batch, head) pairs at a time (kRowMapBytes). Three parallel phases, each over lines:
 //   forward:  rows (A, lse0, z1 = A v) -> columns (B, lse1, out1 = B z1, z2 = B v) -> rows (A kept, or
 //             recomputed from the rows' m and 1 / s; out = 0.5 out1 + 0.5 A z2)
-//   backward: rows (z1 = A v, dz2 = A^T g) -> columns (z2 = B v, dz1 = B^T g, dB, softmax backward,
-//             column grads, grad log_beta) -> rows (dA, softmax backward, row grads, grad log_alpha)
+//   backward: rows (A kept, z1 = A v, dz2 = A^T g) -> columns (z2 = B v, dz1 = B^T g, dB, softmax backward,
+//             column grads, grad log_beta) -> rows (A kept or recomputed, dA, softmax backward, row grads,
+//             grad log_alpha)
 // with g = 0.5 grad_out. Every output element is written by exactly one task per phase: deterministic.
 // Memory: the inputs are read in place (queries, values and the z buffers through their row strides, the keys
 // of each line transposed into per-thread scratch; scale multiplies the products); the forward needs
 // one input-sized buffer (z1, then z2) and at most kRowMapBytes of row maps, the backward two ((z1, dz2), then
-// (z2, dz1)) besides its outputs.
+// (z2, dz1)) and as many row maps besides its outputs.
 //
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
 // task runs at the lane width with_lanes() chooses (line kernels take it as their first argument).
@@ -588,54 +589,65 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
 }
 #endif  // PPMA_SIMD_X86
 
-// The gradients through one line's map P (B of a column, A of a row, recomputed into S.X from lse + side),
-// given g = 0.5 grad_out, the gradient dz of the map's own product (dz2 for a column, dz1 for a row) and the
-// other product z (z1 for a column, z2 for a row): dP = g z^T + dz v^T, then line_backward (dq, dk written or
-// accumulated), grad v (=|+=) P^T dz and the line's log-decay gradients. Leaves [g | dz] in S.gu.
+// The gradients through one line's map P (B of a column, A of a row: the kept map X where given, else recomputed
+// into S.X from lse + side), given g = 0.5 grad_out, the gradient dz of the map's own product (dz2 for a column,
+// dz1 for a row) and the other product z (z1 for a column, z2 for a row): dP = g z^T + dz v^T, then line_backward
+// (dq, dk written or accumulated), grad v (=|+=) P^T dz and the line's log-decay gradients. Leaves [g | dz] in S.gu.
 template <int L, typename T, typename I>
 inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, const T* go,
                        const T* lse, int side, const T* z, const T* dz, T* dq, T* dk, T* gv, T* gdecay,
-                       bool accumulate) {
+                       bool accumulate, const T* X = nullptr) {
   const int64_t n = li.n, d = D.d, dv = D.dv;
-  const Rows<T> q = line_scores(ln, D, li, S, false, true, li.at(lse, 2) + side, li.ld(2));  // the map P
+  const Rows<T> q = X ? line_rows(li, D.q, d, S.q, true)
+                      : line_scores(ln, D, li, S, false, true, li.at(lse, 2) + side, li.ld(2));  // the map P
+  const T* P = X ? X : S.X;
   const Rows<T> k = line_rows(li, D.k, d, S.k, true);
   gather_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv, T(0.5));  // [g | dz], row stride 2 dv
   gather_rows(n, dv, li.at(dz, dv), li.ld(dv), S.gu + dv, 2 * dv);
   gather_rows_t(ln, n, dv, li.at(z, dv), li.ld(dv), S.ut);  // [z^T ; v^T]
   gather_input_rows_t(ln, n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n);
-  line_backward(ln, n, d, dv, S.X, S.gu, 2 * dv, S.ut, q.p, q.s, k.p, k.s, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
+  line_backward(ln, n, d, dv, P, S.gu, 2 * dv, S.ut, q.p, q.s, k.p, k.s, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
                 li.at(dk, d), li.ld(d), accumulate);
-  line_apply_t(ln, n, dv, S.X, S.gu + dv, 2 * dv, li.at(gv, dv), li.ld(dv), accumulate);
+  line_apply_t(ln, n, dv, P, S.gu + dv, 2 * dv, li.at(gv, dv), li.ld(dv), accumulate);
   decay_grads_from_prefix(n, S.gc, 1, gdecay + li.tok, li.ts);
 }
 
 // Backward with g = 0.5 grad_out. ZA, ZB: [B, N, G, dv] scratch: (z1, dz2) after the rows, replaced by
 // (z2, dz1) column by column. The column phase writes dq, dk, dv (column parts), the last row phase adds
-// the row parts. Outputs in the [B, H, W, heads, *] layout, lse [B, H, W, heads, 2].
+// the row parts. Outputs in the [B, H, W, heads, *] layout, lse [B, H, W, heads, 2]. As the forward, the phases run
+// per group of (batch, head) pairs whose row maps A (recomputed from lse in phase 1) fit in kRowMapBytes, kept for
+// phase 3; where one pair's do not fit, phase 3 recomputes them, the same bits either way.
 template <typename T, typename I>
 void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* ZA, T* ZB, T* dq, T* dk, T* dv_out, T* gla,
                      T* glb) {
-  const int64_t BG = D.B * D.G, dv = D.dv;
-  // Phase 1: rows. z1 = A v, dz2 = A^T g.
-  parallel_lines(D, BG * D.H, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
-    const Line<T> r(D, true, t);
-    line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2));
-    line_values(ln, D, r, S, ZA);
-    gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
-    line_apply_t(ln, r.n, dv, S.X, S.gu, dv, r.at(ZB, dv), r.ld(dv));
-  });
-  // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
-  // replace z1 and dz2 of this column.
-  parallel_lines(D, BG * D.W, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
-    const Line<T> c(D, false, t);
-    line_grads(ln, D, c, S, go, lse, 1, ZA, ZB, dq, dk, dv_out, glb, false);
-    line_values(ln, D, c, S, ZA);
-    line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, c.at(ZB, dv), c.ld(dv));
-  });
-  // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
-  parallel_lines(D, BG * D.H, true, [&](auto ln, int64_t t, LineScratch<T>& S) {
-    line_grads(ln, D, Line<T>(D, true, t), S, go, lse, 0, ZA, ZB, dq, dk, dv_out, gla, true);
-  });
+  const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
+  const int64_t keep = pairs_kept(BG, H, nn, sizeof(T)), group = keep ? keep : BG;
+  std::vector<T> maps(keep * H * nn);  // the group's row maps, [pair][row][W][W]
+  for (int64_t g0 = 0; g0 < BG; g0 += group) {
+    const int64_t gn = std::min(group, BG - g0);
+    // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
+    parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
+      const Line<T> r(D, true, g0 * H + u);
+      T* X = keep ? maps.data() + u * nn : S.X;
+      line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2), static_cast<const T*>(nullptr), X);
+      line_values(ln, D, r, S, ZA, X);
+      gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
+      line_apply_t(ln, r.n, dv, X, S.gu, dv, r.at(ZB, dv), r.ld(dv));
+    });
+    // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
+    // replace z1 and dz2 of this column.
+    parallel_lines(D, gn * W, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
+      const Line<T> c(D, false, g0 * W + u);
+      line_grads(ln, D, c, S, go, lse, 1, ZA, ZB, dq, dk, dv_out, glb, false);
+      line_values(ln, D, c, S, ZA);
+      line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, c.at(ZB, dv), c.ld(dv));
+    });
+    // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
+    parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
+      line_grads(ln, D, Line<T>(D, true, g0 * H + u), S, go, lse, 0, ZA, ZB, dq, dk, dv_out, gla, true,
+                 keep ? static_cast<const T*>(maps.data() + u * nn) : static_cast<const T*>(nullptr));
+    });
+  }
 }
 
 constexpr const char* kOp = "criss_cross_attention";
