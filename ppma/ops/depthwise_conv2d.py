@@ -1,8 +1,8 @@
 """``ppma.ops.depthwise_conv2d``: the depthwise ``k x k`` convolution of PPMA's LePE / CPE / FFN on channels-last
 maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d"), and
 ``depthwise_conv2d_residual_``, the FFN's ``x + conv(x)`` written over ``x`` in CPU inference, and
-``gelu_depthwise_conv2d_residual``, the FFN's GELU and ``a + conv(a)`` with one CPU backward kernel for training
-(docs/ops.md "gelu_depthwise_conv2d_residual").
+``gelu_depthwise_conv2d_residual``, the FFN's GELU and ``a + conv(a)`` with one CPU kernel each way for training
+(the float32 forward and the backward; docs/ops.md "gelu_depthwise_conv2d_residual").
 
 The forward is torch's convolution (``F.conv2d`` on the NCHW view of a ``[B, H, W, C]`` map, which is channels-last
 in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs 10-35x its
