@@ -243,16 +243,16 @@ inline void gelu_and_grad(float x, float& a, float& d) {
 }
 
 // The residual convolution (in place, or from GELU(h) into another map). A task owns one batch element and a slot of
-// up to kMaxSlot channels (four 64-byte lines of a position). A ring slot is one original row of the task's channels, zero-padded by P = k / 2 columns on
-// each side and to cw channels: [W + 2P][cw]; row r lives in slot r % k.
+// up to kMaxSlot channels (four 64-byte lines of a position). A ring slot is one original row of the task's
+// channels, zero-padded by P = k / 2 columns on each side and to cw channels: [W + 2P][cw]; row r lives in slot r % k.
 
 // One output row: out[w * C + c] = bb[c] + centre[w][c] + sum_{i, j} wt[i * k + j][c] * rows[i][w + j][c] for the
 // n <= cw channels of a slot of cw channels (a multiple of CB; rows[i]: the padded slot of input row h + i - P, or
 // a zero row), stored as O (float, or the bits of bf16). KC: k when known at compile time, 0 for any k.
 // Positions run in register blocks of UW (8 at 16 lanes, 4 below; 7 where W is a multiple of 7), then of 4 and 2, the
 // last one alone: each tap row's UW + k - 1 input vectors are loaded once for the UW * k products (oneDNN's
-// depthwise blocking). Every
-// output adds its taps in the same order (bias + centre, then row-major), whatever the blocking.
+// depthwise blocking). Every output adds its taps in the same order (bias + centre, then row-major), whatever the
+// blocking.
 template <int KC, int L, typename O>
 PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, const float* const* rows,
                                    const float* centre, const float* wt, const float* bb, int64_t cw, int64_t n,
@@ -262,7 +262,7 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
   constexpr bool direct = std::is_same_v<O, float>;
   const bool in_place = direct && n == cw;  // whole float rows straight into out
   float tmp[UW * kMaxSlot];
-  // The UW (or 1) positions from w0 staged in tmp (row stride cw) go to out.
+  // The uw positions from w0 staged in tmp (row stride cw) go to out.
   auto flush = [&](int64_t w0, int64_t uw) {
     for (int64_t u = 0; u < uw; ++u) {
       const float* t = tmp + u * cw;
@@ -316,22 +316,7 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
   for (; w0 + UW <= W; w0 += UW) block(std::integral_constant<int, UW>{}, w0);
   if (UW > 4 && w0 + 4 <= W) block(std::integral_constant<int, 4>{}, w0), w0 += 4;
   if (w0 + 2 <= W) block(std::integral_constant<int, 2>{}, w0), w0 += 2;
-  for (; w0 < W; ++w0) {
-    for (int64_t c = 0; c < cw; c += L) {
-      vec<L> acc = load<L>(bb + c) + load<L>(centre + w0 * cw + c);
-      for (int64_t i = 0; i < K; ++i) {
-        const float* r = rows[i] + w0 * cw + c;
-        const float* t = wt + i * K * cw + c;
-        for (int64_t j = 0; j < K; ++j) acc += load<L>(t + j * cw) * load<L>(r + j * cw);
-      }
-      if (in_place) {
-        store<L>(reinterpret_cast<float*>(out + w0 * C) + c, acc);
-      } else {
-        store<L>(tmp + c, acc);
-      }
-    }
-    if (!in_place) flush(w0, 1);
-  }
+  if (w0 < W) block(std::integral_constant<int, 1>{}, w0);
 }
 
 // dst = src + conv(src) + bias, or with gelu dst = a + conv(a) + bias for a = GELU(src) (float only: the FFN's
