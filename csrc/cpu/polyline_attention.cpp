@@ -126,6 +126,39 @@ inline void add_biases_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t 
   const T* crI = cr + i * W;
   const T* ccI = cc + i * W;
   const T crIj = crI[j];
+  if constexpr (std::is_same<T, float>::value && L == 16) {
+    if (W <= L) {  // each key row one vector (masked moves): the query row's terms formed once
+      const ivec<L> before = lane_indices<L>() < static_cast<int32_t>(j);
+      const vec<L> a = load_first<L>(crI, W), ccIv = load_first<L>(ccI, W);
+      const vec<L> r1 = before ? crIj - a : a - crIj;  // R_i(j, l): the same for every key row
+      const vec<L> ninf = vec<L>{} - std::numeric_limits<float>::infinity();
+      vec<L> mx1 = ninf, mx2 = ninf;
+      // The logits of key row k + 1 are loaded before row k is stored: their 64-byte spans overlap, and a masked
+      // store does not forward to a later load (the load would wait for the store to retire). Their lanes past W
+      // are -inf, so that the biased lanes there are -inf (or NaN) and never the rows' maxima.
+      vec<L> sv = load_first<L>(y1r, W, ninf);
+      for (int64_t k = 0; k < H; ++k) {
+        float* y1 = y1r + k * W;
+        float* y2 = y2r + k * W;
+        const float* crK = cr + k * W;
+        const float* ccK = cc + k * W;
+        const float sk = sgn_diff<float>(k, i);
+        const float ct2 = sk * (ccK[j] - ccI[j]);
+        const float crKj = crK[j];
+        const vec<L> c = load_first<L>(crK, W);
+        const vec<L> r2 = before ? crKj - c : c - crKj;
+        const vec<L> x1 = sv + r1 + sk * (load_first<L>(ccK, W) - ccIv);
+        const vec<L> x2 = sv + r2 + ct2;
+        if (k + 1 < H) sv = load_first<L>(y1 + W, W, ninf);
+        store_first<L>(y1, x1, W);
+        store_first<L>(y2, x2, W);
+        mx1 = x1 > mx1 ? x1 : mx1;
+        mx2 = x2 > mx2 ? x2 : mx2;
+      }
+      if (m1) *m1 = lane_max<L>(mx1), *m2 = lane_max<L>(mx2);
+      return;
+    }
+  }
   if constexpr (std::is_same<T, float>::value) {
     MaxPair<L> m;
     for (int64_t k = 0; k < H; ++k) {
@@ -571,6 +604,77 @@ PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k
   }
 }
 
+// The prefix-sum gradients of query (i, j) against all key rows where each key row is one vector (float, 16 lanes,
+// W <= 16; masked moves), bias_grad_row's sums regrouped so that no key row ends in a lane sum and no row of the
+// gradients is read back right after a masked store (a masked store does not forward to a later load: a stall):
+// the task accumulates them in whole aligned vectors of scratch, ShortSums, added to gcr and gcc once at its end
+// (bias_grads_flush):
+//   - R[k], C[k]: the terms on gcr and gcc row k: from key row k (sk g1 on gcc) and, summed over the key rows in
+//     registers, from the query's own row i (sign(l - j) g1 on gcr, -sk g1 on gcc; row k = i's terms, whose column
+//     terms vanish, are the same formulas with sk = 0);
+//   - E[j][k], F[j][k]: sign(l - j) g2 and sk g2 of key row k summed over the task's queries of column j: gcr row k
+//     gets E and gcr[k, j] minus its lane sum; gcc[k, j] gets F's lane sum;
+//   - gcr[i, j] and gcc[i, j] get the query's two lane sums directly.
+// The same gradients as bias_grad_row up to the order of the float32 sums (tests/test_polyline_attention.py).
+struct ShortSums {
+  float *R, *C, *E, *F;  // [H][16], [H][16], [W][H][16], [W][H][16]
+  static int64_t floats(int64_t H, int64_t W) { return 2 * H * 16 * (1 + W); }
+  ShortSums(float* p, int64_t H, int64_t W) : R(p), C(p + H * 16), E(C + H * 16), F(E + W * H * 16) {}
+};
+
+#ifdef PPMA_SIMD_X86
+PPMA_SIMD_INLINE void bias_grads_short(int64_t H, int64_t W, int64_t i, int64_t j, const float* g1r, const float* g2r,
+                                       float* gcr, float* gcc, const ShortSums& S) {
+  constexpr int L = 16;
+  const vec<L> one = vec<L>{} + 1.0f;
+  const vec<L> sg = lane_indices<L>() < static_cast<int32_t>(j) ? -one : one;  // sign(l - j), +1 at l = j
+  vec<L> accI{}, accC{}, accT{};
+  float* Ej = S.E + j * H * L;
+  float* Fj = S.F + j * H * L;
+  for (int64_t k = 0; k < H; ++k) {
+    const vec<L> a = load_first<L>(g1r + k * W, W), b = load_first<L>(g2r + k * W, W);  // 0 past W
+    const float sk = sgn_diff<float>(k, i);
+    const vec<L> ka = sk * a, kb = sk * b;
+    accI += sg * a;
+    accC += ka;
+    accT += kb;
+    store<L>(Ej + k * L, load<L>(Ej + k * L) + sg * b);
+    store<L>(Fj + k * L, load<L>(Fj + k * L) + kb);
+    store<L>(S.C + k * L, load<L>(S.C + k * L) + ka);
+  }
+  store<L>(S.R + i * L, load<L>(S.R + i * L) + accI);
+  store<L>(S.C + i * L, load<L>(S.C + i * L) - accC);
+  gcr[i * W + j] -= hsum<L>(accI);
+  gcc[i * W + j] -= hsum<L>(accT);
+}
+
+// Adds a task's ShortSums to its prefix-sum gradients in a fixed order (row k, then column j) and clears them.
+PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* gcc, const ShortSums& S) {
+  constexpr int L = 16;
+  for (int64_t k = 0; k < H; ++k) {
+    vec<L> r = load<L>(S.R + k * L);
+    float lr[L], lc[L] = {};  // the lane sums, lane j for gcr[k, j] and gcc[k, j]
+    for (int64_t j = 0; j < W; ++j) {
+      float* e = S.E + (j * H + k) * L;
+      float* f = S.F + (j * H + k) * L;
+      const vec<L> ev = load<L>(e);
+      r += ev;
+      lr[j] = hsum<L>(ev);
+      lc[j] = hsum<L>(load<L>(f));
+      store<L>(e, vec<L>{});
+      store<L>(f, vec<L>{});
+    }
+    for (int64_t j = W; j < L; ++j) lr[j] = 0.0f;
+    float* gr = gcr + k * W;
+    float* gc = gcc + k * W;
+    store_first<L>(gr, load_first<L>(gr, W) + r - load<L>(lr), W);
+    store_first<L>(gc, load_first<L>(gc, W) + load<L>(S.C + k * L) + load<L>(lc), W);
+    store<L>(S.R + k * L, vec<L>{});
+    store<L>(S.C + k * L, vec<L>{});
+  }
+}
+#endif
+
 // grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2].
 // part: [BG, nchunk, N * (d + dv + 2)] zero-initialised partial sums (dk, dv, grad cr, grad cc).
 // Each task owns a fixed range of query tiles of one (batch, head): the split depends on the shapes only.
@@ -581,16 +685,24 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
   const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
   const int64_t part_size = N * (d + dv + 2);
   const T scale = D.scale;
+  // bias_grads_short's sums (float, W <= 16 on the 16-lane path), zero between tasks
+  const int64_t short_sums = std::is_same<T, float>::value && W <= 16 ? ShortSums::floats(D.H, W) : 0;
   parallel_tasks(
-      D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + (d + dv) * N); },
+      D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + (d + dv) * N + short_sums); },
       [&](int64_t task, std::vector<T>& buf) {
     with_lanes([&](auto ln) {
+    constexpr int L = decltype(ln)::value;
     T* X1 = buf.data();
     T* X2 = X1 + TQ * N;
     T* DP = X2 + TQ * N;
     T* G1 = DP + TQ * N;
     T* Kt = G1 + TQ * N;  // the keys of the task's (batch, head) transposed, [d][N]
     T* Vt = Kt + d * N;   // its values transposed, [dv][N]
+    bool short_rows = false;
+#ifdef PPMA_SIMD_X86
+    if constexpr (std::is_same<T, float>::value && L == 16) short_rows = W <= L;
+    const ShortSums sums(reinterpret_cast<float*>(Vt + dv * N), D.H, W);
+#endif
     {
       const int64_t bg = task / nchunk, chunk = task % nchunk;
       const int64_t b = bg / G, g = bg % G;
@@ -649,6 +761,14 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           }
           // Prefix-sum gradients, one key row at a time.
           const int64_t p = p0 + a, i = p / W, j = p % W;
+#ifdef PPMA_SIMD_X86
+          if constexpr (std::is_same<T, float>::value && L == 16) {
+            if (short_rows) {
+              bias_grads_short(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+              continue;
+            }
+          }
+#endif
           for (int64_t k = 0; k < D.H; ++k)
             bias_grad_row(ln, W, j, k, i, g1 + k * W, x2 + k * W, gcr + i * W, gcc + i * W, gcr + k * W, gcc + k * W);
         }
@@ -657,6 +777,11 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         small_gemm(ln, N, d, tq, DP, int64_t(1), N, D.q + row0 * d, G * d, pdk, d, true, scale);
         small_gemm(ln, N, dv, tq, X1, int64_t(1), N, gob, G * dv, pdv, dv, true, T(0.5));
       }
+#ifdef PPMA_SIMD_X86
+      if constexpr (std::is_same<T, float>::value && L == 16) {
+        if (short_rows) bias_grads_flush(D.H, W, gcr, gcc, sums);
+      }
+#endif
     }
     });
   });

@@ -217,6 +217,44 @@ PPMA_SIMD_INLINE float lane_max(vec<M> v) {
   }
 }
 
+// The first m lanes (0 <= m <= M) of M floats at p, the other lanes 0, reading nothing past p + m; and the store of
+// the first m lanes of v at p, writing nothing past p + m. A line shorter than a vector in one operation instead of
+// the vectors of M / 2 ... 4 lanes and single elements of for_lanes: polyline_attention's key rows at W <= 16.
+// 16 lanes: AVX-512 masked moves (masked-off lanes neither fault nor write). Inline assembly rather than the
+// intrinsics, like fast_exp's vscalefps: these instances are only ever inlined into run_lanes16() /
+// run_lanes16_bf16(), whose targets have AVX-512 F. Other widths: element copies (correct, not fast).
+// load_first(p, m, fill): the other lanes hold fill's.
+template <int M>
+PPMA_SIMD_INLINE vec<M> load_first(const float* p, int64_t m, vec<M> fill = vec<M>{}) {
+#ifdef PPMA_SIMD_X86
+  if constexpr (M == 16) {
+    const uint16_t k = static_cast<uint16_t>((uint32_t(1) << m) - 1);
+    vec<16> v = fill;
+    asm("vmovups %[src], %[v]%{%[k]%}" : [v] "+v"(v) : [src] "m"(*reinterpret_cast<const float(*)[16]>(p)), [k] "Yk"(k));
+    return v;
+  }
+#endif
+  float t[M];
+  store<M>(t, fill);
+  for (int64_t e = 0; e < m; ++e) t[e] = p[e];
+  return load<M>(t);
+}
+template <int M>
+PPMA_SIMD_INLINE void store_first(float* p, vec<M> v, int64_t m) {
+#ifdef PPMA_SIMD_X86
+  if constexpr (M == 16) {
+    const uint16_t k = static_cast<uint16_t>((uint32_t(1) << m) - 1);
+    // "+m": the lanes past m keep what earlier stores wrote there (an output-only operand would let the compiler
+    // drop those stores)
+    asm("vmovups %[v], %[dst]%{%[k]%}" : [dst] "+m"(*reinterpret_cast<float(*)[16]>(p)) : [v] "v"(v), [k] "Yk"(k));
+    return;
+  }
+#endif
+  float t[M];
+  store<M>(t, v);
+  for (int64_t e = 0; e < m; ++e) p[e] = t[e];
+}
+
 // ---------------------------------------------------------------------------------------------
 // Array loops. The lane-tagged ones are written with vectors; the others are plain loops that -O3 vectorises
 // at the width of the function they are inlined into. double runs the plain loops (std::exp).
