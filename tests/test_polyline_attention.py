@@ -166,3 +166,56 @@ def test_inference_op_paths_deterministic(path, tmp_path):
         inputs = make_attention_inputs(tuple(spec["shape"]), dtype, requires_grad=False, decay_scale=1.0, seed=3)
         want = polyline_attention_ref(*(t.double() for t in inputs), 0.3)
         assert_close(first, want, dtype, f"{path_id(path)}, {dt}: vs float64 reference")
+
+
+# ------------------------------------------------------------------ key rows at the vector width (CPU)
+_WIDTH_CHILD = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from op_utils import make_attention_inputs, THREAD_COUNTS
+res = {}
+for shape in json.loads(sys.argv[2]):
+    inputs = make_attention_inputs(tuple(shape), torch.float32, decay_scale=1.0, seed=5)
+    for n in THREAD_COUNTS:
+        torch.set_num_threads(n)
+        out, out_v2h, lse = torch.ops.ppma.polyline_attention(*inputs, 0.4)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+        grads = torch.ops.ppma.polyline_attention_backward(go, *inputs, out, out_v2h, lse, 0.4)
+        res[tuple(shape), n] = [out, lse, *grads, torch.ops.ppma.polyline_attention_inference(*inputs, 0.4)]
+torch.save(res, sys.argv[3])
+"""
+
+
+@needs_ext
+@pytest.mark.parametrize("path", cpu_paths(), ids=path_id)
+def test_key_rows_at_the_vector_width(path, tmp_path):
+    """Maps W = 15 and 16 wide (on the avx512 path each key row is one masked 16-lane vector: the forward's biases and
+    the backward's regrouped prefix-sum gradients, docs/ops.md "polyline_attention") and W = 17 (a full vector and a
+    tail), with more key rows than one tile of queries covers: output, lse, the five gradients and the inference op
+    against the float64 reference on every SIMD path (in a fresh process), bitwise the same across thread counts."""
+    shapes = [[2, 6, 15, 2, 16, 8], [1, 9, 16, 3, 8, 16], [1, 5, 17, 2, 16, 16]]
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / "width.pt"
+    env = {**os.environ, **path,
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _WIDTH_CHILD, tests_dir, json.dumps(shapes), str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"child on the {path_id(path)} path failed:\n{res.stderr[-3000:]}"
+    runs = torch.load(out)
+    names = ["out", "lse", "dq", "dk", "dv", "dlog_alpha", "dlog_beta", "inference out"]
+    for shape in shapes:
+        first = runs[tuple(shape), THREAD_COUNTS[0]]
+        for n in THREAD_COUNTS:
+            for name, a, b in zip(names, runs[tuple(shape), n], first):
+                assert torch.equal(a, b), f"{path_id(path)}, {shape}, {name}: differs across thread counts ({n})"
+        inputs = make_attention_inputs(tuple(shape), torch.float64, decay_scale=1.0, seed=5)
+        inputs32 = make_attention_inputs(tuple(shape), torch.float32, decay_scale=1.0, seed=5)
+        assert all(torch.equal(a.double(), b) for a, b in zip(inputs32, inputs))  # the child's inputs, in float64
+        want_out = polyline_attention_ref(*inputs, 0.4)
+        go = torch.randn(want_out.shape, generator=torch.Generator().manual_seed(6)).double()
+        want_grads = torch.autograd.grad(want_out, inputs, go)
+        what = f"{path_id(path)}, {shape}"
+        assert_close(first[0], want_out, torch.float32, f"{what}: out")
+        assert_close(first[7], want_out, torch.float32, f"{what}: inference out")
+        for name, g, w in zip(names[2:7], first[2:7], want_grads):
+            assert_close(g, w, torch.float32, f"{what}: {name}", grad=True)

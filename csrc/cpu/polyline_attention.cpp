@@ -13,7 +13,8 @@
 // Backward (flash-style, from lse / out / out_v2h): each task owns a query block range of one (batch,
 // head) and writes dq directly; dk, dv and the prefix-sum gradients go to the task's own partial buffer,
 // reduced afterwards in a fixed order (deterministic, no atomics). The number of partial buffers depends
-// on the shapes only, so results do not depend on the thread count.
+// on the shapes only, so results do not depend on the thread count. Key rows of W <= 16 on the 16-lane path are one
+// masked vector each, forward and backward (add_biases_row, bias_grads_short).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -58,10 +59,12 @@ inline void transposed_rows(Lanes<L> ln, const T* src, int64_t N, int64_t c, int
 // Row p of the logits: y1 holds S = scale * q_p k^T against all N keys. Adds the biases: y1[s] = S + M,
 // y2[s] = S + M' (docs/ops.md: M[p, s] = R_i(j, l) + C_l(i, k), M' = M^T), one key row k at a time; returns the
 // maxima of the two rows in *m1, *m2 (NaN ignored, as max_of) unless m1 is null.
-// float: each key row in vectors of L lanes (then L / 2 ... 4, then single lanes), the line bias's two branches
-// (keys l < j and l >= j, common/math.h line_bias) chosen lane by lane, so that a key row is one run of vectors
-// whatever the query's column j (two runs split at j left short loops at W = 14 and 32). The same values as the
-// plain loops below (a - b = -(b - a) exactly), up to the contraction of the last product into an FMA.
+// float, 16 lanes, W <= 16: each key row one vector with masked moves (load_first / store_first, cpu/simd.h), the
+// query row's terms formed once (docs/ops.md "polyline_attention"; the same values as below).
+// float otherwise: each key row in vectors of L lanes (then L / 2 ... 4, then single lanes), the line bias's two
+// branches (keys l < j and l >= j, common/math.h line_bias) chosen lane by lane, so that a key row is one run of
+// vectors whatever the query's column j (two runs split at j left short loops at W = 14 and 32). The same values as
+// the plain loops below (a - b = -(b - a) exactly), up to the contraction of the last product into an FMA.
 template <int M>
 PPMA_SIMD_INLINE void bias_lanes(int64_t l, int32_t j, float crIj, float crKj, float sk, float ct2, const float* crI,
                                  const float* ccI, const float* crK, const float* ccK, float* __restrict y1,

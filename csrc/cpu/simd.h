@@ -230,7 +230,9 @@ PPMA_SIMD_INLINE vec<M> load_first(const float* p, int64_t m, vec<M> fill = vec<
   if constexpr (M == 16) {
     const uint16_t k = static_cast<uint16_t>((uint32_t(1) << m) - 1);
     vec<16> v = fill;
-    asm("vmovups %[src], %[v]%{%[k]%}" : [v] "+v"(v) : [src] "m"(*reinterpret_cast<const float(*)[16]>(p)), [k] "Yk"(k));
+    asm("vmovups %[src], %[v]%{%[k]%}"
+        : [v] "+v"(v)
+        : [src] "m"(*reinterpret_cast<const float(*)[16]>(p)), [k] "Yk"(k));
     return v;
   }
 #endif
