@@ -142,21 +142,27 @@ torch.save(res, sys.argv[3])
 """
 
 
+def _run_child(code: str, payload, path: dict, tmp_path):
+    """Runs ``code`` in a fresh Python process on the SIMD path ``path`` (:func:`cpu_paths`) with the arguments
+    ``tests_dir, json(payload), output file`` and returns what it saved there."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    out = tmp_path / "child.pt"
+    env = {**os.environ, **path,
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code, tests_dir, json.dumps(payload), str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"child on the {path_id(path)} path failed:\n{res.stderr[-3000:]}"
+    return torch.load(out)
+
+
 @needs_ext
 @pytest.mark.parametrize("path", cpu_paths(), ids=path_id)
 def test_inference_op_paths_deterministic(path, tmp_path):
     """Every SIMD path (in a fresh process): bit-identical across runs and thread counts (1 and 3, which does not
     divide the work), within each dtype's tolerance of the float64 reference; bf16 runs its bf16 products on the
     avx512 path of a CPU with AVX-512 BF16 and float32 arithmetic on the others."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
     spec = {"shape": [2, 9, 7, 2, 16, 16], "dtypes": ["float32", "float64", "bfloat16"]}
-    out = tmp_path / "inference.pt"
-    env = {**os.environ, **path,
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", _CHILD, tests_dir, json.dumps(spec), str(out)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"child on the {path_id(path)} path failed:\n{res.stderr[-3000:]}"
-    runs = torch.load(out)
+    runs = _run_child(_CHILD, spec, path, tmp_path)
     for dt in spec["dtypes"]:
         dtype = getattr(torch, dt)
         first = runs[dt, THREAD_COUNTS[0]][0]
@@ -194,14 +200,7 @@ def test_key_rows_at_the_vector_width(path, tmp_path):
     tail), with more key rows than one tile of queries covers: output, lse, the five gradients and the inference op
     against the float64 reference on every SIMD path (in a fresh process), bitwise the same across thread counts."""
     shapes = [[2, 6, 15, 2, 16, 8], [1, 9, 16, 3, 8, 16], [1, 5, 17, 2, 16, 16]]
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    out = tmp_path / "width.pt"
-    env = {**os.environ, **path,
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", _WIDTH_CHILD, tests_dir, json.dumps(shapes), str(out)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"child on the {path_id(path)} path failed:\n{res.stderr[-3000:]}"
-    runs = torch.load(out)
+    runs = _run_child(_WIDTH_CHILD, shapes, path, tmp_path)
     names = ["out", "lse", "dq", "dk", "dv", "dlog_alpha", "dlog_beta", "inference out"]
     for shape in shapes:
         first = runs[tuple(shape), THREAD_COUNTS[0]]
