@@ -619,13 +619,14 @@ PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k
 //     gets E and gcr[k, j] minus its lane sum; gcc[k, j] gets F's lane sum;
 //   - gcr[i, j] and gcc[i, j] get the query's two lane sums directly.
 // The same gradients as bias_grad_row up to the order of the float32 sums (tests/test_polyline_attention.py).
+// Compiled at every width; run on the 16-lane path only (L == 16 exists on x86-64 alone).
 struct ShortSums {
-  float *R, *C, *E, *F;  // [H][16], [H][16], [W][H][16], [W][H][16]
-  static int64_t floats(int64_t H, int64_t W) { return 2 * H * 16 * (1 + W); }
-  ShortSums(float* p, int64_t H, int64_t W) : R(p), C(p + H * 16), E(C + H * 16), F(E + W * H * 16) {}
+  static constexpr int64_t V = 16;  // floats per slot: one 16-lane vector
+  float *R, *C, *E, *F;              // [H][V], [H][V], [W][H][V], [W][H][V]
+  static int64_t floats(int64_t H, int64_t W) { return 2 * H * V * (1 + W); }
+  ShortSums(float* p, int64_t H, int64_t W) : R(p), C(p + H * V), E(C + H * V), F(E + W * H * V) {}
 };
 
-#ifdef PPMA_SIMD_X86
 PPMA_SIMD_INLINE void bias_grads_short(int64_t H, int64_t W, int64_t i, int64_t j, const float* g1r, const float* g2r,
                                        float* gcr, float* gcc, const ShortSums& S) {
   constexpr int L = 16;
@@ -656,7 +657,7 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
   constexpr int L = 16;
   for (int64_t k = 0; k < H; ++k) {
     vec<L> r = load<L>(S.R + k * L);
-    float lr[L], lc[L] = {};  // the lane sums, lane j for gcr[k, j] and gcc[k, j]
+    float lr[L] = {}, lc[L] = {};  // the lane sums, lane j for gcr[k, j] and gcc[k, j]
     for (int64_t j = 0; j < W; ++j) {
       float* e = S.E + (j * H + k) * L;
       float* f = S.F + (j * H + k) * L;
@@ -667,7 +668,6 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
       store<L>(e, vec<L>{});
       store<L>(f, vec<L>{});
     }
-    for (int64_t j = W; j < L; ++j) lr[j] = 0.0f;
     float* gr = gcr + k * W;
     float* gc = gcc + k * W;
     store_first<L>(gr, load_first<L>(gr, W) + r - load<L>(lr), W);
@@ -676,7 +676,6 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
     store<L>(S.C + k * L, vec<L>{});
   }
 }
-#endif
 
 // grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2].
 // part: [BG, nchunk, N * (d + dv + 2)] zero-initialised partial sums (dk, dv, grad cr, grad cc).
@@ -689,7 +688,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
   const int64_t part_size = N * (d + dv + 2);
   const T scale = D.scale;
   // bias_grads_short's sums (float, W <= 16 on the 16-lane path), zero between tasks
-  const int64_t short_sums = std::is_same<T, float>::value && W <= 16 ? ShortSums::floats(D.H, W) : 0;
+  const int64_t short_sums = std::is_same<T, float>::value && W <= ShortSums::V ? ShortSums::floats(D.H, W) : 0;
   parallel_tasks(
       D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + (d + dv) * N + short_sums); },
       [&](int64_t task, std::vector<T>& buf) {
@@ -701,11 +700,9 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
     T* G1 = DP + TQ * N;
     T* Kt = G1 + TQ * N;  // the keys of the task's (batch, head) transposed, [d][N]
     T* Vt = Kt + d * N;   // its values transposed, [dv][N]
-    bool short_rows = false;
-#ifdef PPMA_SIMD_X86
-    if constexpr (std::is_same<T, float>::value && L == 16) short_rows = W <= L;
+    constexpr bool masked_path = std::is_same<T, float>::value && L == ShortSums::V;
+    const bool short_rows = masked_path && W <= L;
     const ShortSums sums(reinterpret_cast<float*>(Vt + dv * N), D.H, W);
-#endif
     {
       const int64_t bg = task / nchunk, chunk = task % nchunk;
       const int64_t b = bg / G, g = bg % G;
@@ -764,14 +761,12 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           }
           // Prefix-sum gradients, one key row at a time.
           const int64_t p = p0 + a, i = p / W, j = p % W;
-#ifdef PPMA_SIMD_X86
-          if constexpr (std::is_same<T, float>::value && L == 16) {
+          if constexpr (masked_path) {
             if (short_rows) {
               bias_grads_short(D.H, W, i, j, g1, x2, gcr, gcc, sums);
               continue;
             }
           }
-#endif
           for (int64_t k = 0; k < D.H; ++k)
             bias_grad_row(ln, W, j, k, i, g1 + k * W, x2 + k * W, gcr + i * W, gcc + i * W, gcr + k * W, gcc + k * W);
         }
@@ -780,11 +775,9 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         small_gemm(ln, N, d, tq, DP, int64_t(1), N, D.q + row0 * d, G * d, pdk, d, true, scale);
         small_gemm(ln, N, dv, tq, X1, int64_t(1), N, gob, G * dv, pdv, dv, true, T(0.5));
       }
-#ifdef PPMA_SIMD_X86
-      if constexpr (std::is_same<T, float>::value && L == 16) {
+      if constexpr (masked_path) {
         if (short_rows) bias_grads_flush(D.H, W, gcr, gcc, sums);
       }
-#endif
     }
     });
   });

@@ -224,11 +224,13 @@ PPMA_SIMD_INLINE float lane_max(vec<M> v) {
 // intrinsics, like fast_exp's vscalefps: these instances are only ever inlined into run_lanes16() /
 // run_lanes16_bf16(), whose targets have AVX-512 F. Other widths: element copies (correct, not fast).
 // load_first(p, m, fill): the other lanes hold fill's.
+// The AVX-512 write mask of the first m lanes.
+PPMA_SIMD_INLINE uint16_t first_lanes(int64_t m) { return static_cast<uint16_t>((uint32_t(1) << m) - 1); }
 template <int M>
 PPMA_SIMD_INLINE vec<M> load_first(const float* p, int64_t m, vec<M> fill = vec<M>{}) {
 #ifdef PPMA_SIMD_X86
   if constexpr (M == 16) {
-    const uint16_t k = static_cast<uint16_t>((uint32_t(1) << m) - 1);
+    const uint16_t k = first_lanes(m);
     vec<16> v = fill;
     asm("vmovups %[src], %[v]%{%[k]%}"
         : [v] "+v"(v)
@@ -245,7 +247,7 @@ template <int M>
 PPMA_SIMD_INLINE void store_first(float* p, vec<M> v, int64_t m) {
 #ifdef PPMA_SIMD_X86
   if constexpr (M == 16) {
-    const uint16_t k = static_cast<uint16_t>((uint32_t(1) << m) - 1);
+    const uint16_t k = first_lanes(m);
     // "+m": the lanes past m keep what earlier stores wrote there (an output-only operand would let the compiler
     // drop those stores)
     asm("vmovups %[v], %[dst]%{%[k]%}" : [dst] "+m"(*reinterpret_cast<float(*)[16]>(p)) : [v] "v"(v), [k] "Yk"(k));
