@@ -63,6 +63,12 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "gelu_depthwise_conv2d_residual_backward(Tensor grad_out, Tensor h, Tensor weight)"
       " -> (Tensor grad_h, Tensor grad_weight, Tensor grad_bias)");
+  // PPMA's per-token log-decays d[..., g, c] = softplus(<x_g, weight[c]> + dt_bias[g]) * A[g] of x [..., heads *
+  // head_dim] (float32 / float64), weight [D, head_dim], dt_bias and A [heads], and their gradients (CPU).
+  m.def("path_decay(Tensor x, Tensor weight, Tensor dt_bias, Tensor A) -> Tensor");
+  m.def(
+      "path_decay_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor dt_bias, Tensor A)"
+      " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_dt_bias, Tensor grad_A)");
   m.def("polyline_scan(Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose) -> Tensor");
   m.def(
       "polyline_scan_backward(Tensor grad_y, Tensor x, Tensor log_alpha, Tensor log_beta, bool transpose)"

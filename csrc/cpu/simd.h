@@ -168,6 +168,32 @@ PPMA_SIMD_INLINE vec<L> fast_exp(vec<L> x) {
   return nan ? x : res;
 }
 
+// log1p(t) for t in [0, 1], lane for lane and branch-free (Cephes logf's degree-8 polynomial on
+// [sqrt(1/2) - 1, sqrt(2) - 1]; relative error ~2e-7). 1 + t = 2^k (1 + x) with k = 0, x = t below sqrt(2) - 1 and
+// k = 1, x = (t - 1) / 2 above (both exact in float), so small t keep all their bits, which log(1 + t) of a rounded
+// 1 + t would lose. softplus (path_decay) is its user: softplus(z) = max(z, 0) + log1p(exp(-|z|)).
+template <int L>
+PPMA_SIMD_INLINE vec<L> log1p_unit(vec<L> t) {
+  using V = vec<L>;
+  const auto big = t > 0.41421356237f;
+  const V x = big ? (t - 1.0f) * 0.5f : t;
+  const V k = big ? V{} + 1.0f : V{};
+  const V z = x * x;
+  V y = V{} + 7.0376836292e-2f;
+  y = y * x - 1.1514610310e-1f;
+  y = y * x + 1.1676998740e-1f;
+  y = y * x - 1.2420140846e-1f;
+  y = y * x + 1.4249322787e-1f;
+  y = y * x - 1.6668057665e-1f;
+  y = y * x + 2.0000714765e-1f;
+  y = y * x - 2.4999993993e-1f;
+  y = y * x + 3.3333331174e-1f;
+  y = y * x * z;
+  y = y + k * -2.12194440e-4f;
+  y = y - z * 0.5f;
+  return (x + y) + k * 0.693359375f;
+}
+
 // {0, 1, ..., M - 1} as int32 lanes (0 for M = 1).
 template <int M, size_t... E>
 PPMA_SIMD_INLINE ivec<M> lane_indices(std::index_sequence<E...>) {

@@ -47,10 +47,7 @@ class PathDecay3D(PathDecay):
         in fp32 (fp64 for fp64 input)."""
         if x.dim() != 5 or x.shape[-1] != self.dim:
             raise ValueError(f"PathDecay3D: x must be [B, T, H, W, {self.dim}], got shape {tuple(x.shape)}")
-        u = self.dt_linear(x.reshape(*x.shape[:4], self.num_heads, self.head_dim))  # [B, T, H, W, heads, 3]
-        ct = torch.float64 if u.dtype == torch.float64 else torch.float32
-        A = -torch.exp(self.A_log.to(ct))
-        d = F.softplus(u.to(ct) + self.dt_bias.to(ct)[:, None]) * A[:, None]
+        d = self.decays(x)  # [B, T, H, W, heads, 3]
         return d[..., 0], d[..., 1], d[..., 2]
 
 

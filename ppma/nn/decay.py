@@ -9,6 +9,9 @@ from torch import nn
 
 import torch.nn.functional as F
 
+from ppma.nn.layers import _has_hooks
+from ppma.ops.path_decay import path_decay, uses_path_decay_kernel
+
 __all__ = ["PathDecay"]
 
 
@@ -64,13 +67,23 @@ class PathDecay(nn.Module):
         each ``[B, H, W, heads]``, ``<= 0``, in fp32 (fp64 for fp64 input)."""
         if x.dim() != 4 or x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: x must be [B, H, W, {self.dim}], got shape {tuple(x.shape)}")
-        B, H, W, _ = x.shape
-        u = self.dt_linear(x.reshape(B, H, W, self.num_heads, self.head_dim))  # [B, H, W, heads, directions]
+        d = self.decays(x)
+        return d[..., 0], d[..., -1]
+
+    def decays(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [..., C]`` -> ``d: [..., heads, directions]``, the log-decays of every direction (float32, float64 for
+        float64 ``x``). On the CPU with the fused implementation (float32/float64, no autocast, no hooks on
+        ``dt_linear``) one ppma kernel each way (``ppma.ops.path_decay``, docs/ops.md "path_decay"); elsewhere
+        ``dt_linear``, softplus and the scaling as written in the class docstring."""
+        lin = self.dt_linear
+        if (type(lin) is nn.Linear and lin.bias is None and not _has_hooks(lin)
+                and uses_path_decay_kernel(x, lin.weight, self.dt_bias, self.A_log)):
+            return path_decay(x, lin.weight, self.dt_bias, self.A_log)
+        u = lin(x.reshape(*x.shape[:-1], self.num_heads, self.head_dim))  # [..., heads, directions]
         # softplus/exp in fp32 (fp64 for fp64), like the official code under autocast (docs/model.md §3.5).
         ct = torch.float64 if u.dtype == torch.float64 else torch.float32
         A = -torch.exp(self.A_log.to(ct))
-        d = F.softplus(u.to(ct) + self.dt_bias.to(ct)[:, None]) * A[:, None]
-        return d[..., 0], d[..., -1]
+        return F.softplus(u.to(ct) + self.dt_bias.to(ct)[:, None]) * A[:, None]
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}"

@@ -41,6 +41,7 @@ from ppma.ops._validate import (
 )
 
 __all__ = [
+    "path_decay_ref",
     "path_log_decays_ref",
     "prefix_sum_excl_first",
     "segsum_1d",
@@ -62,6 +63,17 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 
 
+def path_decay_ref(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
+    """The log-decays of every direction (``ppma.ops.path_decay``; docs/ops.md "path_decay"):
+    ``d[..., g, c] = softplus(x_g . weight[c] + dt_bias[g]) * -exp(A_log[g])`` for ``x: [..., heads * head_dim]``,
+    ``weight: [D, head_dim]``, ``dt_bias, A_log: [heads]``; ``[..., heads, D]`` in fp32 (fp64 for fp64 ``x``)."""
+    G, hd = dt_bias.shape[0], weight.shape[1]
+    u = F.linear(x.reshape(*x.shape[:-1], G, hd), weight)  # [..., heads, D]
+    ct = _compute_dtype(x)  # fp32 for fp32/fp16/bf16 (as under the official autocast), fp64 for fp64
+    A = -torch.exp(A_log.to(ct))
+    return F.softplus(u.to(ct) + dt_bias.to(ct)[:, None]) * A[:, None]
+
+
 def path_log_decays_ref(
     x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, num_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,15 +89,13 @@ def path_log_decays_ref(
 
     Returns:
         ``(log_alpha, log_beta)``, each ``[B, H, W, heads]`` and ``<= 0``:
-        ``log_alpha = softplus(x_g . w_alpha + dt_bias[g]) * A[g]``, and the same for beta with ``w_beta``.
+        ``log_alpha = softplus(x_g . w_alpha + dt_bias[g]) * A[g]``, and the same for beta with ``w_beta``
+        (:func:`path_decay_ref`'s two directions).
     """
-    B, H, W, C = x.shape
+    C = x.shape[-1]
     if C % num_heads:
         raise ValueError(f"channels ({C}) must be divisible by num_heads ({num_heads})")
-    u = F.linear(x.reshape(B, H, W, num_heads, C // num_heads), weight)  # [B, H, W, heads, 2]
-    ct = _compute_dtype(x)  # fp32 for fp32/fp16/bf16 (as under the official autocast), fp64 for fp64
-    A = -torch.exp(A_log.to(ct))
-    d = F.softplus(u.to(ct) + dt_bias.to(ct)[:, None]) * A[:, None]
+    d = path_decay_ref(x, weight, dt_bias, A_log)
     return d[..., 0], d[..., 1]
 
 

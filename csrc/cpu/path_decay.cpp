@@ -1,0 +1,327 @@
+// CPU kernels of ppma::path_decay (docs/ops.md "path_decay"): the per-token log-decays of PPMA (paper §3.2, the
+// Mamba2 Δ/A parametrisation of the decay factors; docs/model.md §1.4) in one pass over the features, and their
+// backward in one more. For every token t, head g (C = G * hd channels, head g's slice x_g) and direction c < D:
+//   z[t, g, c] = <x_g, weight[c]> + dt_bias[g],   d[t, g, c] = softplus(z) * A[g]     (A = -exp(A_log) <= 0)
+// softplus as torch's (threshold 20: z itself above it). The backward, given gd = dL/dd:
+//   gu = gd * A * sigmoid(z);  grad_x_g = sum_c gu[c] weight[c];  grad_weight[c] = sum_{t, g} gu[c] x_g;
+//   grad_dt_bias[g] = sum_{t, c} gu;  grad_A[g] = sum_{t, c} gd * softplus(z).
+// torch runs this as a GEMM with 2 output columns (slow: a few GMAC/s), a broadcast add, softplus, a multiplication,
+// and in the backward the same again with two strided reductions for dt_bias and A: about 4 ms forward and backward
+// at PPMA-T's stage 1 (b8 at 224², 2 threads) against a fraction of a millisecond here.
+//
+// float: the dots and the per-token elementwise work at the lane width of the SIMD path (softplus and sigmoid from
+// fast_exp and log1p_unit, cpu/simd.h: max(z, 0) + log1p(exp(-|z|)), within a few float32 roundings of torch's
+// log1p(exp(z)); below z = -87.3 exp(-|z|) is 0, so softplus is 0 where torch returns a denormal). double: the
+// formula with std::exp and std::log1p (the gradcheck path). Tokens run in fixed chunks; the backward's sums go to a
+// partial buffer per chunk, reduced in chunk order afterwards: the results do not depend on the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "common/checks.h"
+#include "cpu/simd.h"
+#include "cpu/utils.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace ppma {
+namespace cpu {
+namespace {
+
+// Tokens per task: the unit of the backward's partial sums (fixed, so the sums' order is the shapes' alone).
+constexpr int64_t kChunk = 256;
+// Tokens whose softplus runs as one array (a multiple of nothing in particular: 32 tokens of G * D values).
+constexpr int64_t kBlock = 32;
+// The most directions (D) a decay has: alpha and beta in 2-D, and gamma along T in 3-D (docs/video.md).
+constexpr int64_t kMaxDirections = 3;
+constexpr float kThreshold = 20.0f;  // torch's softplus threshold (beta = 1)
+
+struct DecayShape {
+  int64_t T, G, hd, D;  // tokens, heads, channels per head, directions
+};
+
+// sp = softplus(z), s = sigmoid(z) (torch's softplus_backward factor; 1 above the threshold) of n values, float at
+// the path's lane width.
+template <int L>
+PPMA_SIMD_INLINE void softplus_sigmoid(Lanes<L> ln, int64_t n, const float* __restrict z, float* __restrict sp,
+                                       float* __restrict sg) {
+  for_lanes(ln, n, [&](auto lm, int64_t e) {
+    constexpr int M = decltype(lm)::value;
+    using V = vec<M>;
+    const V zv = load<M>(z + e);
+    const V neg = zv < 0.0f ? zv : -zv;           // -|z|
+    const V t = fast_exp<M>(neg);                 // exp(-|z|) in [0, 1]
+    const V pos = zv > 0.0f ? zv : V{};           // max(z, 0)
+    const auto above = zv > kThreshold;
+    const V soft = pos + log1p_unit<M>(t);
+    const V inv = 1.0f / (1.0f + t);
+    const V sig = zv >= 0.0f ? inv : t * inv;
+    store<M>(sp + e, above ? zv : soft);
+    if (sg) store<M>(sg + e, above ? V{} + 1.0f : sig);
+  });
+}
+
+template <typename T>
+inline void softplus_sigmoid_scalar(int64_t n, const T* z, T* sp, T* sg) {
+  for (int64_t e = 0; e < n; ++e) {
+    const T ez = std::exp(z[e]);
+    const bool above = z[e] > T(kThreshold);
+    sp[e] = above ? z[e] : std::log1p(ez);
+    if (sg) sg[e] = above ? T(1) : ez / (ez + T(1));
+  }
+}
+
+// <x, y> over n values: float in vectors of the path's width (L lanes, then L / 2 ... 4, then single values; each
+// width's products summed by hsum), double in a plain loop.
+template <int L, typename T>
+PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const T* __restrict x, const T* __restrict y) {
+  if constexpr (std::is_same_v<T, float>) {
+    vec<L> acc{};
+    int64_t e = 0;
+    for (; e + L <= n; e += L) acc += load<L>(x + e) * load<L>(y + e);
+    float s = hsum<L>(acc);
+    auto tail = [&](auto lm, int64_t l) {
+      constexpr int M = decltype(lm)::value;
+      s += hsum<M>(load<M>(x + l) * load<M>(y + l));
+    };
+    for_lanes_tail<L / 2>(n, e, tail);
+    return s;
+  } else {
+    T s = 0;
+    for (int64_t e = 0; e < n; ++e) s += x[e] * y[e];
+    return s;
+  }
+}
+
+// z[g * D + c] = <x_g, w[c]> + dt_bias[g] for one token.
+template <int L, typename T>
+PPMA_SIMD_INLINE void token_logits(Lanes<L> ln, const DecayShape& S, const T* __restrict x, const T* __restrict w,
+                                   const T* __restrict dt_bias, T* __restrict z) {
+  for (int64_t g = 0; g < S.G; ++g)
+    for (int64_t c = 0; c < S.D; ++c) z[g * S.D + c] = dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd) + dt_bias[g];
+}
+
+template <int L, typename T>
+PPMA_SIMD_INLINE void softplus_sigmoid_any(Lanes<L> ln, int64_t n, const T* z, T* sp, T* sg) {
+  if constexpr (std::is_same_v<T, float>) {
+    softplus_sigmoid(ln, n, z, sp, sg);
+  } else {
+    softplus_sigmoid_scalar(n, z, sp, sg);
+  }
+}
+
+// out[t, g, c] = softplus(z) * A[g] for the tokens [t0, t1), kBlock tokens at a time: the block's logits first,
+// then softplus over all of them in whole vectors (one token's G * D values alone would leave the exp and log
+// polynomials' dependency chains unoverlapped). Ar: A[g] repeated D times (G * D).
+template <int L, typename T>
+PPMA_SIMD_INLINE void forward_chunk(Lanes<L> ln, const DecayShape& S, const T* x, const T* w, const T* dt_bias,
+                                    const T* Ar, int64_t t0, int64_t t1, T* out) {
+  const int64_t C = S.G * S.hd, GD = S.G * S.D;
+  for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
+    const int64_t nt = std::min(kBlock, t1 - b0);
+    T* o = out + b0 * GD;
+    for (int64_t t = 0; t < nt; ++t) token_logits(ln, S, x + (b0 + t) * C, w, dt_bias, o + t * GD);
+    softplus_sigmoid_any(ln, nt * GD, o, o, static_cast<T*>(nullptr));
+    for (int64_t t = 0; t < nt; ++t) {
+      T* ot = o + t * GD;
+#pragma omp simd
+      for (int64_t j = 0; j < GD; ++j) ot[j] *= Ar[j];
+    }
+  }
+}
+
+// The tokens [t0, t1), kBlock at a time as the forward: grad_x written; the chunk's sums added to
+// part = [gw (D * hd), g_dt_bias (G), g_A (G)]. scratch: 3 * kBlock * G * D + 2 * G * D.
+template <int L, typename T>
+PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* gd, const T* x, const T* w,
+                                     const T* dt_bias, const T* Ar, int64_t t0, int64_t t1, T* gx, T* part,
+                                     T* scratch) {
+  const int64_t C = S.G * S.hd, GD = S.G * S.D, hd = S.hd, D = S.D;
+  T* z = scratch;               // logits, then gu = gd * A * sigmoid(z)
+  T* sp = z + kBlock * GD;      // softplus(z), then gd * softplus(z)
+  T* sg = sp + kBlock * GD;     // sigmoid(z)
+  T* sum_u = sg + kBlock * GD;  // per (g, c): the chunk's sums of gu and of gd * softplus(z)
+  T* sum_a = sum_u + GD;
+  std::fill(sum_u, sum_u + 2 * GD, T(0));
+  T* gw = part;
+  T* gdt = gw + D * hd;
+  T* gA = gdt + S.G;
+  for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
+    const int64_t nt = std::min(kBlock, t1 - b0);
+    for (int64_t t = 0; t < nt; ++t) token_logits(ln, S, x + (b0 + t) * C, w, dt_bias, z + t * GD);
+    softplus_sigmoid_any(ln, nt * GD, z, sp, sg);
+    for (int64_t t = 0; t < nt; ++t) {
+      const T* gt = gd + (b0 + t) * GD;
+      T* zt = z + t * GD;
+      T* st = sp + t * GD;
+      const T* ht = sg + t * GD;
+#pragma omp simd
+      for (int64_t j = 0; j < GD; ++j) {
+        zt[j] = gt[j] * Ar[j] * ht[j];
+        st[j] = gt[j] * st[j];
+        sum_u[j] += zt[j];
+        sum_a[j] += st[j];
+      }
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      // Lane blocks of a head's channels: grad_weight's sums over the block's tokens and heads in registers (added
+      // to part once per block), grad_x from the block's weight vectors.
+      for_lanes(ln, hd, [&](auto lm, int64_t e) {
+        constexpr int M = decltype(lm)::value;
+        using V = vec<M>;
+        V wv[kMaxDirections];
+        for (int64_t c = 0; c < D; ++c) {
+          wv[c] = load<M>(w + c * hd + e);
+          V acc{};
+          for (int64_t t = 0; t < nt; ++t)
+            for (int64_t g = 0; g < S.G; ++g) acc += z[t * GD + g * D + c] * load<M>(x + (b0 + t) * C + g * hd + e);
+          store<M>(gw + c * hd + e, load<M>(gw + c * hd + e) + acc);
+        }
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t g = 0; g < S.G; ++g) {
+            const float* gu = z + t * GD + g * D;
+            V v = wv[0] * gu[0];
+            for (int64_t c = 1; c < D; ++c) v += wv[c] * gu[c];
+            store<M>(gx + (b0 + t) * C + g * hd + e, v);
+          }
+      });
+    } else {
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t g = 0; g < S.G; ++g) {
+          const T* gu = z + t * GD + g * D;
+          const T* xg = x + (b0 + t) * C + g * hd;
+          T* gxg = gx + (b0 + t) * C + g * hd;
+          for (int64_t e = 0; e < hd; ++e) {
+            T v = gu[0] * w[e];
+            for (int64_t c = 1; c < D; ++c) v += gu[c] * w[c * hd + e];
+            gxg[e] = v;
+          }
+          for (int64_t c = 0; c < D; ++c)
+            for (int64_t e = 0; e < hd; ++e) gw[c * hd + e] += gu[c] * xg[e];
+        }
+    }
+  }
+  for (int64_t g = 0; g < S.G; ++g)
+    for (int64_t c = 0; c < D; ++c) {
+      gdt[g] += sum_u[g * D + c];
+      gA[g] += sum_a[g * D + c];
+    }
+}
+
+constexpr const char* kOp = "ppma::path_decay";
+constexpr const char* kOpBwd = "ppma::path_decay_backward";
+
+// x [..., C] (float32 / float64), weight [D, hd] with C = G * hd, dt_bias and A [G], all of x's dtype.
+DecayShape check_decay_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& dt_bias, const at::Tensor& A) {
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., C], got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, op,
+              ": x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) >= 1 && weight.size(0) <= kMaxDirections && weight.size(1) >= 1,
+              op, ": weight must be [D, head_dim] with 1 <= D <= ", kMaxDirections, ", got shape ", weight.sizes());
+  TORCH_CHECK(dt_bias.dim() == 1 && dt_bias.size(0) >= 1, op, ": dt_bias must be [heads], got shape ",
+              dt_bias.sizes());
+  TORCH_CHECK(A.dim() == 1 && A.size(0) == dt_bias.size(0), op, ": A must be [heads] = [", dt_bias.size(0),
+              "], got shape ", A.sizes());
+  const int64_t G = dt_bias.size(0), hd = weight.size(1), C = x.size(-1);
+  TORCH_CHECK(C == G * hd, op, ": x's last dim must be heads * head_dim = ", G, " * ", hd, " = ", G * hd,
+              ", got shape ", x.sizes());
+  check_like(op, "weight", weight, "x", x);
+  check_like(op, "dt_bias", dt_bias, "x", x);
+  check_like(op, "A", A, "x", x);
+  return {C > 0 ? x.numel() / C : 0, G, hd, weight.size(0)};
+}
+
+// A[g] repeated for each direction: [G * D].
+template <typename T>
+std::vector<T> repeated(const T* A, const DecayShape& S) {
+  std::vector<T> r(S.G * S.D);
+  for (int64_t j = 0; j < S.G * S.D; ++j) r[j] = A[j / S.D];
+  return r;
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, const DecayShape& S) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(S.G);
+  shape.push_back(S.D);
+  return shape;
+}
+
+at::Tensor path_decay_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dt_bias,
+                          const at::Tensor& A) {
+  const DecayShape S = check_decay_inputs(kOp, x, weight, dt_bias, A);
+  at::Tensor out = at::empty(out_shape(x, S), x.options());
+  if (S.T == 0) return out;
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), bc = dt_bias.contiguous(), ac = A.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_cpu", [&] {
+    const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+    const scalar_t *bp = bc.data_ptr<scalar_t>(), *ap = ac.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const std::vector<scalar_t> Ar = repeated(ap, S);
+    at::parallel_for(0, ceil_div(S.T, kChunk), 1, [&](int64_t c0, int64_t c1) {
+      with_lanes([&](auto ln) {
+        forward_chunk(ln, S, xp, wp, bp, Ar.data(), c0 * kChunk, std::min(S.T, c1 * kChunk), op);
+      });
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> path_decay_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dt_bias,
+    const at::Tensor& A) {
+  const DecayShape S = check_decay_inputs(kOpBwd, x, weight, dt_bias, A);
+  const auto shape = out_shape(x, S);
+  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(shape), kOpBwd, ": grad_out must be ", at::IntArrayRef(shape),
+              ", got shape ", grad_out.sizes());
+  TORCH_CHECK(grad_out.device() == x.device(), kOpBwd, ": grad_out is on ", grad_out.device(), " but x is on ",
+              x.device());
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const int64_t nchunk = ceil_div(S.T, kChunk), part_size = S.D * S.hd + 2 * S.G;
+  at::Tensor part = at::zeros({std::max<int64_t>(nchunk, 1), part_size}, x.options());
+  if (S.T > 0) {
+    const at::Tensor gc = grad_out.to(x.scalar_type()).contiguous(), xc = x.contiguous();
+    const at::Tensor wc = weight.contiguous(), bc = dt_bias.contiguous(), ac = A.contiguous();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_backward_cpu", [&] {
+      const scalar_t *gp = gc.data_ptr<scalar_t>(), *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+      const scalar_t *bp = bc.data_ptr<scalar_t>(), *ap = ac.data_ptr<scalar_t>();
+      scalar_t* gxp = gx.data_ptr<scalar_t>();
+      scalar_t* pp = part.data_ptr<scalar_t>();
+      const std::vector<scalar_t> Ar = repeated(ap, S);
+      at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
+        std::vector<scalar_t> scratch((3 * kBlock + 2) * S.G * S.D);
+        with_lanes([&](auto ln) {
+          for (int64_t ch = c0; ch < c1; ++ch)
+            backward_chunk(ln, S, gp, xp, wp, bp, Ar.data(), ch * kChunk, std::min(S.T, (ch + 1) * kChunk), gxp,
+                           pp + ch * part_size, scratch.data());
+        });
+      });
+    });
+  }
+  // The chunks' partial sums added in chunk order.
+  at::Tensor total = at::zeros({part_size}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_backward_sums", [&] {
+    const scalar_t* pp = part.data_ptr<scalar_t>();
+    scalar_t* tp = total.data_ptr<scalar_t>();
+    for (int64_t ch = 0; ch < nchunk; ++ch)
+      for (int64_t e = 0; e < part_size; ++e) tp[e] += pp[ch * part_size + e];
+  });
+  at::Tensor gw = total.slice(0, 0, S.D * S.hd).reshape({S.D, S.hd});
+  at::Tensor gdt = total.slice(0, S.D * S.hd, S.D * S.hd + S.G);
+  at::Tensor gA = total.slice(0, S.D * S.hd + S.G, part_size);
+  return {gx, gw.clone(), gdt.clone(), gA.clone()};  // three tensors of their own (no views of one buffer)
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace ppma
+
+TORCH_LIBRARY_IMPL(ppma, CPU, m) {
+  m.impl("path_decay", &ppma::cpu::path_decay_cpu);
+  m.impl("path_decay_backward", &ppma::cpu::path_decay_backward_cpu);
+}
