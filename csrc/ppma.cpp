@@ -35,6 +35,15 @@ TORCH_LIBRARY(ppma, m) {
   m.def(
       "polyline_attention_inference(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
       " -> Tensor");
+  // polyline_attention's out and lse without out_v2h, and its backward, whose rows' D terms come from the maps
+  // (CPU kernel only: the wrapper's training forward of float32 / float64 CPU tensors; one P v product).
+  m.def(
+      "polyline_attention_lse(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
+      " -> (Tensor out, Tensor lse)");
+  m.def(
+      "polyline_attention_lse_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor log_alpha,"
+      " Tensor log_beta, Tensor lse, float scale)"
+      " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
   m.def(
       "criss_cross_attention(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
       " -> (Tensor out, Tensor lse)");

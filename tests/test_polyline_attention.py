@@ -76,24 +76,51 @@ def test_inference_op_matches_reference(shape, dtype):
 
 
 @needs_ext
-def test_wrapper_runs_inference_op_only_without_grad():
+def test_wrapper_picks_the_op_by_grad_and_dtype():
     """The public op keeps no statistics when no gradient is needed (no_grad, inference_mode, inputs without
-    requires_grad) and runs the op with statistics when autograd records it."""
+    requires_grad) and runs an op with statistics when autograd records it: polyline_attention_lse for float32 /
+    float64 (no out_v2h), polyline_attention for bf16 (its bf16 products)."""
     shape = (1, 4, 5, 2, 8, 8)
 
-    def ops_run(requires_grad, ctx):
-        inputs = make_attention_inputs(shape, torch.float32, requires_grad=requires_grad)
+    def ops_run(requires_grad, ctx, dtype=torch.float32):
+        inputs = make_attention_inputs(shape, dtype, requires_grad=requires_grad)
         with ctx, _OpNames() as m:
             polyline_attention(*inputs, 0.3)
         return [n for n in m.names if n.startswith("ppma.")]
 
     import contextlib
 
-    inference, full = ["ppma.polyline_attention_inference"], ["ppma.polyline_attention"]
+    inference, lse = ["ppma.polyline_attention_inference"], ["ppma.polyline_attention_lse"]
     assert ops_run(True, torch.no_grad()) == inference
     assert ops_run(True, torch.inference_mode()) == inference
     assert ops_run(False, contextlib.nullcontext()) == inference
-    assert ops_run(True, contextlib.nullcontext()) == full
+    assert ops_run(True, contextlib.nullcontext()) == lse
+    assert ops_run(True, contextlib.nullcontext(), torch.float64) == lse
+    assert ops_run(True, contextlib.nullcontext(), torch.bfloat16) == ["ppma.polyline_attention"]
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lse_op_matches_the_op_with_out_v2h(dtype):
+    """polyline_attention_lse: the lse of polyline_attention bit for bit, out up to rounding; its backward (D terms
+    from the maps) the gradients of polyline_attention_backward (D terms from out_v2h) up to rounding; opcheck of
+    both (schema, fake kernels, autograd registration)."""
+    shape = (2, 5, 6, 2, 8, 8)
+    q, k, v, la, lb = make_attention_inputs(shape, dtype, decay_scale=1.0, requires_grad=False)
+    out, out_v2h, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.3)
+    out2, lse2 = torch.ops.ppma.polyline_attention_lse(q, k, v, la, lb, 0.3)
+    assert torch.equal(lse, lse2)
+    tol = 2e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(out2, out, rtol=tol, atol=tol)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    g = torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, out, out_v2h, lse, 0.3)
+    g2 = torch.ops.ppma.polyline_attention_lse_backward(go, q, k, v, la, lb, lse, 0.3)
+    for a, b in zip(g, g2):
+        torch.testing.assert_close(b, a, rtol=10 * tol, atol=10 * tol * a.abs().max().item())
+    torch.library.opcheck(torch.ops.ppma.polyline_attention_lse, (q, k, v, la, lb, 0.3))
+    torch.library.opcheck(torch.ops.ppma.polyline_attention_lse_backward, (go, q, k, v, la, lb, lse, 0.3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, la, lb)]
+    torch.library.opcheck(torch.ops.ppma.polyline_attention_lse, (*leaves, 0.3))
 
 
 @needs_ext

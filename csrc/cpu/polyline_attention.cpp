@@ -274,19 +274,27 @@ void forward_kernel(const PAData<T>& D, T* out, T* out_v2h, T* lse) {
 // whose product with v is the output: one P v product instead of two, and neither out_v2h nor lse is formed.
 // The row is finished while it is in L1 (biases, maxima, exponentials, the average), so the H2V logits need one
 // row of scratch (x2). Rounding differs from forward_kernel's 0.5 (P1 v / l1 + P2 v / l2) in the last bits.
+// lse (unless null): the row's two log-sum-exps, as forward_kernel writes them (polyline_attention_lse).
 template <int L, typename T>
 inline void average_softmaxes_row(Lanes<L> ln, const PAData<T>& D, int64_t bg, int64_t p, T* __restrict x1,
-                                  T* __restrict x2) {
+                                  T* __restrict x2, T* lse) {
   const int64_t N = D.N;
   T m1, m2;
   add_biases_row(ln, D, bg, p, x1, x2, &m1, &m2);
-  const T c1 = T(0.5) / exp_shift_sum(ln, N, x1, m1), c2 = T(0.5) / exp_shift_sum(ln, N, x2, m2);
+  const T l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+  if (lse) {
+    lse[0] = m1 + std::log(l1);
+    lse[1] = m2 + std::log(l2);
+  }
+  const T c1 = T(0.5) / l1, c2 = T(0.5) / l2;
 #pragma omp simd
   for (int64_t s = 0; s < N; ++s) x1[s] = c1 * x1[s] + c2 * x2[s];
 }
 
+// With lse (not null): also the rows' log-sum-exps [B, N, G, 2], the statistics of backward_kernel without out_v2h
+// (polyline_attention_lse: the training forward of float32 / float64 on the CPU).
 template <typename T>
-void forward_inference_kernel(const PAData<T>& D, T* out) {
+void forward_inference_kernel(const PAData<T>& D, T* out, T* lse = nullptr) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv;
   const int64_t nqb = ceil_div(N, TQ);
   struct Scratch {
@@ -304,7 +312,8 @@ void forward_inference_kernel(const PAData<T>& D, T* out) {
       const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
       transposed_rows(ln, D.k + token_index(N, G, b, 0, g) * d, N, d, G * d, bg, &S.kt_bg, Kt);
       small_gemm(ln, tq, N, d, D.q + row0 * d, G * d, int64_t(1), Kt, N, X, N, false, D.scale);
-      for (int64_t a = 0; a < tq; ++a) average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2);
+      for (int64_t a = 0; a < tq; ++a)
+        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, lse ? lse + (row0 + a * G) * 2 : nullptr);
       const T* vb = D.v + token_index(N, G, b, 0, g) * dv;
       small_gemm(ln, tq, dv, N, X, N, int64_t(1), vb, G * dv, out + row0 * dv, G * dv, false);  // out = P v
     });
@@ -393,7 +402,7 @@ void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint
       gather_pair_rows(tq, d, P.q + row0 * d, G * d, Qp);
       small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X, N, false, D.scale);
       for (int64_t a = 0; a < tq; ++a) {
-        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2);
+        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, static_cast<float*>(nullptr));
         floats_to_bf16(ln, N, X + a * N, Pb + a * 2 * N2);
         if (N % 2) Pb[a * 2 * N2 + N] = 0;
       }
@@ -677,7 +686,8 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
   }
 }
 
-// grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2].
+// grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2]. out and out_v2h null
+// (polyline_attention_lse_backward): the rows' D1, D2 come from the maps, sum_s P1[s] DP[s] and sum_s P2[s] DP[s].
 // part: [BG, nchunk, N * (d + dv + 2)] zero-initialised partial sums (dk, dv, grad cr, grad cc).
 // Each task owns a fixed range of query tiles of one (batch, head): the split depends on the shapes only.
 template <typename T>
@@ -725,7 +735,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         // The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> first, in one tight loop (three rows of
         // the large [B, N, G, dv] tensors per query: their loads overlap here)
         T Dr1[TQ], Dr2[TQ];
-        for (int64_t a = 0; a < tq; ++a) {
+        for (int64_t a = 0; a < tq && out_v2h; ++a) {
           const int64_t o = row0 + a * G;
           const T* ga = go + o * dv;
           const T* oa = out + o * dv;
@@ -741,7 +751,6 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         }
         for (int64_t a = 0; a < tq; ++a) {
           const int64_t o = row0 + a * G;
-          const T D1 = Dr1[a], D2 = Dr2[a];
           const T ls1 = lse[o * 2 + 0], ls2 = lse[o * 2 + 1];
           T* __restrict x1 = X1 + a * N;
           T* __restrict x2 = X2 + a * N;
@@ -749,6 +758,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           T* __restrict g1 = G1 + a * N;
           exp_shift(ln, N, x1, ls1);  // P1
           exp_shift(ln, N, x2, ls2);  // P2
+          // Without out_v2h (polyline_attention_lse): D1 = sum_s P1[s] DP[s] = 0.5 <dO, P1 v>, and D2 likewise.
+          const T D1 = out_v2h ? Dr1[a] : dot(N, x1, dp), D2 = out_v2h ? Dr2[a] : dot(N, x2, dp);
 #pragma omp simd
           for (int64_t c = 0; c < N; ++c) {
             const T p1 = x1[c], p2 = x2[c];
@@ -828,6 +839,8 @@ void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T
 constexpr const char* kOp = "polyline_attention";
 constexpr const char* kOpBwd = "polyline_attention_backward";
 constexpr const char* kOpInf = "polyline_attention_inference";
+constexpr const char* kOpLse = "polyline_attention_lse";
+constexpr const char* kOpLseBwd = "polyline_attention_lse_backward";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                                                        const at::Tensor& v,
@@ -889,16 +902,18 @@ at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tenso
   return out.to(v.scalar_type());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& log_alpha, const at::Tensor& log_beta, const at::Tensor& out, const at::Tensor& out_v2h,
+// The backward of polyline_attention (out and out_v2h given) or of polyline_attention_lse (both null: the rows' D
+// terms from the maps).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& log_alpha, const at::Tensor& log_beta, const at::Tensor* out, const at::Tensor* out_v2h,
     const at::Tensor& lse, double scale) {
-  check_inputs(kOpBwd, q, k, v, log_alpha, log_beta);
-  check_shape(kOpBwd, "grad_out", grad_out, v.sizes(), q);
-  check_shape(kOpBwd, "out", out, v.sizes(), q);
-  check_shape(kOpBwd, "out_v2h", out_v2h, v.sizes(), q);
+  check_inputs(op, q, k, v, log_alpha, log_beta);
+  check_shape(op, "grad_out", grad_out, v.sizes(), q);
+  if (out) check_shape(op, "out", *out, v.sizes(), q);
+  if (out_v2h) check_shape(op, "out_v2h", *out_v2h, v.sizes(), q);
   const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
-  check_shape(kOpBwd, "lse", lse, {B, H, W, G, 2}, q);
+  check_shape(op, "lse", lse, {B, H, W, G, 2}, q);
   const int64_t N = H * W;
   const auto acc = acc_type(q);
   auto opts = q.options().dtype(acc);
@@ -907,8 +922,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
   at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
   if (dq.numel() > 0) {
     at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
-    at::Tensor goc = grad_out.to(acc).contiguous(), oc = out.to(acc).contiguous();
-    at::Tensor ovc = out_v2h.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
+    at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
+    at::Tensor oc = out ? out->to(acc).contiguous() : at::Tensor();
+    at::Tensor ovc = out_v2h ? out_v2h->to(acc).contiguous() : at::Tensor();
     auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
     // Partial buffers: enough independent tasks for a multi-core machine, independent of the thread count.
     const int64_t nqb = ceil_div(N, TQ);
@@ -918,14 +934,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
       PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
                          cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, N, d, dv,
                          static_cast<scalar_t>(scale)};
-      backward_kernel<scalar_t>(D, goc.data_ptr<scalar_t>(), oc.data_ptr<scalar_t>(), ovc.data_ptr<scalar_t>(),
-                                lsec.data_ptr<scalar_t>(), nchunk, dq.data_ptr<scalar_t>(), part.data_ptr<scalar_t>());
+      backward_kernel<scalar_t>(D, goc.data_ptr<scalar_t>(), out ? oc.data_ptr<scalar_t>() : nullptr,
+                                out_v2h ? ovc.data_ptr<scalar_t>() : nullptr, lsec.data_ptr<scalar_t>(), nchunk,
+                                dq.data_ptr<scalar_t>(), part.data_ptr<scalar_t>());
       reduce_partials<scalar_t>(D, nchunk, part.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                                 dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
     });
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv_.to(v.scalar_type()),
           gla.to(log_alpha.scalar_type()), glb.to(log_beta.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& log_alpha, const at::Tensor& log_beta, const at::Tensor& out, const at::Tensor& out_v2h,
+    const at::Tensor& lse, double scale) {
+  return backward_cpu(kOpBwd, grad_out, q, k, v, log_alpha, log_beta, &out, &out_v2h, lse, scale);
+}
+
+// polyline_attention's output and lse without out_v2h (docs/ops.md "polyline_attention"): the training forward that
+// ppma.ops.polyline_attention runs for float32 / float64 CPU tensors. One P v product per query tile, as the
+// inference op (the averaged map), instead of two; its backward forms the rows' D terms from the maps.
+std::tuple<at::Tensor, at::Tensor> polyline_attention_lse_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& log_alpha,
+                                                             const at::Tensor& log_beta, double scale) {
+  check_inputs(kOpLse, q, k, v, log_alpha, log_beta);
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const auto acc = acc_type(q);
+  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
+  at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
+  if (out.numel() > 0) {
+    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+    AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_lse_cpu", [&] {
+      PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                         cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv,
+                         static_cast<scalar_t>(scale)};
+      forward_inference_kernel<scalar_t>(D, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+    });
+  }
+  return {out.to(v.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_attention_lse_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& log_alpha, const at::Tensor& log_beta, const at::Tensor& lse, double scale) {
+  return backward_cpu(kOpLseBwd, grad_out, q, k, v, log_alpha, log_beta, nullptr, nullptr, lse, scale);
 }
 
 }  // namespace
@@ -936,4 +990,6 @@ TORCH_LIBRARY_IMPL(ppma, CPU, m) {
   m.impl("polyline_attention", &ppma::cpu::polyline_attention_cpu);
   m.impl("polyline_attention_backward", &ppma::cpu::polyline_attention_backward_cpu);
   m.impl("polyline_attention_inference", &ppma::cpu::polyline_attention_inference_cpu);
+  m.impl("polyline_attention_lse", &ppma::cpu::polyline_attention_lse_cpu);
+  m.impl("polyline_attention_lse_backward", &ppma::cpu::polyline_attention_lse_backward_cpu);
 }

@@ -24,6 +24,11 @@ from ppma.ops._validate import (
 from ppma.ops.reference import polyline_attention_ref
 
 _OP = "polyline_attention"
+# The CPU training forward of float32 / float64 inputs: out and lse without out_v2h (one P v product); its backward
+# forms the rows' D terms from the maps. A library built before it existed runs polyline_attention instead.
+_LSE_OP = "polyline_attention_lse"
+_HAS_LSE_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _LSE_OP)
+_LSE_DTYPES = (torch.float32, torch.float64)
 
 
 def polyline_attention(
@@ -49,14 +54,19 @@ def polyline_attention(
         On the CPU, when no gradient is needed (``torch.no_grad()``, ``torch.inference_mode()`` or inputs
         that do not require grad) it runs ``torch.ops.ppma.polyline_attention_inference``, which keeps no
         statistics for a backward pass and forms the output with one ``P v`` product (the same numbers up
-        to float rounding; docs/ops.md "polyline_attention").
+        to float rounding; docs/ops.md "polyline_attention"); in training, float32 / float64 inputs run
+        ``torch.ops.ppma.polyline_attention_lse``, the same single product plus the softmaxes' statistics, whose
+        backward takes the rows' ``D`` terms from the maps instead of a kept ``out_v2h``.
     """
     check_attention_inputs(_OP, q, k, v, log_alpha, log_beta)
     scale = resolve_scale(_OP, scale, q.shape[-1])
     if not run_fused(q) or is_empty(q, v):
         return polyline_attention_ref(q, k, v, log_alpha, log_beta, scale)
-    if q.device.type == "cpu" and not records_grad(q, k, v, log_alpha, log_beta):
-        return torch.ops.ppma.polyline_attention_inference(q, k, v, log_alpha, log_beta, scale)
+    if q.device.type == "cpu":
+        if not records_grad(q, k, v, log_alpha, log_beta):
+            return torch.ops.ppma.polyline_attention_inference(q, k, v, log_alpha, log_beta, scale)
+        if _HAS_LSE_OP and q.dtype in _LSE_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype:
+            return torch.ops.ppma.polyline_attention_lse(q, k, v, log_alpha, log_beta, scale)[0]
     return torch.ops.ppma.polyline_attention(q, k, v, log_alpha, log_beta, scale)[0]
 
 
@@ -99,6 +109,30 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
     return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)))
 
 
+def _fake_lse(q, k, v, log_alpha, log_beta, scale):
+    check_same_device(_LSE_OP, q=q, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta)
+    B, H, W, G, _ = q.shape
+    return v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+
+
+def _fake_lse_backward(grad_out, q, k, v, log_alpha, log_beta, lse, scale):
+    return fake_attention_grads(_LSE_OP + "_backward", grad_out, q, k, v, log_alpha, log_beta, lse=lse)
+
+
+def _setup_lse_context(ctx, inputs, output):
+    q, k, v, log_alpha, log_beta, scale = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, log_alpha, log_beta, output[1])
+
+
+def _lse_backward(ctx, grad_out, grad_lse):
+    # Only `out` is returned by the public wrapper; lse is a saved statistic.
+    no_double_backward(_OP)
+    q, k, v, log_alpha, log_beta, lse = ctx.saved_tensors
+    grads = torch.ops.ppma.polyline_attention_lse_backward(grad_out, q, k, v, log_alpha, log_beta, lse, ctx.scale)
+    return input_grads(ctx, grads, log_decays=((3, log_alpha), (4, log_beta)))
+
+
 def _no_inference_backward(ctx, grad_out):
     raise RuntimeError(
         "ppma::polyline_attention_inference keeps no statistics and has no backward; call "
@@ -125,3 +159,7 @@ if _ext.has_ext():
     torch.library.register_fake("ppma::polyline_attention_inference")(_fake_inference)
     torch.library.register_autograd("ppma::polyline_attention_inference", _no_inference_backward)
     torch.library.register_autograd("ppma::polyline_attention", _backward, setup_context=_setup_context)
+if _HAS_LSE_OP:
+    torch.library.register_fake("ppma::" + _LSE_OP)(_fake_lse)
+    torch.library.register_fake("ppma::" + _LSE_OP + "_backward")(_fake_lse_backward)
+    torch.library.register_autograd("ppma::" + _LSE_OP, _lse_backward, setup_context=_setup_lse_context)
