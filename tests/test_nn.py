@@ -284,3 +284,56 @@ def test_drop_path_is_x_times_mask_over_keep_bit_for_bit(dtype):
         b.backward(g)
         for u, v in ((a, b), (xa.grad, xb.grad)):
             assert u.dtype == v.dtype and all(torch.equal(s, t) for s, t in zip(bits(u), bits(v))), p
+
+
+def _linears_grads(x, layers, fn, weights):
+    for m in layers:
+        m.zero_grad()
+    xl = x.clone().requires_grad_()
+    outs = fn(xl, *layers)
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    return [o.detach() for o in outs], [xl.grad] + [p.grad for m in layers for p in m.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shared_input_linears(dtype):
+    """``ppma.nn.layers.linears`` (the attention's q, k, v): in CPU training one autograd node whose forward is the
+    layers' own bits and whose input gradient is summed inside the products; gradients equal the separate layers'
+    up to rounding. Frozen layers get no gradient; hooks, the reference implementation and no-grad use the layers."""
+    from ppma.nn.layers import linears
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(24, n).to(dtype) for n in (24, 24, 16)]
+    x = torch.randn(2, 5, 6, 24, dtype=dtype)
+    weights = [torch.randn(2, 5, 6, m.out_features, dtype=dtype) for m in layers]
+    separate = lambda x, *ls: tuple(m(x) for m in ls)  # noqa: E731
+    outs, grads = _linears_grads(x, layers, linears, weights)
+    ref_outs, ref_grads = _linears_grads(x, layers, separate, weights)
+    for o, r in zip(outs, ref_outs):
+        assert torch.equal(o, r)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
+    assert type(linears(x.requires_grad_(), *layers)[0].grad_fn).__name__ == "_SharedInputLinearsBackward"
+    with ppma.ops.use_impl("reference"):
+        assert linears(x, *layers)[0].grad_fn.name() != "_SharedInputLinearsBackward"
+    with torch.no_grad():  # the layers (CPU inference: oneDNN's linear, another summation order)
+        for o, r in zip(linears(x, *layers), ref_outs):
+            torch.testing.assert_close(o, r, rtol=tol, atol=tol)
+    # a frozen layer and a detached input: no gradient where none is asked for
+    for m in layers:
+        m.zero_grad()
+    layers[1].requires_grad_(False)
+    xd = x.detach()
+    outs = linears(xd, *layers)
+    sum(o.sum() for o in outs).backward()
+    assert layers[1].weight.grad is None and layers[0].weight.grad is not None
+    layers[1].requires_grad_(True)
+    # a forward hook sees its layer's call
+    calls = []
+    h = layers[2].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        linears(x, *layers)
+    finally:
+        h.remove()
+    assert calls

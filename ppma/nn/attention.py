@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import DWConv2d, autocast_enabled, linear
+from ppma.nn.layers import DWConv2d, autocast_enabled, linear, linears
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
 
@@ -145,7 +145,7 @@ class PPMAAttention(nn.Module):
         if autocast_enabled(dev) and x.dtype == torch.float32:
             # cast once for the four projections below, which autocast would each cast on their own
             x = x.to(torch.get_autocast_dtype(dev))
-        q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)
+        q, k, v = linears(x, self.q, self.k, self.v)  # in CPU training one node (ppma.nn.layers.linears)
         shape = (B, H, W, self.num_heads, self.head_dim)
         # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
         # (ppma.ops.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention

@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as _module
 
 from ppma.nn.monarch import MonarchLinear
 from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
 from ppma.ops.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
 from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
+from ppma.ops import _dispatch
 from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
-           "linear", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled", "use_inference_fast_paths"]
+           "linear", "linears", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled", "use_inference_fast_paths"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
@@ -139,6 +141,71 @@ def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tenso
         return torch.ops.mkldnn._linear_pointwise(x.to(dt), w, layer.bias, *_attr(gelu))
     y = layer(x)
     return F.gelu(y) if gelu else y
+
+
+def _shared_input_training(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> bool:
+    """Whether :func:`linears` runs its one autograd node: CPU training of float32/float64 ``nn.Linear`` layers with
+    biases in ``x``'s dtype and the "fused" implementation, a gradient to compute, no autocast, torch.compile,
+    tracing, dispatch mode or forward hooks (all of which see the separate layers)."""
+    return (
+        _dispatch.get_impl() == "fused"
+        and type(x) is torch.Tensor
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and all(type(m) is nn.Linear and m.bias is not None and m.weight.dtype == x.dtype and m.bias.dtype == x.dtype
+                for m in layers)
+        and records_grad(x, *(p for m in layers for p in (m.weight, m.bias)))
+        and not autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._len_torch_dispatch_stack()
+        and not any(_has_hooks(m) for m in layers)
+    )
+
+
+def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x, m) for m in layers)``: several projections of one input (the attention's q, k and v).
+
+    In CPU training with the "fused" implementation (float32/float64 ``nn.Linear`` layers with biases; see
+    :func:`_shared_input_training`) they are one autograd node: the forward is the layers' own ``addmm`` (the same
+    bits as calling them), and the backward sums the input's gradient inside the products (``addmm`` into the first
+    product's result) instead of autograd adding one map of ``x``'s size per layer: one pass over ``x``'s gradient
+    per layer fewer. The gradients equal the separate layers' up to float rounding (the sum's order). Everywhere
+    else it calls :func:`linear` for each layer."""
+    if not _shared_input_training(x, layers):
+        return tuple(linear(x, m) for m in layers)
+    return _SharedInputLinears.apply(x, *(p for m in layers for p in (m.weight, m.bias)))
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    """``x @ W_i^T + b_i`` for each ``(W_i, b_i)``; the backward accumulates ``sum_i g_i @ W_i`` with ``addmm``."""
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, *params[0::2])
+        ctx.x_shape = x.shape
+        return tuple(torch.addmm(b, x2, w.t()).view(*x.shape[:-1], w.shape[0]) for w, b in zip(params[0::2],
+                                                                                              params[1::2]))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        x2, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gx = None
+        res = []
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None:
+                res += [None, None]
+                continue
+            g2 = g.reshape(-1, g.shape[-1])
+            if need[0]:
+                gx = torch.mm(g2, w) if gx is None else gx.addmm_(g2, w)
+            res += [g2.t().mm(x2) if need[1 + 2 * i] else None, g2.sum(0) if need[2 + 2 * i] else None]
+        if need[0] and gx is None:
+            gx = x2.new_zeros(x2.shape)
+        return (None if gx is None else gx.view(ctx.x_shape), *res)
 
 
 def conv_bn(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, gelu: bool = False) -> torch.Tensor:
