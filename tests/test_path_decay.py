@@ -173,10 +173,12 @@ for i, (lead, G, hd, D) in enumerate(CASES):
     w = torch.randn(D, hd, generator=gen) * hd ** -0.5
     b = torch.linspace(-30, 30, G)
     a = torch.log(torch.rand(G, generator=gen) + 0.5)
-    leaves = [t.requires_grad_() for t in (x, w, b, a)]
-    d = path_decay(*leaves)
-    d.backward(torch.randn(d.shape, generator=gen))
-    out[str(i)] = [t.double().flatten().tolist() for t in [d.detach()] + [t.grad for t in leaves]]
+    go = torch.randn((*lead, G, D), generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, a)]
+    path_decay(*leaves).backward(go)
+    results = [path_decay(x, w, b, a)] + [t.grad for t in leaves]
+    out[str(i)] = {"inputs": [t.flatten().tolist() for t in (x, w, b, a, go)],
+                   "results": [t.double().flatten().tolist() for t in results]}
 print(json.dumps(out))
 """
 _PATH_CASES = [((2, 9, 11), 4, 16, 2), ((1, 5, 7), 3, 33, 3), ((2, 3), 5, 10, 1), ((1, 40, 9), 2, 32, 2)]
@@ -194,14 +196,10 @@ def test_every_simd_path(capability):
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["cap"] == capability
     for i, (lead, G, hd, D) in enumerate(_PATH_CASES):
-        gen = torch.Generator().manual_seed(i)
-        x = torch.randn(*lead, G * hd, generator=gen)
-        w = torch.randn(D, hd, generator=gen) * hd ** -0.5
-        b = torch.linspace(-30, 30, G)
-        a = torch.log(torch.rand(G, generator=gen) + 0.5)
-        go = torch.randn((*lead, G, D), generator=gen)
-        ref = _run(path_decay_ref, [t.double() for t in (x, w, b, a)], go.double())
-        for k, (values, r) in enumerate(zip(got[str(i)], ref)):
+        shapes = ((*lead, G * hd), (D, hd), (G,), (G,), (*lead, G, D))
+        x, w, b, a, go = (torch.tensor(t, dtype=torch.float64).view(sh) for t, sh in zip(got[str(i)]["inputs"], shapes))
+        ref = _run(path_decay_ref, [x, w, b, a], go)  # the child's float32 inputs, in float64
+        for k, (values, r) in enumerate(zip(got[str(i)]["results"], ref)):
             o = torch.tensor(values, dtype=torch.float64).view(r.shape)
             scale = r.abs().max().item() or 1.0
             assert (o - r).abs().max().item() <= 2e-5 * scale, (capability, i, k)

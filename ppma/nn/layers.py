@@ -17,7 +17,8 @@ from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
-           "linear", "linears", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled", "use_inference_fast_paths"]
+           "linear", "linears", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled",
+           "use_inference_fast_paths"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
