@@ -735,7 +735,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         // The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> first, in one tight loop (three rows of
         // the large [B, N, G, dv] tensors per query: their loads overlap here)
         T Dr1[TQ], Dr2[TQ];
-        for (int64_t a = 0; a < tq && out_v2h; ++a) {
+        for (int64_t a = 0; out_v2h && a < tq; ++a) {
           const int64_t o = row0 + a * G;
           const T* ga = go + o * dv;
           const T* oa = out + o * dv;
@@ -874,6 +874,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
   return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
 }
 
+// forward_inference_kernel on q, k, v in the accumulation dtype (float / double): out [B, H, W, G, dv] in that dtype,
+// and the rows' log-sum-exps into *lse (allocated [B, H, W, G, 2] in it) unless lse is null. Non-empty inputs.
+at::Tensor averaged_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
+                            const at::Tensor& cc, double scale, at::Tensor* lse) {
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const auto acc = acc_type(q);
+  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
+  at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+  AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_averaged_cpu", [&] {
+    PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                       cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv,
+                       static_cast<scalar_t>(scale)};
+    forward_inference_kernel<scalar_t>(D, out.data_ptr<scalar_t>(), lse ? lse->data_ptr<scalar_t>() : nullptr);
+  });
+  return out;
+}
+
 // polyline_attention without the statistics of the backward pass (docs/ops.md "polyline_attention"): what
 // ppma.ops.polyline_attention runs on the CPU when no gradient is needed (no_grad / inference_mode).
 at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -891,15 +908,7 @@ at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tenso
     return outb;
   }
 #endif
-  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
-  at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
-  AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_inference_cpu", [&] {
-    PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                       cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv,
-                       static_cast<scalar_t>(scale)};
-    forward_inference_kernel<scalar_t>(D, out.data_ptr<scalar_t>());
-  });
-  return out.to(v.scalar_type());
+  return averaged_forward(q, k, v, cr, cc, scale, nullptr).to(v.scalar_type());
 }
 
 // The backward of polyline_attention (out and out_v2h given) or of polyline_attention_lse (both null: the rows' D
@@ -959,20 +968,12 @@ std::tuple<at::Tensor, at::Tensor> polyline_attention_lse_cpu(const at::Tensor& 
                                                              const at::Tensor& v, const at::Tensor& log_alpha,
                                                              const at::Tensor& log_beta, double scale) {
   check_inputs(kOpLse, q, k, v, log_alpha, log_beta);
-  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), dv = v.size(4);
   const auto acc = acc_type(q);
-  at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
   at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
-  if (out.numel() > 0) {
-    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
-    auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
-    AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_lse_cpu", [&] {
-      PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                         cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, H * W, d, dv,
-                         static_cast<scalar_t>(scale)};
-      forward_inference_kernel<scalar_t>(D, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
-    });
-  }
+  if (B * H * W * G * dv == 0) return {at::empty({B, H, W, G, dv}, v.options()), lse};
+  auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+  at::Tensor out = averaged_forward(q, k, v, cr, cc, scale, &lse);
   return {out.to(v.scalar_type()), lse};
 }
 

@@ -192,20 +192,16 @@ class _SharedInputLinears(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
+        # every g is a tensor: autograd materialises the gradients of unused outputs as zeros
         x2, *weights = ctx.saved_tensors
         need = ctx.needs_input_grad
         gx = None
         res = []
         for i, (g, w) in enumerate(zip(grads, weights)):
-            if g is None:
-                res += [None, None]
-                continue
             g2 = g.reshape(-1, g.shape[-1])
             if need[0]:
                 gx = torch.mm(g2, w) if gx is None else gx.addmm_(g2, w)
             res += [g2.t().mm(x2) if need[1 + 2 * i] else None, g2.sum(0) if need[2 + 2 * i] else None]
-        if need[0] and gx is None:
-            gx = x2.new_zeros(x2.shape)
         return (None if gx is None else gx.view(ctx.x_shape), *res)
 
 

@@ -88,7 +88,7 @@ def path_decay(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_l
     """
     _check(x, weight, dt_bias, A_log)
     if not uses_path_decay_kernel(x, weight, dt_bias, A_log):
-        return path_decay_ref(x, weight, dt_bias, A_log)
+        return reference.path_decay_ref(x, weight, dt_bias, A_log)
     A = -torch.exp(A_log)
     if not records_grad(x, weight, dt_bias, A):
         return torch.ops.ppma.path_decay(x, weight, dt_bias, A)
