@@ -245,6 +245,41 @@ def test_stem_and_merging_inference_paths():
     torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_stem_and_merging_channels_last_training():
+    """In CPU training with the "fused" implementation ConvStem and PatchMerging run their convolutions on
+    channels-last maps (``ppma.nn.layers._channels_last_convs``); with "reference" on NCHW maps, as the official
+    code. Outputs and parameter gradients agree up to float32 rounding, and the outputs are contiguous."""
+    from ppma.nn.layers import ConvStem, PatchMerging
+
+    torch.manual_seed(0)
+    stem, merge = ConvStem(3, 16).train(), PatchMerging(16, 24).train()
+    seen = []
+    for m in (stem.conv1, merge.conv):
+        m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].is_contiguous()))
+    cases = ((stem, torch.randn(2, 3, 30, 26)), (merge, torch.randn(2, 7, 9, 16)))
+    for module, x in cases:
+        runs = {}
+        for impl in ("fused", "reference"):
+            module.zero_grad()
+            seen.clear()
+            with ppma.ops.use_impl(impl):
+                xi = x.clone().requires_grad_()
+                y = module(xi)
+            assert y.is_contiguous()
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            runs[impl] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in module.named_parameters()})
+            # NCHW-contiguous input to the first convolution only with the reference implementation
+            assert seen == [impl == "reference"]
+        (y, gx, gp), (y_ref, gx_ref, gp_ref) = runs["fused"], runs["reference"]
+        torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-5)
+        for n, g in gp.items():
+            if n.endswith("conv.bias") or (n.startswith("conv") and n.endswith(".bias")):
+                continue  # a bias before a training-mode BatchNorm: its gradient is rounding noise around 0
+            scale = float(gp_ref[n].abs().max())  # sums over the whole map: rounding relative to their size
+            torch.testing.assert_close(g, gp_ref[n], rtol=1e-4, atol=1e-5 * scale, msg=n)
+
+
 def test_model_inference_matches_training_path():
     """PPMA-T's logits under ``inference_mode`` (oneDNN linears, the statistics-free attention op) equal those of the
     graph-recording forward up to float32 rounding."""
