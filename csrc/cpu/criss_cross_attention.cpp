@@ -159,7 +159,7 @@ inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = DX + j * n;
     const T* p = P + j * n;
-    const T rs = dot(n, p, x);
+    const T rs = dot_lanes(ln, n, p, x);
     if constexpr (std::is_same<T, float>::value) {
       // the two loops below in vectors (for_lanes), the sign chosen lane by lane: gc[l] += sign(l - j) v and
       // gc[j] -= sum_l sign(l - j) v (sign +1 at l = j)

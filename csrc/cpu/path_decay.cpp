@@ -76,28 +76,6 @@ inline void softplus_sigmoid_scalar(int64_t n, const T* z, T* sp, T* sg) {
   }
 }
 
-// <x, y> over n values: float in vectors of the path's width (L lanes, then L / 2 ... 4, then single values; each
-// width's products summed by hsum), double in a plain loop.
-template <int L, typename T>
-PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const T* __restrict x, const T* __restrict y) {
-  if constexpr (std::is_same_v<T, float>) {
-    vec<L> acc{};
-    int64_t e = 0;
-    for (; e + L <= n; e += L) acc += load<L>(x + e) * load<L>(y + e);
-    float s = hsum<L>(acc);
-    auto tail = [&](auto lm, int64_t l) {
-      constexpr int M = decltype(lm)::value;
-      s += hsum<M>(load<M>(x + l) * load<M>(y + l));
-    };
-    for_lanes_tail<L / 2>(n, e, tail);
-    return s;
-  } else {
-    T s = 0;
-    for (int64_t e = 0; e < n; ++e) s += x[e] * y[e];
-    return s;
-  }
-}
-
 // z[g * D + c] = <x_g, w[c]> + dt_bias[g] for one token.
 template <int L, typename T>
 PPMA_SIMD_INLINE void token_logits(Lanes<L> ln, const DecayShape& S, const T* __restrict x, const T* __restrict w,

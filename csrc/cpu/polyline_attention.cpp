@@ -759,7 +759,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           exp_shift(ln, N, x1, ls1);  // P1
           exp_shift(ln, N, x2, ls2);  // P2
           // Without out_v2h (polyline_attention_lse): D1 = sum_s P1[s] DP[s] = 0.5 <dO, P1 v>, and D2 likewise.
-          const T D1 = out_v2h ? Dr1[a] : dot(N, x1, dp), D2 = out_v2h ? Dr2[a] : dot(N, x2, dp);
+          const T D1 = out_v2h ? Dr1[a] : dot_lanes(ln, N, x1, dp), D2 = out_v2h ? Dr2[a] : dot_lanes(ln, N, x2, dp);
 #pragma omp simd
           for (int64_t c = 0; c < N; ++c) {
             const T p1 = x1[c], p2 = x2[c];

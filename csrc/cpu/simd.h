@@ -231,6 +231,34 @@ PPMA_SIMD_INLINE void for_lanes(Lanes<L>, int64_t n, F&& f) {
   for_lanes_tail<L / 2>(n, l, f);
 }
 
+// <x, y> over n values: float in vectors of the path's width (two accumulators of L lanes, so that long rows are not
+// bound by one chain of additions, then L / 2 ... 4 lanes, then single values; each width's products summed by
+// hsum), double in a plain loop. Not an `omp simd reduction`: GCC ends those with the lanes added one by one through
+// memory, a chain of L dependent scalar additions that cost more than a short row's products.
+template <int L, typename T>
+PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const T* __restrict x, const T* __restrict y) {
+  if constexpr (std::is_same_v<T, float>) {
+    vec<L> acc0{}, acc1{};
+    int64_t e = 0;
+    for (; e + 2 * L <= n; e += 2 * L) {
+      acc0 += load<L>(x + e) * load<L>(y + e);
+      acc1 += load<L>(x + e + L) * load<L>(y + e + L);
+    }
+    if (e + L <= n) acc0 += load<L>(x + e) * load<L>(y + e), e += L;
+    float s = hsum<L>(acc0 + acc1);
+    auto tail = [&](auto lm, int64_t l) {
+      constexpr int M = decltype(lm)::value;
+      s += hsum<M>(load<M>(x + l) * load<M>(y + l));
+    };
+    for_lanes_tail<L / 2>(n, e, tail);
+    return s;
+  } else {
+    T s = 0;
+    for (int64_t e = 0; e < n; ++e) s += x[e] * y[e];
+    return s;
+  }
+}
+
 // The largest lane (NaN lanes ignored unless the first).
 template <int M>
 PPMA_SIMD_INLINE float lane_max(vec<M> v) {
