@@ -688,7 +688,7 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
 
 // grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2]. out and out_v2h null
 // (polyline_attention_lse_backward): the rows' D1, D2 come from the maps, sum_s P1[s] DP[s] and sum_s P2[s] DP[s].
-// part: [BG, nchunk, N * (d + dv + 2)] zero-initialised partial sums (dk, dv, grad cr, grad cc).
+// part: [BG, nchunk, N * (d + dv + 2)] partial sums (dk, dv, grad cr, grad cc), each task's zeroed by the task.
 // Each task owns a fixed range of query tiles of one (batch, head): the split depends on the shapes only.
 template <typename T>
 void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out_v2h, const T* lse,
@@ -717,6 +717,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
       const int64_t bg = task / nchunk, chunk = task % nchunk;
       const int64_t b = bg / G, g = bg % G;
       T* pdk = part + (bg * nchunk + chunk) * part_size;
+      std::fill(pdk, pdk + part_size, T(0));  // zeroed by its task: in parallel, and in cache for the sums below
       T* pdv = pdk + N * d;
       T* gcr = pdv + N * dv;
       T* gcc = gcr + N;
@@ -938,7 +939,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     // Partial buffers: enough independent tasks for a multi-core machine, independent of the thread count.
     const int64_t nqb = ceil_div(N, TQ);
     const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(nqb, ceil_div(32, B * G)));
-    at::Tensor part = at::zeros({B * G, nchunk, N * (d + dv + 2)}, opts);
+    at::Tensor part = at::empty({B * G, nchunk, N * (d + dv + 2)}, opts);  // zeroed by the tasks
     AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_backward_cpu", [&] {
       PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
                          cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, N, d, dv,
