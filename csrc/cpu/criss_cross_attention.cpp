@@ -115,17 +115,27 @@ inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t q
 
 // In-place row softmax of X [n][n], exp(x - m) * (1 / s); lse[j * ls] = logsumexp of row j. mx: the rows' maxima
 // (from add_line_bias), or null. st (or null): row j's m and 1 / s at st[j * ls], st[j * ls + 1], from which
-// add_line_bias recomputes the map bit for bit.
+// add_line_bias recomputes the map bit for bit. Rows in blocks of kSoftmaxRows: the exponentials and sums of a
+// block's rows first (independent rows, whose chains of exps and lane sums overlap), then each row's 1 / s, scaling
+// and log; done row by row, each row's log and division waited on its sum (the same values either way).
+constexpr int64_t kSoftmaxRows = 16;
 template <int L, typename T>
 inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const T* mx = nullptr, T* st = nullptr) {
-  for (int64_t j = 0; j < n; ++j) {
-    T* x = X + j * n;
-    const T m = mx ? mx[j] : max_of(n, x);
-    const T s = exp_shift_sum(ln, n, x, m);
-    const T a = T(1) / s;
-    scale_inplace(n, x, a);
-    lse[j * ls] = m + std::log(s);
-    if (st) st[j * ls] = m, st[j * ls + 1] = a;
+  for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxRows) {
+    const int64_t rows = std::min(kSoftmaxRows, n - j0);
+    T m[kSoftmaxRows], s[kSoftmaxRows];
+    for (int64_t u = 0; u < rows; ++u) {
+      T* x = X + (j0 + u) * n;
+      m[u] = mx ? mx[j0 + u] : max_of(n, x);
+      s[u] = exp_shift_sum(ln, n, x, m[u]);
+    }
+    for (int64_t u = 0; u < rows; ++u) {
+      const int64_t j = j0 + u;
+      const T a = T(1) / s[u];
+      scale_inplace(n, X + j * n, a);
+      lse[j * ls] = m[u] + std::log(s[u]);
+      if (st) st[j * ls] = m[u], st[j * ls + 1] = a;
+    }
   }
 }
 
