@@ -775,6 +775,19 @@ class AttentionOpTests(OpTests):
 
     @needs_ext
     @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("where", [(0, 0), (2, 17), (5, 9)])
+    def test_nan_key_propagates(self, device, where):
+        """A NaN in one key, first of its lines or inside them (lines of 20 tokens: a full vector and a tail on every
+        SIMD path, so the row maxima's lane reduction sees it in different lanes), gives NaN where the reference
+        does and the reference's numbers elsewhere."""
+        q, k, v, la, lb = self.inputs((1, 6, 20, 2, 8, 8), torch.float32, device, requires_grad=False)
+        k = nan_at(k, (0, *where, 1, 3))
+        out, want = self.fn(q, k, v, la, lb, 0.3), self.ref(q, k, v, la, lb, 0.3)
+        assert want.isnan().any() and torch.equal(out.isnan(), want.isnan())
+        torch.testing.assert_close(out, want, equal_nan=True)
+
+    @needs_ext
+    @pytest.mark.parametrize("device", DEVICES)
     def test_large_and_deterministic(self, device):
         if device != "cuda":
             pytest.skip("the CPU reference of this size is too slow for the default suite")
