@@ -169,9 +169,10 @@ def _channels_last_convs(x: torch.Tensor) -> bool:
     maps outside the inference fast paths (in training above all): CPU, the "fused" implementation, eager (not
     under torch.compile or tracing). oneDNN's CPU convolutions run faster on channels-last data than on NCHW (8x for
     the stem's first, 3-input-channel convolution), and the maps these modules return are channels-last anyway, so
-    the permute copies vanish too: 1.5-3 % of a PPMA-T training step (README, "Whole model on the CPU"). The same
-    modules and calls, so the numbers equal the NCHW path's up to oneDNN's rounding. With the "reference"
-    implementation they run on NCHW maps, as the official code does."""
+    the permute copies vanish too: 1.5-3 % of a PPMA-T training step (README, "Whole model on the CPU"). PatchMerging
+    does so only where its input map has at least as many elements as its convolution's weight, which every call
+    converts to channels-last. The same modules and calls, so the numbers equal the NCHW path's up to oneDNN's
+    rounding. With the "reference" implementation they run on NCHW maps, as the official code does."""
     return (
         _dispatch.get_impl() == "fused"
         and type(x) is torch.Tensor
@@ -450,8 +451,11 @@ class PatchMerging(nn.Module):
         if _onednn_inference_dtype(x, self.conv) is not None:
             # CPU inference: BN folded (conv_bn) on the channels-last view, no copies
             x = conv_bn(x.permute(0, 3, 1, 2), self.conv, self.norm)
-        elif _channels_last_convs(x):
-            # the channels-last view as it is: no copy in, and the output's permute below is contiguous already
+        elif _channels_last_convs(x) and x.numel() >= self.conv.weight.numel():
+            # the channels-last view as it is: no copy in, and the output's permute below is contiguous already.
+            # Only where the map outweighs the weight, which each call converts to channels-last (a copy): at
+            # PPMA-T's last merging (256 -> 512 channels, 14² or 32² maps) NCHW is faster (24.5 against 18.4 ms
+            # forward + backward at b8@224)
             x = self.norm(self.conv(x.permute(0, 3, 1, 2)))
         else:
             # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
