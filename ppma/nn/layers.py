@@ -144,21 +144,29 @@ def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tenso
     return F.gelu(y) if gelu else y
 
 
+def _fused_eager_cpu(x: torch.Tensor) -> bool:
+    """The "fused" implementation on an eager CPU tensor (not a tracer's stand-in, not under torch.compile or
+    tracing): the condition every model-side training path below starts from."""
+    return (
+        _dispatch.get_impl() == "fused"
+        and type(x) is torch.Tensor
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
+
+
 def _shared_input_training(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> bool:
     """Whether :func:`linears` runs its one autograd node: CPU training of float32/float64 ``nn.Linear`` layers with
     biases in ``x``'s dtype and the "fused" implementation, a gradient to compute, no autocast, torch.compile,
     tracing, dispatch mode or forward hooks (all of which see the separate layers)."""
     return (
-        _dispatch.get_impl() == "fused"
-        and type(x) is torch.Tensor
-        and x.device.type == "cpu"
+        _fused_eager_cpu(x)
         and x.dtype in (torch.float32, torch.float64)
         and all(type(m) is nn.Linear and m.bias is not None and m.weight.dtype == x.dtype and m.bias.dtype == x.dtype
                 for m in layers)
         and records_grad(x, *(p for m in layers for p in (m.weight, m.bias)))
         and not autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
         and not torch._C._len_torch_dispatch_stack()
         and not any(_has_hooks(m) for m in layers)
     )
@@ -173,13 +181,7 @@ def _channels_last_convs(x: torch.Tensor) -> bool:
     does so only where its input map has at least as many elements as its convolution's weight, which every call
     converts to channels-last. The same modules and calls, so the numbers equal the NCHW path's up to oneDNN's
     rounding. With the "reference" implementation they run on NCHW maps, as the official code does."""
-    return (
-        _dispatch.get_impl() == "fused"
-        and type(x) is torch.Tensor
-        and x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-    )
+    return _fused_eager_cpu(x)
 
 
 def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:

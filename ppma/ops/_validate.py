@@ -176,6 +176,14 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def fake_attention_out_lse(op, q, k, v, log_alpha, log_beta):
+    """Fake (meta) results of an attention op that returns ``(out, lse)``: ``out`` shaped like ``v`` and the rows'
+    two log-sum-exps ``[B, H, W, heads, 2]`` in :func:`lse_dtype`."""
+    check_same_device(op, q=q, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta)
+    B, H, W, G, _ = q.shape
+    return v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+
+
 def fake_attention_grads(op, grad_out, q, k, v, log_alpha, log_beta, **saved):
     """Fake (meta) results of an attention backward op: gradients shaped like its five inputs."""
     check_same_device(op, q=q, grad_out=grad_out, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta, **saved)

@@ -12,11 +12,10 @@ from ppma import _ext
 from ppma.ops._dispatch import run_fused
 from ppma.ops._validate import (
     check_attention_inputs,
-    check_same_device,
     fake_attention_grads,
+    fake_attention_out_lse,
     input_grads,
     is_empty,
-    lse_dtype,
     no_double_backward,
     resolve_scale,
 )
@@ -54,9 +53,7 @@ def criss_cross_attention(
 
 
 def _fake(q, k, v, log_alpha, log_beta, scale):
-    check_same_device(_OP, q=q, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta)
-    B, H, W, G, _ = q.shape
-    return v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+    return fake_attention_out_lse(_OP, q, k, v, log_alpha, log_beta)
 
 
 def _fake_backward(grad_out, q, k, v, log_alpha, log_beta, lse, scale):

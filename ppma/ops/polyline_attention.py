@@ -14,6 +14,7 @@ from ppma.ops._validate import (
     check_attention_inputs,
     check_same_device,
     fake_attention_grads,
+    fake_attention_out_lse,
     input_grads,
     is_empty,
     lse_dtype,
@@ -110,9 +111,7 @@ def _backward(ctx, grad_out, grad_out_v2h, grad_lse):
 
 
 def _fake_lse(q, k, v, log_alpha, log_beta, scale):
-    check_same_device(_LSE_OP, q=q, k=k, v=v, log_alpha=log_alpha, log_beta=log_beta)
-    B, H, W, G, _ = q.shape
-    return v.new_empty(v.shape), q.new_empty((B, H, W, G, 2), dtype=lse_dtype(q))
+    return fake_attention_out_lse(_LSE_OP, q, k, v, log_alpha, log_beta)
 
 
 def _fake_lse_backward(grad_out, q, k, v, log_alpha, log_beta, lse, scale):
