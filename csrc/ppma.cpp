@@ -59,6 +59,8 @@ TORCH_LIBRARY(ppma, m) {
       " Tensor log_beta, Tensor stats, bool normalize, float eps)"
       " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_log_alpha, Tensor grad_log_beta)");
   m.def("rope(Tensor x, Tensor sin, Tensor cos, float scale, bool transpose) -> Tensor");
+  // The same rotation written over x (contiguous; CPU inference: no second map of q's or k's size).
+  m.def("rope_(Tensor(a!) x, Tensor sin, Tensor cos, float scale, bool transpose) -> ()");
   // x <- x + depthwise_conv(x) + bias in place on a channels-last [B, H, W, C] map (CPU inference; x float32 or
   // bfloat16, weight and bias float32).
   m.def("depthwise_conv2d_residual_(Tensor(a!) x, Tensor weight, Tensor? bias) -> ()");

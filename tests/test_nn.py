@@ -117,6 +117,48 @@ def test_block_residual_structure():
     assert blk.mlp.fc1.out_features == 32 and blk.norm1.eps == blk.norm2.eps == 1e-6
 
 
+@pytest.mark.parametrize("mixer", ["criss_cross", "full"])
+def test_block_inference_in_place(mixer):
+    """In CPU inference the block adds its two residual sums into its own CPE output and the attention rotates its
+    own q and k in place: the same output as the out-of-place formula bit for bit, the input left alone; a hook on
+    a norm (which could keep the map it sees) or on the q/k layers (their outputs) switches that off."""
+    torch.manual_seed(0)
+    blk = PPMABlock(16, 2, mlp_ratio=2.0, mixer=mixer).eval()
+    x = torch.randn(2, 5, 6, 16)
+    x0 = x.clone()
+
+    def formula(x):
+        y = blk.cpe(x, residual=True)
+        y = y + blk.attn(blk.norm1(y))
+        return y + blk.mlp(blk.norm2(y))
+
+    with ppma.nn.use_inference_fast_paths(False), torch.no_grad():
+        want = formula(x)
+    cpe_out = []
+    cpe_forward = blk.cpe.forward
+    blk.cpe.forward = lambda *a, **k: cpe_out.append(cpe_forward(*a, **k)) or cpe_out[-1]  # no hook: notes it
+    with torch.inference_mode():
+        got = blk(x)
+    del blk.cpe.forward
+    assert got is cpe_out[0]  # the sums went into the CPE's output
+    assert torch.equal(x, x0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # oneDNN's linears: rounding
+    seen = []
+    handle = blk.norm1.register_forward_hook(lambda m, i, o: seen.append((i[0], i[0].clone())))
+    with torch.inference_mode():
+        assert torch.equal(blk(x), got)
+    handle.remove()
+    assert torch.equal(seen[0][0], seen[0][1])  # the map the hook kept was not written over
+    outs = []
+    handle = blk.attn.q.register_forward_hook(lambda m, i, o: outs.append((o, o.clone())))
+    with torch.inference_mode():
+        assert torch.equal(blk(x), got)
+    handle.remove()
+    assert torch.equal(outs[0][0], outs[0][1])  # q as the layer returned it, not rotated in place
+    with torch.inference_mode():
+        assert torch.equal(blk(x), got)  # hooks gone: the in-place path again
+
+
 def test_linear_inference_path():
     """``ppma.nn.layers.linear``: the layer's own output (bit for bit) whenever autograd records it; oneDNN's fused
     bias (+ GELU) for CPU float32 inference where torch has it, equal up to float32 rounding, and for bf16 inference

@@ -1,6 +1,6 @@
 """``ppma.ops.rope`` (the fused RoPE of queries and keys) against ``ppma.ops.reference.rope_ref`` and the module
 formula ``ppma.nn.rope.apply_rotary``: forward and gradients over the CPU sweep's shapes, all dtypes, gradcheck,
-second derivatives, opcheck, ``torch.compile`` and the argument checks."""
+second derivatives, opcheck, ``torch.compile``, the argument checks, and the in-place ``rope_`` (the same values)."""
 
 from __future__ import annotations
 
@@ -144,6 +144,56 @@ def test_compile_fullgraph():
     torch._dynamo.reset()
 
 
+@needs_ext
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_inplace_is_rope_bit_for_bit(dtype, transpose):
+    """``rope_`` without a gradient writes ``rope``'s values over ``x`` (the same kernel), for every dtype, with
+    the float32 tables of the model and with a last channel pair outside the vectors (d = 6)."""
+    for shape in [(2, 5, 6, 2, 8), (1, 3, 4, 3, 6), (2, 7, 3, 2, 32)]:
+        x, sin, cos = _inputs(shape, dtype, table_dtype=torch.float32)
+        want = ppma.ops.rope(x, sin, cos, 0.3, transpose)
+        for ctx in (torch.no_grad, torch.inference_mode):
+            xi = x.clone()
+            with ctx():
+                y = ppma.ops.rope_(xi, sin, cos, 0.3, transpose)
+            assert y is xi
+            assert torch.equal(y, want), (shape, dtype, transpose)
+
+
+@needs_ext
+def test_inplace_falls_back_to_a_new_tensor():
+    """Where the kernel may not write over ``x`` (a gradient recorded, a non-contiguous ``x``, the reference
+    implementation) ``rope_`` returns ``rope``'s new tensor and leaves ``x`` alone; with a gradient, it flows."""
+    x, sin, cos = _inputs((2, 3, 4, 2, 8), torch.float32, requires_grad=True)
+    y = ppma.ops.rope_(x, sin, cos, 0.5)
+    assert y is not x and y.grad_fn is not None
+    torch.testing.assert_close(y, rope_ref(x.detach(), sin, cos, 0.5))
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, rope_ref(torch.ones_like(x), sin, cos, 0.5, transpose=True))
+    base = torch.randn(2, 3, 4, 8, 2).transpose(-1, -2)  # [2, 3, 4, 2, 8], not contiguous
+    keep = base.clone()
+    with torch.no_grad():
+        y = ppma.ops.rope_(base, sin, cos)
+        assert y is not base and torch.equal(base, keep)
+        assert torch.equal(y, ppma.ops.rope(keep, sin, cos))
+        xr = keep.contiguous()
+        with ppma.ops.use_impl("reference"):
+            y = ppma.ops.rope_(xr, sin, cos)
+        assert y is not xr and torch.equal(xr, keep)
+
+
+@needs_ext
+def test_inplace_opcheck_and_checks():
+    x, sin, cos = _inputs((2, 5, 6, 2, 8), torch.float32)
+    torch.library.opcheck(torch.ops.ppma.rope_, (x.clone(), sin, cos, 0.5, False))
+    torch.library.opcheck(torch.ops.ppma.rope_, (x.clone(), sin, cos, 1.0, True))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.ppma.rope_(x.transpose(1, 2), sin.transpose(0, 1), cos.transpose(0, 1), 1.0, False)
+    with pytest.raises(ValueError, match="sin must be"):
+        ppma.ops.rope_(x, sin[:, :-1], cos)
+
+
 def test_reference_impl_switch():
     """``use_impl("reference")`` runs ``rope_ref``; both give the same numbers."""
     x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float64)
@@ -189,6 +239,9 @@ for shape in [(2, 3, 5, 2, 16), (1, 4, 3, 3, 32), (2, 3, 4, 2, 6), (1, 2, 5, 2, 
         for t in (False, True):
             y = ppma.ops.rope(x.to(getattr(torch, dtype)), sin, cos, 0.3, t)
             out[f"{shape}{dtype}{t}"] = y.double().flatten().tolist()
+            with torch.no_grad():  # the in-place op: the same values
+                xi = x.to(getattr(torch, dtype))
+                out[f"{shape}{dtype}{t}_"] = ppma.ops.rope_(xi, sin, cos, 0.3, t) is xi and torch.equal(xi, y)
 print(json.dumps(out))
 """
 
@@ -197,7 +250,8 @@ print(json.dumps(out))
 @pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
 def test_every_simd_path(capability):
     """Each SIMD path the machine has (a fresh process capped at it) matches the reference, float32 and bf16, both
-    directions, with a last channel pair outside the vectors (d = 6, 10, 2)."""
+    directions, with a last channel pair outside the vectors (d = 6, 10, 2); ``rope_`` writes the same values in
+    place."""
     res = subprocess.run([sys.executable, "-c", _PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -212,3 +266,4 @@ def test_every_simd_path(capability):
             for t in (False, True):
                 y = torch.tensor(got[f"{shape}{str(dtype)[6:]}{t}"], dtype=torch.float64).view(shape)
                 assert_close(y, rope_ref(xd, sin.double(), cos.double(), 0.3, t), dtype, f"rope {shape} {t}")
+                assert got[f"{shape}{str(dtype)[6:]}{t}_"] is True, (shape, dtype, t)

@@ -7,7 +7,7 @@
 // x: [B, H, W, heads, d] (d even); sin, cos: [H, W, d]. Computed in fp32 (fp64 when x or the tables are
 // fp64) and written in x's dtype, so bf16/fp16 queries with fp32 tables stay bf16/fp16 without a copy.
 // float32 and bf16 x with float32 tables run at the lane width of the SIMD path (rope_rows_lanes), the other
-// dtypes the formula's loop (rope_rows_scalar).
+// dtypes the formula's loop (rope_rows_scalar). ppma::rope_ writes the same values over x (CPU inference).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -145,9 +145,8 @@ void rope_rows(const T* x, const A* sin, const A* cos, T* y, int64_t rows, int64
   });
 }
 
-at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& sin, const at::Tensor& cos, double scale,
-                    bool transpose) {
-  constexpr const char* op = "ppma::rope";
+// Checks the arguments of ppma::rope / ppma::rope_ (op: the name in the messages).
+void check_rope_args(const char* op, const at::Tensor& x, const at::Tensor& sin, const at::Tensor& cos) {
   TORCH_CHECK(x.dim() == 5, op, ": x must be [B, H, W, heads, d], got shape ", x.sizes());
   TORCH_CHECK(x.size(4) % 2 == 0, op, ": the head dim d of x must be even, got shape ", x.sizes());
   const auto grid = std::vector<int64_t>{x.size(1), x.size(2), x.size(4)};
@@ -159,17 +158,21 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& sin, const at::Tensor
   check_floating(op, "sin", sin);
   check_like(op, "cos", cos, "sin", sin);
   TORCH_CHECK(sin.device() == x.device(), op, ": sin is on ", sin.device(), " but x is on ", x.device());
+}
+
+// y = the rotation of x (both contiguous, x's shape and dtype; y may be x itself: every vector and pair of
+// channels is read before it is written, so the rotation runs in place too).
+void rope_into(const at::Tensor& x, const at::Tensor& sin, const at::Tensor& cos, double scale, bool transpose,
+               const at::Tensor& y) {
+  if (y.numel() == 0) return;
   const bool wide = x.scalar_type() == at::kDouble || sin.scalar_type() == at::kDouble;
   const auto acc = wide ? at::kDouble : at::kFloat;
-  const at::Tensor xc = x.contiguous();
   const at::Tensor s = sin.to(acc).contiguous(), c = cos.to(acc).contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (y.numel() == 0) return y;
   const int64_t rows = x.size(0) * x.size(1) * x.size(2), hw = x.size(1) * x.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ppma_rope_cpu", [&] {
     auto run = [&](auto acc_zero) {
       using A = decltype(acc_zero);
-      const auto* xp = xc.data_ptr<scalar_t>();
+      const auto* xp = x.data_ptr<scalar_t>();
       auto* yp = y.data_ptr<scalar_t>();
       const auto* sp = s.data_ptr<A>();
       const auto* cp = c.data_ptr<A>();
@@ -185,11 +188,31 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& sin, const at::Tensor
       run(float(0));
     }
   });
+}
+
+at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& sin, const at::Tensor& cos, double scale,
+                    bool transpose) {
+  check_rope_args("ppma::rope", x, sin, cos);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  rope_into(xc, sin, cos, scale, transpose, y);
   return y;
+}
+
+// ppma::rope_: the rotation written over x (contiguous), the same values as ppma::rope.
+void rope_inplace_cpu(const at::Tensor& x, const at::Tensor& sin, const at::Tensor& cos, double scale,
+                      bool transpose) {
+  constexpr const char* op = "ppma::rope_";
+  check_rope_args(op, x, sin, cos);
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous (it is written in place)");
+  rope_into(x, sin, cos, scale, transpose, x);
 }
 
 }  // namespace
 }  // namespace cpu
 }  // namespace ppma
 
-TORCH_LIBRARY_IMPL(ppma, CPU, m) { m.impl("rope", &ppma::cpu::rope_cpu); }
+TORCH_LIBRARY_IMPL(ppma, CPU, m) {
+  m.impl("rope", &ppma::cpu::rope_cpu);
+  m.impl("rope_", &ppma::cpu::rope_inplace_cpu);
+}

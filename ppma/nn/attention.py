@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import DWConv2d, autocast_enabled, linear, linears
+from ppma.nn.layers import DWConv2d, _eager_inference, autocast_enabled, linear, linears
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
 
@@ -149,9 +149,12 @@ class PPMAAttention(nn.Module):
         shape = (B, H, W, self.num_heads, self.head_dim)
         # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
         # (ppma.ops.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention
-        # op as they reach the official q k^T matmul, while the sin/cos tables stay fp32.
-        q = ops.rope(q.reshape(shape), sin, cos)
-        k = ops.rope(k.reshape(shape), sin, cos, self.scale)
+        # op as they reach the official q k^T matmul, while the sin/cos tables stay fp32. In CPU inference q and k
+        # are this module's own fresh projections (no hooks on the layers): rotated in place (ppma.ops.rope_,
+        # the same values), no second map of their size.
+        rope_fn = ops.rope_ if _eager_inference(x, self.q, self.k) else ops.rope
+        q = rope_fn(q.reshape(shape), sin, cos)
+        k = rope_fn(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)
         out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta).reshape(B, H, W, C).to(v.dtype)
         del x, q, k, log_alpha, log_beta  # freed before the LePE and the projection (peak memory)

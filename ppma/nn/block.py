@@ -8,7 +8,7 @@ from torch import nn
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
-from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale
+from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale, _eager_inference
 from ppma.nn.surrogate import SurrogateAttention
 
 __all__ = ["PPMABlock", "MIXERS", "MIXER_FACTORIES"]
@@ -93,7 +93,12 @@ class PPMABlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
-        x = self.cpe(x, residual=True)  # x + cpe(x)
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), rope)))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
+        y = self.cpe(x, residual=True)  # x + cpe(x)
+        if y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2):
+            # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added
+            # into it in place (the same values), no new map of the block's size for each
+            y += self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
+            y += self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
+            return y
+        y = y + self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
+        return y + self.drop_path2(self.ls2(self.mlp(self.norm2(y))))

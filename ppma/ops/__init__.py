@@ -25,7 +25,7 @@ from ppma.ops.polyline_scan import polyline_scan
 from ppma.ops.polyline_attention_3d import polyline_attention_3d
 from ppma.ops.polyline_linear_attention_3d import polyline_linear_attention_3d
 from ppma.ops.polyline_scan_3d import polyline_scan_3d
-from ppma.ops.rope import rope
+from ppma.ops.rope import rope, rope_
 from ppma.ops.path_decay import path_decay
 from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_, gelu_depthwise_conv2d_residual
 from ppma.ops import reference, reference_3d
@@ -39,6 +39,7 @@ __all__ = [
     "polyline_linear_attention_3d",
     "polyline_scan_3d",
     "rope",
+    "rope_",
     "path_decay",
     "depthwise_conv2d",
     "depthwise_conv2d_residual_",

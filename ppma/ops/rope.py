@@ -5,6 +5,9 @@ cast back to ``x``'s dtype folded in); its fake (meta) kernel and autograd formu
 the wrapper. The op is linear in ``x`` and its backward is the same op with ``transpose`` flipped, so it has
 gradients of any order. Where no kernel is built (e.g. CUDA) the reference runs: it is elementwise, and
 torch's own kernels serve it well there.
+
+``rope_`` writes the same rotation over ``x`` (``torch.ops.ppma.rope_``, CPU inference): PPMAAttention's q and k
+are its own fresh projections, so no second map of their size is needed.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import torch
 
 from ppma import _ext
 from ppma.ops import _dispatch
-from ppma.ops._validate import check_same_device
+from ppma.ops._validate import check_same_device, records_grad
 from ppma.ops.reference import rope_ref
 
-__all__ = ["rope"]
+__all__ = ["rope", "rope_", "uses_inplace_kernel"]
 
 _OP = "rope"
 # Device types with a rope kernel, decided at import (dynamo cannot trace dispatcher queries). A library built
@@ -27,6 +30,7 @@ if _HAS_OP:
     _ROPE_DEVICES = frozenset(
         {"cpu", "meta"} | ({"cuda"} if torch._C._dispatch_has_kernel_for_dispatch_key("ppma::rope", "CUDA") else set())
     )
+_HAS_INPLACE_OP = _ext.has_ext() and hasattr(torch.ops.ppma, "rope_")
 
 
 def _check(x, sin, cos, scale, transpose) -> None:
@@ -76,9 +80,49 @@ def rope(
     return torch.ops.ppma.rope(x, sin, cos, float(scale), transpose)
 
 
+def uses_inplace_kernel(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether :func:`rope_` writes over ``x`` (``torch.ops.ppma.rope_``): a built kernel, the "fused"
+    implementation, a contiguous CPU ``x``, outside torch.compile, and no gradient recorded (the op overwrites
+    ``x`` and has no autograd formula)."""
+    return (
+        _HAS_INPLACE_OP
+        and _dispatch.get_impl() == "fused"
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and not records_grad(x, sin, cos)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def rope_(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, scale: float = 1.0,
+          transpose: bool = False) -> torch.Tensor:
+    """:func:`rope` written over ``x`` where :func:`uses_inplace_kernel` allows it (CPU inference): no second map
+    of ``x``'s size is allocated, and the values are :func:`rope`'s, bit for bit (the same kernel). Elsewhere it
+    returns ``rope(x, sin, cos, scale, transpose)``, a new tensor, and leaves ``x`` alone. Callers must use the
+    result and must not rely on ``x`` keeping or losing its values.
+
+    Args:
+        x: ``[B, H, W, heads, d]``, a tensor the caller owns (no one else may still need its values).
+        sin, cos, scale, transpose: as for :func:`rope`.
+
+    Returns:
+        ``x`` itself (overwritten) or a new tensor, as above.
+    """
+    _check(x, sin, cos, scale, transpose)
+    if not uses_inplace_kernel(x, sin, cos) or x.numel() == 0:
+        return rope(x, sin, cos, scale, transpose)
+    check_same_device(_OP, x=x, sin=sin, cos=cos)
+    torch.ops.ppma.rope_(x, sin, cos, float(scale), transpose)
+    return x
+
+
 def _fake(x, sin, cos, scale, transpose):
     check_same_device(_OP, x=x, sin=sin, cos=cos)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _fake_inplace(x, sin, cos, scale, transpose):
+    check_same_device(_OP, x=x, sin=sin, cos=cos)
 
 
 def _setup_context(ctx, inputs, output):
@@ -110,3 +154,5 @@ def _backward(ctx, grad_y):
 if _HAS_OP:
     torch.library.register_fake("ppma::rope")(_fake)
     torch.library.register_autograd("ppma::rope", _backward, setup_context=_setup_context)
+if _HAS_INPLACE_OP:
+    torch.library.register_fake("ppma::rope_")(_fake_inplace)
