@@ -365,8 +365,15 @@ inline int64_t pairs_kept(int64_t BG, int64_t H, int64_t elems, int64_t bytes) {
   return one <= kRowMapBytes ? std::min(BG, kRowMapBytes / one) : 0;
 }
 
+// Task u of a phase over a group of gn (batch, head) pairs from pair g0, per lines each: line u / gn of pair
+// g0 + u % gn. The group's heads of one line run as consecutive tasks (on one thread but at a split), so the
+// line's tokens, whose heads lie side by side in memory ([B, N, G, *]), are fetched from memory once for all of
+// them rather than once per head.
+inline int64_t group_line(int64_t g0, int64_t gn, int64_t per, int64_t u) { return (g0 + u % gn) * per + u / gn; }
+
 // Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column). The phases run per group of
-// (batch, head) pairs (kRowMapBytes); a group's lines are t = g0 * H + u (rows) or g0 * W + u (columns).
+// (batch, head) pairs (kRowMapBytes); a group's lines are t = group_line(g0, gn, H, u) (rows) or
+// group_line(g0, gn, W, u) (columns).
 template <typename T, typename I>
 void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
@@ -377,7 +384,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
     parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> r(D, true, g0 * H + u);
+      const Line<T> r(D, true, group_line(g0, gn, H, u));
       T* X = keep ? maps.data() + u * nn : S.X;
       line_scores(ln, D, r, S, true, false, static_cast<const T*>(nullptr), 0, static_cast<const T*>(nullptr), X);
       line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : r.at(stats.data(), 2));
@@ -385,7 +392,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
     });
     // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
     parallel_lines(D, gn * W, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> c(D, false, g0 * W + u);
+      const Line<T> c(D, false, group_line(g0, gn, W, u));
       line_scores(ln, D, c, S, true);
       line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
       // out = 0.5 B z1, z1 read in place before z2 replaces it
@@ -394,7 +401,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
     });
     // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
     parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> r(D, true, g0 * H + u);
+      const Line<T> r(D, true, group_line(g0, gn, H, u));
       const T* X = keep ? maps.data() + u * nn : nullptr;
       if (!keep) {
         const T* st = r.at(stats.data(), 2);
@@ -564,7 +571,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
-      const Line<float> r(D, true, g0 * H + u);
+      const Line<float> r(D, true, group_line(g0, gn, H, u));
       uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
       line_scores_bf16(ln, D, P, r, S);
       line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
@@ -574,7 +581,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
     });
     // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1, which is gathered first).
     parallel_lines_bf16(D, gn * W, [&](auto ln, int64_t u, LineScratchBf16& S) {
-      const Line<float> c(D, false, g0 * W + u);
+      const Line<float> c(D, false, group_line(g0, gn, W, u));
       line_scores_bf16(ln, D, P, c, S);
       line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
       map_to_bf16(ln, c.n, S);
@@ -583,7 +590,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
     });
     // Phase 3: rows again, A kept or recomputed; outb = bf16(out + 0.5 A z2).
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
-      const Line<float> r(D, true, g0 * H + u);
+      const Line<float> r(D, true, group_line(g0, gn, H, u));
       const uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
       if (!keep) {
         const float* st = r.at(stats.data(), 2);
@@ -637,7 +644,7 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* ZA, T*
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
     parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> r(D, true, g0 * H + u);
+      const Line<T> r(D, true, group_line(g0, gn, H, u));
       T* X = keep ? maps.data() + u * nn : S.X;
       line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2), static_cast<const T*>(nullptr), X);
       line_values(ln, D, r, S, ZA, X);
@@ -647,14 +654,14 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* ZA, T*
     // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
     // replace z1 and dz2 of this column.
     parallel_lines(D, gn * W, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> c(D, false, g0 * W + u);
+      const Line<T> c(D, false, group_line(g0, gn, W, u));
       line_grads(ln, D, c, S, go, lse, 1, ZA, ZB, dq, dk, dv_out, glb, false);
       line_values(ln, D, c, S, ZA);
       line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, c.at(ZB, dv), c.ld(dv));
     });
     // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
     parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      line_grads(ln, D, Line<T>(D, true, g0 * H + u), S, go, lse, 0, ZA, ZB, dq, dk, dv_out, gla, true,
+      line_grads(ln, D, Line<T>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0, ZA, ZB, dq, dk, dv_out, gla, true,
                  keep ? static_cast<const T*>(maps.data() + u * nn) : static_cast<const T*>(nullptr));
     });
   }
