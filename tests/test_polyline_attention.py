@@ -223,10 +223,12 @@ torch.save(res, sys.argv[3])
 @pytest.mark.parametrize("path", cpu_paths(), ids=path_id)
 def test_key_rows_at_the_vector_width(path, tmp_path):
     """Maps W = 15 and 16 wide (on the avx512 path each key row is one masked 16-lane vector: the forward's biases and
-    the backward's regrouped prefix-sum gradients, docs/ops.md "polyline_attention") and W = 17 (a full vector and a
-    tail), with more key rows than one tile of queries covers: output, lse, the five gradients and the inference op
-    against the float64 reference on every SIMD path (in a fresh process), bitwise the same across thread counts."""
-    shapes = [[2, 6, 15, 2, 16, 8], [1, 9, 16, 3, 8, 16], [1, 5, 17, 2, 16, 16]]
+    the backward's regrouped prefix-sum gradients, docs/ops.md "polyline_attention"), W = 17 and 31 (a full vector and
+    a tail: two vectors in the backward's sums) and W = 32 (two full vectors), with more key rows than one tile of
+    queries covers: output, lse, the five gradients and the inference op against the float64 reference on every SIMD
+    path (in a fresh process), bitwise the same across thread counts."""
+    shapes = [[2, 6, 15, 2, 16, 8], [1, 9, 16, 3, 8, 16], [1, 5, 17, 2, 16, 16], [1, 4, 31, 2, 8, 8],
+              [1, 3, 32, 2, 8, 16]]
     runs = _run_child(_WIDTH_CHILD, shapes, path, tmp_path)
     names = ["out", "lse", "dq", "dk", "dv", "dlog_alpha", "dlog_beta", "inference out"]
     for shape in shapes:

@@ -14,7 +14,8 @@
 // head) and writes dq directly; dk, dv and the prefix-sum gradients go to the task's own partial buffer,
 // reduced afterwards in a fixed order (deterministic, no atomics). The number of partial buffers depends
 // on the shapes only, so results do not depend on the thread count. Key rows of W <= 16 on the 16-lane path are one
-// masked vector each, forward and backward (add_biases_row, bias_grads_short).
+// masked vector each, forward and backward (add_biases_row, bias_grads_short); the backward's sums run as vectors up to
+// W = 32 (two per key row).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -616,11 +617,11 @@ PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k
   }
 }
 
-// The prefix-sum gradients of query (i, j) against all key rows where each key row is one vector (float, 16 lanes,
-// W <= 16; masked moves), bias_grad_row's sums regrouped so that no key row ends in a lane sum and no row of the
-// gradients is read back right after a masked store (a masked store does not forward to a later load: a stall):
-// the task accumulates them in whole aligned vectors of scratch, ShortSums, added to gcr and gcc once at its end
-// (bias_grads_flush):
+// The prefix-sum gradients of query (i, j) against all key rows where each key row is NV 16-lane vectors (float,
+// the 16-lane path, W <= 16 NV, NV = 1 or 2; the last vector masked), bias_grad_row's sums regrouped so that no key
+// row ends in a lane sum and no row of the gradients is read back right after a masked store (a masked store does
+// not forward to a later load: a stall): the task accumulates them in whole aligned vectors of scratch, ShortSums,
+// added to gcr and gcc once at its end (bias_grads_flush):
 //   - R[k], C[k]: the terms on gcr and gcc row k: from key row k (sk g1 on gcc) and, summed over the key rows in
 //     registers, from the query's own row i (sign(l - j) g1 on gcr, -sk g1 on gcc; row k = i's terms, whose column
 //     terms vanish, are the same formulas with sk = 0);
@@ -628,61 +629,96 @@ PPMA_SIMD_INLINE void bias_grad_row(Lanes<L> ln, int64_t W, int64_t j, int64_t k
 //     gets E and gcr[k, j] minus its lane sum; gcc[k, j] gets F's lane sum;
 //   - gcr[i, j] and gcc[i, j] get the query's two lane sums directly.
 // The same gradients as bias_grad_row up to the order of the float32 sums (tests/test_polyline_attention.py).
-// Compiled at every width; run on the 16-lane path only (L == 16 exists on x86-64 alone).
+// Compiled at every width; run on the 16-lane path only (L == 16 exists on x86-64 alone). At W = 32 (PPMA-T's
+// stage 3 at 512^2) a task's sums take 270 KB; wider rows run bias_grad_row.
 struct ShortSums {
-  static constexpr int64_t V = 16;  // floats per slot: one 16-lane vector
-  float *R, *C, *E, *F;              // [H][V], [H][V], [W][H][V], [W][H][V]
-  static int64_t floats(int64_t H, int64_t W) { return 2 * H * V * (1 + W); }
-  ShortSums(float* p, int64_t H, int64_t W) : R(p), C(p + H * V), E(C + H * V), F(E + W * H * V) {}
+  static constexpr int64_t L = 16;   // floats per vector: one 16-lane vector
+  static constexpr int64_t MaxNV = 2;  // vectors per key row at most: W <= 32
+  int64_t V;                          // floats per slot: NV vectors, NV = ceil(W / 16)
+  float *R, *C, *E, *F;               // [H][V], [H][V], [W][H][V], [W][H][V]
+  static int64_t slot(int64_t W) { return ceil_div(W, L) * L; }
+  static bool fits(int64_t W) { return W <= MaxNV * L; }
+  static int64_t floats(int64_t H, int64_t W) { return 2 * H * slot(W) * (1 + W); }
+  ShortSums(float* p, int64_t H, int64_t W)
+      : V(slot(W)), R(p), C(p + H * V), E(C + H * V), F(E + W * H * V) {}
 };
 
+// Vector v of a key row of W floats at p (the last one masked: 0 past W).
+template <int NV>
+PPMA_SIMD_INLINE vec<16> key_row_vec(const float* p, int v, int64_t W) {
+  return v + 1 < NV ? load<16>(p + 16 * v) : load_first<16>(p + 16 * v, W - 16 * v);
+}
+
+template <int NV>
 PPMA_SIMD_INLINE void bias_grads_short(int64_t H, int64_t W, int64_t i, int64_t j, const float* g1r, const float* g2r,
                                        float* gcr, float* gcc, const ShortSums& S) {
   constexpr int L = 16;
   const vec<L> one = vec<L>{} + 1.0f;
-  const vec<L> sg = lane_indices<L>() < static_cast<int32_t>(j) ? -one : one;  // sign(l - j), +1 at l = j
-  vec<L> accI{}, accC{}, accT{};
-  float* Ej = S.E + j * H * L;
-  float* Fj = S.F + j * H * L;
-  for (int64_t k = 0; k < H; ++k) {
-    const vec<L> a = load_first<L>(g1r + k * W, W), b = load_first<L>(g2r + k * W, W);  // 0 past W
-    const float sk = sgn_diff<float>(k, i);
-    const vec<L> ka = sk * a, kb = sk * b;
-    accI += sg * a;
-    accC += ka;
-    accT += kb;
-    store<L>(Ej + k * L, load<L>(Ej + k * L) + sg * b);
-    store<L>(Fj + k * L, load<L>(Fj + k * L) + kb);
-    store<L>(S.C + k * L, load<L>(S.C + k * L) + ka);
+  vec<L> sg[NV], accI[NV], accC[NV], accT[NV];
+  for (int v = 0; v < NV; ++v) {
+    sg[v] = lane_indices<L>() + static_cast<int32_t>(L * v) < static_cast<int32_t>(j) ? -one : one;  // sign(l - j)
+    accI[v] = accC[v] = accT[v] = vec<L>{};
   }
-  store<L>(S.R + i * L, load<L>(S.R + i * L) + accI);
-  store<L>(S.C + i * L, load<L>(S.C + i * L) - accC);
-  gcr[i * W + j] -= hsum<L>(accI);
-  gcc[i * W + j] -= hsum<L>(accT);
+  float* Ej = S.E + j * H * S.V;
+  float* Fj = S.F + j * H * S.V;
+  for (int64_t k = 0; k < H; ++k) {
+    const float sk = sgn_diff<float>(k, i);
+    for (int v = 0; v < NV; ++v) {
+      const vec<L> a = key_row_vec<NV>(g1r + k * W, v, W), b = key_row_vec<NV>(g2r + k * W, v, W);
+      const vec<L> ka = sk * a, kb = sk * b;
+      const int64_t o = k * S.V + L * v;
+      accI[v] += sg[v] * a;
+      accC[v] += ka;
+      accT[v] += kb;
+      store<L>(Ej + o, load<L>(Ej + o) + sg[v] * b);
+      store<L>(Fj + o, load<L>(Fj + o) + kb);
+      store<L>(S.C + o, load<L>(S.C + o) + ka);
+    }
+  }
+  vec<L> sI{}, sT{};
+  for (int v = 0; v < NV; ++v) {
+    const int64_t o = i * S.V + L * v;
+    store<L>(S.R + o, load<L>(S.R + o) + accI[v]);
+    store<L>(S.C + o, load<L>(S.C + o) - accC[v]);
+    sI += accI[v];
+    sT += accT[v];
+  }
+  gcr[i * W + j] -= hsum<L>(sI);
+  gcc[i * W + j] -= hsum<L>(sT);
 }
 
 // Adds a task's ShortSums to its prefix-sum gradients in a fixed order (row k, then column j) and clears them.
+template <int NV>
 PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* gcc, const ShortSums& S) {
   constexpr int L = 16;
   for (int64_t k = 0; k < H; ++k) {
-    vec<L> r = load<L>(S.R + k * L);
-    float lr[L] = {}, lc[L] = {};  // the lane sums, lane j for gcr[k, j] and gcc[k, j]
+    vec<L> r[NV];
+    float lr[NV * L] = {}, lc[NV * L] = {};  // the lane sums, lane j for gcr[k, j] and gcc[k, j]
+    for (int v = 0; v < NV; ++v) r[v] = load<L>(S.R + k * S.V + L * v);
     for (int64_t j = 0; j < W; ++j) {
-      float* e = S.E + (j * H + k) * L;
-      float* f = S.F + (j * H + k) * L;
-      const vec<L> ev = load<L>(e);
-      r += ev;
-      lr[j] = hsum<L>(ev);
-      lc[j] = hsum<L>(load<L>(f));
-      store<L>(e, vec<L>{});
-      store<L>(f, vec<L>{});
+      float* e = S.E + (j * H + k) * S.V;
+      float* f = S.F + (j * H + k) * S.V;
+      vec<L> es{}, fs{};
+      for (int v = 0; v < NV; ++v) {
+        const vec<L> ev = load<L>(e + L * v);
+        r[v] += ev;
+        es += ev;
+        fs += load<L>(f + L * v);
+        store<L>(e + L * v, vec<L>{});
+        store<L>(f + L * v, vec<L>{});
+      }
+      lr[j] = hsum<L>(es);
+      lc[j] = hsum<L>(fs);
     }
-    float* gr = gcr + k * W;
-    float* gc = gcc + k * W;
-    store_first<L>(gr, load_first<L>(gr, W) + r - load<L>(lr), W);
-    store_first<L>(gc, load_first<L>(gc, W) + load<L>(S.C + k * L) + load<L>(lc), W);
-    store<L>(S.R + k * L, vec<L>{});
-    store<L>(S.C + k * L, vec<L>{});
+    for (int v = 0; v < NV; ++v) {
+      const int64_t o = k * S.V + L * v, n = std::min<int64_t>(L, W - L * v);
+      float* gr = gcr + k * W + L * v;
+      float* gc = gcc + k * W + L * v;
+      store_first<L>(gr, load_first<L>(gr, n) + r[v] - load<L>(lr + L * v), n);
+      store_first<L>(gc, load_first<L>(gc, n) + load<L>(S.C + o) + load<L>(lc + L * v), n);
+      store<L>(S.R + o, vec<L>{});
+      store<L>(S.C + o, vec<L>{});
+    }
   }
 }
 
@@ -697,8 +733,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
   const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
   const int64_t part_size = N * (d + dv + 2);
   const T scale = D.scale;
-  // bias_grads_short's sums (float, W <= 16 on the 16-lane path), zero between tasks
-  const int64_t short_sums = std::is_same<T, float>::value && W <= ShortSums::V ? ShortSums::floats(D.H, W) : 0;
+  // bias_grads_short's sums (float, W <= 32 on the 16-lane path), zero between tasks
+  const int64_t short_sums = std::is_same<T, float>::value && ShortSums::fits(W) ? ShortSums::floats(D.H, W) : 0;
   parallel_tasks(
       D.B * G * nchunk, [&] { return std::vector<T>(4 * TQ * N + (d + dv) * N + short_sums); },
       [&](int64_t task, std::vector<T>& buf) {
@@ -710,8 +746,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
     T* G1 = DP + TQ * N;
     T* Kt = G1 + TQ * N;  // the keys of the task's (batch, head) transposed, [d][N]
     T* Vt = Kt + d * N;   // its values transposed, [dv][N]
-    constexpr bool masked_path = std::is_same<T, float>::value && L == ShortSums::V;
-    const bool short_rows = masked_path && W <= L;
+    constexpr bool masked_path = std::is_same<T, float>::value && L == ShortSums::L;
+    const bool short_rows = masked_path && ShortSums::fits(W);
     const ShortSums sums(reinterpret_cast<float*>(Vt + dv * N), D.H, W);
     {
       const int64_t bg = task / nchunk, chunk = task % nchunk;
@@ -775,7 +811,11 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           const int64_t p = p0 + a, i = p / W, j = p % W;
           if constexpr (masked_path) {
             if (short_rows) {
-              bias_grads_short(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+              if (W <= ShortSums::L) {
+                bias_grads_short<1>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+              } else {
+                bias_grads_short<2>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+              }
               continue;
             }
           }
@@ -788,7 +828,13 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         small_gemm(ln, N, dv, tq, X1, int64_t(1), N, gob, G * dv, pdv, dv, true, T(0.5));
       }
       if constexpr (masked_path) {
-        if (short_rows) bias_grads_flush(D.H, W, gcr, gcc, sums);
+        if (short_rows) {
+          if (W <= ShortSums::L) {
+            bias_grads_flush<1>(D.H, W, gcr, gcc, sums);
+          } else {
+            bias_grads_flush<2>(D.H, W, gcr, gcc, sums);
+          }
+        }
       }
     }
     });
