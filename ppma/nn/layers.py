@@ -100,9 +100,22 @@ def _eager_inference(x: torch.Tensor, *modules: nn.Module) -> bool:
         and not torch.compiler.is_compiling()
         and not torch._C._len_torch_dispatch_stack()
         and not any(_has_hooks(m) for m in modules)
-        and all(p.dtype == torch.float32 for m in modules for p in m.parameters(recurse=False))
-        and not records_grad(x, *(p for m in modules for p in m.parameters(recurse=False)))
+        and _own_params_float32_no_grad(x, modules)
     )
+
+
+def _own_params_float32_no_grad(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> bool:
+    """The modules' own parameters are float32 and autograd records nothing on them or ``x``. Reads
+    ``_parameters`` directly: ``parameters(recurse=False)`` builds a generator and a set of seen tensors per call,
+    which cost more than the checks themselves at ~150 calls a forward."""
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None and (p.dtype != torch.float32 or (grad and p.requires_grad)):
+                return False
+    return True
 
 
 def _onednn_inference_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype | None:
