@@ -118,9 +118,9 @@ def _op_names(model, x):
 
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
 def test_inference_fast_paths_switch():
-    """On (the default), CPU inference runs oneDNN's fused ops and the in-place FFN and RoPE kernels; off, the plain modules
-    run, and with the reference ops the logits equal the training graph's bit for bit. The context manager restores
-    the previous choice; the logits of the two agree up to rounding."""
+    """On (the default), CPU inference runs oneDNN's fused ops and the in-place FFN and RoPE kernels; off, the plain
+    modules run, and with the reference ops the logits equal the training graph's bit for bit. The context manager
+    restores the previous choice; the logits of the two agree up to rounding."""
     model = small_model(criss_cross=(True, True, False, False)).eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     assert ppma.nn.inference_fast_paths_enabled()

@@ -643,6 +643,16 @@ struct ShortSums {
       : V(slot(W)), R(p), C(p + H * V), E(C + H * V), F(E + W * H * V) {}
 };
 
+// f(NV) with the key rows' vector count NV (1 or 2, std::integral_constant) of ShortSums' W: the templates below.
+template <typename F>
+PPMA_SIMD_INLINE void with_row_vectors(int64_t W, F&& f) {
+  if (W <= ShortSums::L) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    f(std::integral_constant<int, 2>{});
+  }
+}
+
 // Vector v of a key row of W floats at p (the last one masked: 0 past W).
 template <int NV>
 PPMA_SIMD_INLINE vec<16> key_row_vec(const float* p, int v, int64_t W) {
@@ -811,11 +821,9 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
           const int64_t p = p0 + a, i = p / W, j = p % W;
           if constexpr (masked_path) {
             if (short_rows) {
-              if (W <= ShortSums::L) {
-                bias_grads_short<1>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
-              } else {
-                bias_grads_short<2>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
-              }
+              with_row_vectors(W, [&](auto nv) {
+                bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+              });
               continue;
             }
           }
@@ -829,11 +837,7 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
       }
       if constexpr (masked_path) {
         if (short_rows) {
-          if (W <= ShortSums::L) {
-            bias_grads_flush<1>(D.H, W, gcr, gcc, sums);
-          } else {
-            bias_grads_flush<2>(D.H, W, gcr, gcc, sums);
-          }
+          with_row_vectors(W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, W, gcr, gcc, sums); });
         }
       }
     }

@@ -94,11 +94,10 @@ class PPMABlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
         y = self.cpe(x, residual=True)  # x + cpe(x)
-        if y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2):
-            # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added
-            # into it in place (the same values), no new map of the block's size for each
-            y += self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
-            y += self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
-            return y
-        y = y + self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
-        return y + self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
+        # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added into it in
+        # place (the same values), no new map of the block's size for each
+        inplace = y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2)
+        a = self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
+        y = y.add_(a) if inplace else y + a
+        m = self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
+        return y.add_(m) if inplace else y + m

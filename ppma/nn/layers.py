@@ -53,8 +53,8 @@ def set_inference_fast_paths(enabled: bool) -> None:
     """Switch the model's CPU inference fast paths on (the default) or off: oneDNN's fused linear and convolution
     ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data), the FFN's in-place ``h + dwconv(h)``,
     the LePE added in place (:class:`DWConv2d`), RoPE on the attention's own q and k in place
-    (:func:`ppma.ops.rope_`) and the block's residual sums added into its own CPE output. Off, every module runs its plain
-    torch call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding),
+    (:func:`ppma.ops.rope_`) and the block's residual sums added into its own CPE output. Off, every module runs
+    its plain torch call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding),
     e.g. to compare with other code bit for bit, or the stand-in for the official code in
     ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead.
     ``PPMA_INFERENCE_FAST_PATHS=0`` in the environment switches them off at import."""
