@@ -61,6 +61,10 @@ TORCH_LIBRARY(ppma, m) {
   m.def("rope(Tensor x, Tensor sin, Tensor cos, float scale, bool transpose) -> Tensor");
   // The same rotation written over x (contiguous; CPU inference: no second map of q's or k's size).
   m.def("rope_(Tensor(a!) x, Tensor sin, Tensor cos, float scale, bool transpose) -> ()");
+  // LayerNorm over the last dimension of a contiguous float32 map (CPU inference), and the same after x <- x + residual
+  // in place in one pass (the block's residual sum followed by its norm).
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
+  m.def("add_layer_norm_(Tensor(a!) x, Tensor residual, Tensor weight, Tensor bias, float eps) -> Tensor");
   // x <- x + depthwise_conv(x) + bias in place on a channels-last [B, H, W, C] map (CPU inference; x float32 or
   // bfloat16, weight and bias float32).
   m.def("depthwise_conv2d_residual_(Tensor(a!) x, Tensor weight, Tensor? bias) -> ()");

@@ -118,18 +118,19 @@ def _op_names(model, x):
 
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
 def test_inference_fast_paths_switch():
-    """On (the default), CPU inference runs oneDNN's fused ops and the in-place FFN and RoPE kernels; off, the plain
-    modules run, and with the reference ops the logits equal the training graph's bit for bit. The context manager
-    restores the previous choice; the logits of the two agree up to rounding."""
+    """On (the default), CPU inference runs oneDNN's fused ops, the in-place FFN and RoPE kernels and ppma's
+    LayerNorms; off, the plain modules run, and with the reference ops the logits equal the training graph's bit
+    for bit. The context manager restores the previous choice; the logits of the two agree up to rounding."""
     model = small_model(criss_cross=(True, True, False, False)).eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     assert ppma.nn.inference_fast_paths_enabled()
     y_fast, names = _op_names(model, x)
-    assert {"mkldnn::_linear_pointwise", "ppma::depthwise_conv2d_residual_", "ppma::rope_"} <= names, sorted(names)
+    inplace_ops = ("ppma::depthwise_conv2d_residual_", "ppma::rope_", "ppma::layer_norm", "ppma::add_layer_norm_")
+    assert {"mkldnn::_linear_pointwise", *inplace_ops} <= names, sorted(names)
     with ppma.nn.use_inference_fast_paths(False):
         assert not ppma.nn.inference_fast_paths_enabled()
         y_plain, names = _op_names(model, x)
-        assert not any(n.startswith("mkldnn::") or n in ("ppma::depthwise_conv2d_residual_", "ppma::rope_")
+        assert not any(n.startswith("mkldnn::") or n in inplace_ops
                        for n in names), sorted(n for n in names if n.startswith(("mkldnn::", "ppma::")))
         with ppma.ops.use_impl("reference"):
             with torch.inference_mode():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import ppma.ops as ops
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
@@ -37,6 +38,13 @@ MIXER_FACTORIES = {
     "sab": lambda dim, num_heads, *, mask, gamma: SurrogateAttention(dim, num_heads),
 }
 MIXERS = tuple(MIXER_FACTORIES)
+
+
+def _plain_layer_norm(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``norm`` is a plain ``nn.LayerNorm`` over ``x``'s last dimension with a weight and a bias (what
+    ``ppma.ops.layer_norm`` computes)."""
+    return (type(norm) is nn.LayerNorm and norm.normalized_shape == (x.shape[-1],) and norm.weight is not None
+            and norm.bias is not None)
 
 
 class PPMABlock(nn.Module):
@@ -95,9 +103,17 @@ class PPMABlock(nn.Module):
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
         y = self.cpe(x, residual=True)  # x + cpe(x)
         # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added into it in
-        # place (the same values), no new map of the block's size for each
+        # place (the same values), no new map of the block's size for each; with plain LayerNorms the norms run
+        # ppma's kernel, the first residual sum and norm2 in one pass over y (ppma.ops.add_layer_norm_)
         inplace = y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2)
-        a = self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
-        y = y.add_(a) if inplace else y + a
-        m = self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
+        norms = inplace and _plain_layer_norm(self.norm1, y) and _plain_layer_norm(self.norm2, y)
+        n1 = self.norm1
+        a = self.drop_path1(self.ls1(self.attn(
+            ops.layer_norm(y, n1.weight, n1.bias, n1.eps) if norms else n1(y), rope)))
+        if norms and a.shape == y.shape:
+            h = ops.add_layer_norm_(y, a, self.norm2.weight, self.norm2.bias, self.norm2.eps)
+        else:
+            y = y.add_(a) if inplace else y + a
+            h = self.norm2(y)
+        m = self.drop_path2(self.ls2(self.mlp(h)))
         return y.add_(m) if inplace else y + m

@@ -1,0 +1,184 @@
+"""``ppma.ops.layer_norm`` and ``ppma.ops.add_layer_norm_`` (CPU inference kernels) against
+``torch.nn.functional.layer_norm``: swept channel counts (vector widths, tails), every SIMD path, thread counts
+bitwise, the in-place residual sum, the fall-backs (gradients, reference impl, other dtypes), opcheck and the
+argument checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ppma
+from op_utils import needs_ext
+from ppma import backends
+from ppma.ops.layer_norm import uses_kernel as ln_uses_kernel
+from test_cpu_baseline import ROOT, cpu_subprocess_env
+
+# Channel counts around the vector widths (4, 8, 16 lanes) and PPMA's widths (64 ... 512, 768: a hidden map).
+CHANNELS = [1, 3, 4, 7, 8, 15, 16, 17, 33, 64, 100, 128, 256, 512, 768]
+
+
+def _inputs(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[-1]
+    x = torch.randn(shape, generator=g) * 3 + 0.5
+    return x, torch.randn(C, generator=g), torch.randn(C, generator=g), torch.randn(shape, generator=g)
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize("C", CHANNELS)
+def test_matches_torch(C):
+    """The kernels' outputs equal F.layer_norm's up to float32 rounding; add_layer_norm_ writes x + residual
+    into x exactly (one float32 addition) and normalises that."""
+    x, w, b, r = _inputs((2, 3, 5, C))
+    with torch.no_grad():
+        assert ln_uses_kernel(x, w, b, r)
+        _close(ppma.ops.layer_norm(x, w, b, 1e-6), F.layer_norm(x, (C,), w, b, 1e-6))
+        xi = x.clone()
+        y = ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)
+    assert torch.equal(xi, x + r)
+    _close(y, F.layer_norm(x + r, (C,), w, b, 1e-6))
+
+
+@needs_ext
+def test_constant_rows_and_large_offsets():
+    """A constant row normalises to the bias (variance 0, eps only); with a large common offset the two-pass
+    formula is as close to the float64 result as torch's float32 kernel."""
+    C = 64
+    w, b = torch.randn(C), torch.randn(C)
+    x = torch.full((4, C), 3.0)
+    with torch.no_grad():
+        torch.testing.assert_close(ppma.ops.layer_norm(x, w, b, 1e-5), b.expand(4, C), rtol=0, atol=1e-6)
+        x = torch.randn(4, C) + 1e4
+        exact = F.layer_norm(x.double(), (C,), w.double(), b.double(), 1e-5)
+        ours = (ppma.ops.layer_norm(x, w, b, 1e-5).double() - exact).abs().max()
+        torchs = (F.layer_norm(x, (C,), w, b, 1e-5).double() - exact).abs().max()
+        assert ours <= 2 * torchs + 1e-5, (ours, torchs)
+
+
+@needs_ext
+def test_thread_counts_bitwise():
+    """Rows do not depend on how they are split over the threads."""
+    x, w, b, r = _inputs((8, 14, 14, 256), seed=3)
+    prev = torch.get_num_threads()
+    out = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            with torch.no_grad():
+                xi = x.clone()
+                out.append((ppma.ops.layer_norm(x, w, b, 1e-6), ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)))
+    finally:
+        torch.set_num_threads(prev)
+    for y, z in out[1:]:
+        assert torch.equal(y, out[0][0]) and torch.equal(z, out[0][1])
+
+
+@needs_ext
+def test_falls_back_to_torch():
+    """With a gradient recorded, float64, a non-contiguous x or the reference implementation the functions run
+    torch's layer_norm (and x.add_): the same numbers as F.layer_norm, gradients included."""
+    x, w, b, r = _inputs((2, 4, 16))
+    wg = w.clone().requires_grad_(True)
+    assert not ln_uses_kernel(x, wg, b)
+    y = ppma.ops.layer_norm(x, wg, b, 1e-6)
+    assert torch.equal(y, F.layer_norm(x, (16,), wg, b, 1e-6))
+    y.sum().backward()
+    assert wg.grad is not None
+    xd = x.double()
+    with torch.no_grad():
+        assert not ln_uses_kernel(xd, w.double(), b.double())
+        assert torch.equal(ppma.ops.layer_norm(xd, w.double(), b.double()), F.layer_norm(xd, (16,), w.double(), b.double()))
+        xt = x.transpose(0, 1)
+        assert not ln_uses_kernel(xt, w, b)
+        assert torch.equal(ppma.ops.layer_norm(xt, w, b), F.layer_norm(xt, (16,), w, b))
+        with ppma.ops.use_impl("reference"):
+            xi = x.clone()
+            y = ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)
+        assert torch.equal(xi, x + r) and torch.equal(y, F.layer_norm(x + r, (16,), w, b, 1e-6))
+
+
+@needs_ext
+def test_opcheck():
+    x, w, b, r = _inputs((2, 3, 4, 24))
+    torch.library.opcheck(torch.ops.ppma.layer_norm, (x, w, b, 1e-6))
+    torch.library.opcheck(torch.ops.ppma.add_layer_norm_, (x.clone(), r, w, b, 1e-6))
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x, w, b, r: ppma.ops.layer_norm(x, w[:-1], b), r"weight must be \[C\] = \(16,\)"),
+        (lambda x, w, b, r: ppma.ops.layer_norm(x, w, b[None]), r"bias must be \[C\] = \(16,\)"),
+        (lambda x, w, b, r: ppma.ops.layer_norm(x, w, b, -1.0), "eps must be a number >= 0"),
+        (lambda x, w, b, r: ppma.ops.add_layer_norm_(x, r[:1], w, b), "residual must have x's shape"),
+    ],
+)
+def test_bad_arguments_named(call, match):
+    x, w, b, r = _inputs((2, 4, 16))
+    with pytest.raises(ValueError, match=match):
+        call(x, w, b, r)
+
+
+@needs_ext
+def test_kernel_checks():
+    """The ops themselves reject what the kernels do not handle, with the argument named."""
+    x, w, b, r = _inputs((2, 4, 16))
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.ppma.layer_norm(x.double(), w, b, 1e-6)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        torch.ops.ppma.layer_norm(x.transpose(0, 1), w, b, 1e-6)
+    with pytest.raises(RuntimeError, match=r"weight must be \[C\]"):
+        torch.ops.ppma.layer_norm(x, w[:3], b, 1e-6)
+    with pytest.raises(RuntimeError, match="residual must have x's shape"):
+        torch.ops.ppma.add_layer_norm_(x, r[:1], w, b, 1e-6)
+    with pytest.raises(RuntimeError, match="residual must be float32"):
+        torch.ops.ppma.add_layer_norm_(x, r.double(), w, b, 1e-6)
+
+
+_PATH_CODE = r"""
+import json, torch, ppma
+from ppma import backends
+from ppma.ops.layer_norm import uses_kernel as ln_uses_kernel
+out = {"cap": backends.cpu_capability()}
+for C in (3, 7, 16, 17, 64, 100, 768):
+    g = torch.Generator().manual_seed(C)
+    x = torch.randn(3, 5, C, generator=g) * 3 + 0.5
+    w, b, r = torch.randn(C, generator=g), torch.randn(C, generator=g), torch.randn(3, 5, C, generator=g)
+    with torch.no_grad():
+        y = ppma.ops.layer_norm(x, w, b, 1e-6)
+        xi = x.clone()
+        z = ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)
+    out[str(C)] = [y.flatten().tolist(), z.flatten().tolist(), torch.equal(xi, x + r)]
+print(json.dumps(out))
+"""
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
+def test_every_simd_path(capability):
+    """Each SIMD path the machine has (a fresh process capped at it) matches F.layer_norm, with channel counts that
+    leave tails of every width."""
+    res = subprocess.run([sys.executable, "-c", _PATH_CODE], env=cpu_subprocess_env(capability), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["cap"] == capability
+    for C in (3, 7, 16, 17, 64, 100, 768):
+        g = torch.Generator().manual_seed(C)
+        x = torch.randn(3, 5, C, generator=g) * 3 + 0.5
+        w, b, r = torch.randn(C, generator=g), torch.randn(C, generator=g), torch.randn(3, 5, C, generator=g)
+        y, z, added = got[str(C)]
+        assert added is True
+        _close(torch.tensor(y).view(3, 5, C), F.layer_norm(x, (C,), w, b, 1e-6))
+        _close(torch.tensor(z).view(3, 5, C), F.layer_norm(x + r, (C,), w, b, 1e-6))
