@@ -281,21 +281,24 @@ def test_residual_kernel_bf16_rounds_once(shape):
 
 
 def test_residual_kernel_deterministic_across_thread_counts():
+    """Bitwise the same for 1-4 threads, with tasks per image (small maps, at least as many images as threads) and
+    per (image, channel slot) (4 threads on 3 images; a map of over 1 MiB per image)."""
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(3, 13, 11, 72, generator=gen)
-    w = torch.randn(72, 1, 3, 3, generator=gen)
-    b = torch.randn(72, generator=gen)
     n = torch.get_num_threads()
-    out = []
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            y = x.clone()
-            torch.ops.ppma.depthwise_conv2d_residual_(y, w, b)
-            out.append(y)
-    finally:
-        torch.set_num_threads(n)
-    assert all(torch.equal(o, out[0]) for o in out[1:])
+    for shape in ((3, 13, 11, 72), (2, 40, 40, 176)):
+        x = torch.randn(shape, generator=gen)
+        w = torch.randn(shape[-1], 1, 3, 3, generator=gen)
+        b = torch.randn(shape[-1], generator=gen)
+        out = []
+        try:
+            for t in (1, 2, 3, 4):
+                torch.set_num_threads(t)
+                y = x.clone()
+                torch.ops.ppma.depthwise_conv2d_residual_(y, w, b)
+                out.append(y)
+        finally:
+            torch.set_num_threads(n)
+        assert all(torch.equal(o, out[0]) for o in out[1:]), shape
 
 
 _RESIDUAL_PATH_CODE = """

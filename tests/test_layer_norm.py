@@ -97,7 +97,8 @@ def test_falls_back_to_torch():
     xd = x.double()
     with torch.no_grad():
         assert not ln_uses_kernel(xd, w.double(), b.double())
-        assert torch.equal(ppma.ops.layer_norm(xd, w.double(), b.double()), F.layer_norm(xd, (16,), w.double(), b.double()))
+        wd, bd = w.double(), b.double()
+        assert torch.equal(ppma.ops.layer_norm(xd, wd, bd), F.layer_norm(xd, (16,), wd, bd))
         xt = x.transpose(0, 1)
         assert not ln_uses_kernel(xt, w, b)
         assert torch.equal(ppma.ops.layer_norm(xt, w, b), F.layer_norm(xt, (16,), w, b))
@@ -182,3 +183,27 @@ def test_every_simd_path(capability):
         assert added is True
         _close(torch.tensor(y).view(3, 5, C), F.layer_norm(x, (C,), w, b, 1e-6))
         _close(torch.tensor(z).view(3, 5, C), F.layer_norm(x + r, (C,), w, b, 1e-6))
+
+
+@needs_ext
+def test_layer_norm_module():
+    """``ppma.nn.LayerNorm``: nn.LayerNorm's parameters and state dict; in eager CPU inference its forward is the
+    kernel (bit for bit ``ppma.ops.layer_norm``, and ``add_layer_norm_`` with its parameters is bit for bit the
+    module on the sum); with a gradient recorded or fast paths off it is nn.LayerNorm's forward exactly."""
+    ref = torch.nn.LayerNorm(32, eps=1e-6)
+    torch.nn.init.normal_(ref.weight), torch.nn.init.normal_(ref.bias)
+    mod = ppma.nn.LayerNorm(32, eps=1e-6)
+    mod.load_state_dict(ref.state_dict())
+    assert list(mod.state_dict()) == list(ref.state_dict()) and isinstance(mod, torch.nn.LayerNorm)
+    x, _, _, r = _inputs((2, 5, 6, 32))
+    with torch.inference_mode():
+        assert mod.fast_path(x)
+        y = mod(x)
+        assert torch.equal(y, ppma.ops.layer_norm(x, mod.weight, mod.bias, 1e-6))
+        _close(y, ref(x))
+        xi = x.clone()
+        assert torch.equal(ppma.ops.add_layer_norm_(xi, r, mod.weight, mod.bias, 1e-6), mod(x + r))
+        with ppma.nn.use_inference_fast_paths(False):
+            assert not mod.fast_path(x) and torch.equal(mod(x), ref(x))
+    assert not mod.fast_path(x)  # parameters that require grad, grad mode on
+    assert torch.equal(mod(x), ref(x))

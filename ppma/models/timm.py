@@ -22,17 +22,17 @@ from ppma.checkpoint import EVAL_KEYS, convert_official_state_dict
 from ppma.checkpoint.hub import CLASSIFICATION_FILES, HF_REPO_ID
 from ppma.models.ppma import MODEL_CONFIGS, PPMA
 from ppma.nn import DropPath, DWConv2d, PPMAAttention, RotaryEmbedding2D
-from ppma.nn.layers import ConvFFN, ConvStem, PatchMerging
+from ppma.nn.layers import ConvFFN, ConvStem, LayerNorm, PatchMerging
 from ppma.nn.padre import PADReMixer
 from ppma.nn.surrogate import SurrogateAttention
 
 # Leaves of timm's FX tracing (``features_only=True, feature_cls="fx"``, ``create_feature_extractor``): these modules
 # read tensor shapes or dtypes in Python (reshapes to heads, RoPE tables per map size, the per-sample drop mask,
 # the depthwise convolution's folded residual), choose an inference path at run time (the stem and patch merging
-# fold their BatchNorms, ConvFFN's linears run oneDNN's, ppma.nn.layers) or call the fused ops, so FX records each as
-# one call instead of tracing into it. A new token mixer module is added here.
+# fold their BatchNorms, ConvFFN's linears run oneDNN's, the block's LayerNorms ppma's, ppma.nn.layers) or call the
+# fused ops, so FX records each as one call instead of tracing into it. A new token mixer module is added here.
 for _leaf in (PPMAAttention, PADReMixer, SurrogateAttention, RotaryEmbedding2D, DropPath, DWConv2d, ConvStem,
-              PatchMerging, ConvFFN):
+              PatchMerging, ConvFFN, LayerNorm):
     register_notrace_module(_leaf)
 
 __all__ = ["checkpoint_filter_fn", "default_cfgs"]

@@ -7,6 +7,7 @@ from ppma.nn.layers import (
     ConvStem,
     DropPath,
     DWConv2d,
+    LayerNorm,
     LayerScale,
     PatchMerging,
     inference_fast_paths_enabled,
@@ -50,4 +51,5 @@ __all__ = [
     "set_inference_fast_paths",
     "inference_fast_paths_enabled",
     "use_inference_fast_paths",
+    "LayerNorm",
 ]

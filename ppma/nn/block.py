@@ -9,7 +9,7 @@ import ppma.ops as ops
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
-from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerScale, _eager_inference
+from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerNorm, LayerScale, _eager_inference
 from ppma.nn.surrogate import SurrogateAttention
 
 __all__ = ["PPMABlock", "MIXERS", "MIXER_FACTORIES"]
@@ -38,13 +38,6 @@ MIXER_FACTORIES = {
     "sab": lambda dim, num_heads, *, mask, gamma: SurrogateAttention(dim, num_heads),
 }
 MIXERS = tuple(MIXER_FACTORIES)
-
-
-def _plain_layer_norm(norm: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``norm`` is a plain ``nn.LayerNorm`` over ``x``'s last dimension with a weight and a bias (what
-    ``ppma.ops.layer_norm`` computes)."""
-    return (type(norm) is nn.LayerNorm and norm.normalized_shape == (x.shape[-1],) and norm.weight is not None
-            and norm.bias is not None)
 
 
 class PPMABlock(nn.Module):
@@ -86,7 +79,7 @@ class PPMABlock(nn.Module):
     ) -> None:
         super().__init__()
         self.cpe = DWConv2d(dim, 3)
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1 = LayerNorm(dim, eps=1e-6)
         if mixer not in MIXER_FACTORIES:
             raise ValueError(f"PPMABlock: mixer must be one of {MIXERS}, got {mixer!r}")
         if mlp not in MLPS:
@@ -94,7 +87,7 @@ class PPMABlock(nn.Module):
         self.attn = MIXER_FACTORIES[mixer](dim, num_heads, mask=mask, gamma=gamma)
         self.ls1 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = LayerNorm(dim, eps=1e-6)
         self.mlp = ConvFFN(dim, int(mlp_ratio * dim), mlp=mlp)
         self.ls2 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
@@ -103,17 +96,15 @@ class PPMABlock(nn.Module):
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
         y = self.cpe(x, residual=True)  # x + cpe(x)
         # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added into it in
-        # place (the same values), no new map of the block's size for each; with plain LayerNorms the norms run
-        # ppma's kernel, the first residual sum and norm2 in one pass over y (ppma.ops.add_layer_norm_)
+        # place (the same values), no new map of the block's size for each; where norm2 runs ppma's kernel, the first
+        # sum and norm2 are one pass over y (ppma.ops.add_layer_norm_: bit for bit norm2(y + a))
         inplace = y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2)
-        norms = inplace and _plain_layer_norm(self.norm1, y) and _plain_layer_norm(self.norm2, y)
-        n1 = self.norm1
-        a = self.drop_path1(self.ls1(self.attn(
-            ops.layer_norm(y, n1.weight, n1.bias, n1.eps) if norms else n1(y), rope)))
-        if norms and a.shape == y.shape:
-            h = ops.add_layer_norm_(y, a, self.norm2.weight, self.norm2.bias, self.norm2.eps)
+        a = self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
+        n2 = self.norm2
+        if inplace and type(n2) is LayerNorm and n2.fast_path(y) and a.shape == y.shape and a.dtype == y.dtype:
+            h = ops.add_layer_norm_(y, a, n2.weight, n2.bias, n2.eps)
         else:
             y = y.add_(a) if inplace else y + a
-            h = self.norm2(y)
+            h = n2(y)
         m = self.drop_path2(self.ls2(self.mlp(h)))
         return y.add_(m) if inplace else y + m

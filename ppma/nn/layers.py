@@ -12,12 +12,13 @@ from ppma.nn.monarch import MonarchLinear
 from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
 from ppma.ops.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
 from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
+from ppma.ops.layer_norm import layer_norm as _layer_norm_op
 from ppma.ops import _dispatch
 from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
 
-__all__ = ["DWConv2d", "DropPath", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead", "MLPS",
-           "linear", "linears", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled",
+__all__ = ["DWConv2d", "DropPath", "LayerNorm", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead",
+           "MLPS", "linear", "linears", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled",
            "use_inference_fast_paths"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
@@ -54,9 +55,9 @@ def set_inference_fast_paths(enabled: bool) -> None:
     ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data), the FFN's in-place ``h + dwconv(h)``,
     the LePE added in place (:class:`DWConv2d`), RoPE on the attention's own q and k in place
     (:func:`ppma.ops.rope_`), the block's residual sums added into its own CPE output and its LayerNorms on
-    ppma's kernels (:func:`ppma.ops.layer_norm`, :func:`ppma.ops.add_layer_norm_`). Off, every module runs
-    its plain torch call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding),
-    e.g. to compare with other code bit for bit, or the stand-in for the official code in
+    ppma's kernels (:class:`LayerNorm`, :func:`ppma.ops.add_layer_norm_`). Off, every module runs its plain torch
+    call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding), e.g. to
+    compare with other code bit for bit, or the stand-in for the official code in
     ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead.
     ``PPMA_INFERENCE_FAST_PATHS=0`` in the environment switches them off at import."""
     global _fast_paths
@@ -344,6 +345,26 @@ class DWConv2d(nn.Module):
         # fails on permuted conv outputs (torch 2.13, "ValueRangeError: Invalid ranges")
         y = y.permute(0, 2, 3, 1).contiguous()
         return x + y if residual else y
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (the same parameters, state dict and numbers up to rounding) whose eager CPU inference runs
+    ppma's kernel, :func:`ppma.ops.layer_norm` (float32; 2x torch's at PPMA-T's widths, docs/ops.md "layer_norm"):
+    over the last dimension, with a weight and a bias, fast paths on (:func:`set_inference_fast_paths`), no
+    gradient recorded, no hooks, outside torch.compile, tracing and export. Everywhere else ``nn.LayerNorm``'s
+    forward. PPMABlock's ``norm1`` and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes
+    its norms as the eager one does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_path(x):
+            return _layer_norm_op(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+    def fast_path(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs ppma's kernel on ``x`` (and so whether ``ppma.ops.add_layer_norm_`` with
+        this module's parameters gives its numbers for a sum)."""
+        return (len(self.normalized_shape) == 1 and self.weight is not None and self.bias is not None
+                and _eager_inference(x, self))
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
