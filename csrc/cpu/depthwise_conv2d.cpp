@@ -6,8 +6,8 @@
 //   y[b, h, w, c] = (bias[c] + x[b, h, w, c]) + sum_{i, j} weight[c, i, j] * x[b, h + i - k // 2, w + j - k // 2, c]
 // with x zero outside the map and the taps added in row-major order, in float32 (a bf16 map is widened as its rows
 // are kept, and each output is rounded to bf16 once, to nearest even). Every task owns one batch element and a
-// slot of up to kMaxSlot channels (or, for maps of up to kImageBytes per element, all the slots of one element in
-// turn) and walks its rows top to bottom, keeping the original values of the k rows around
+// slot of up to kMaxSlot channels (all the slots of one element in turn where there are at least as many elements as
+// threads: parallel_image_tasks, cpu/utils.h) and walks its rows top to bottom, keeping the original values of the k rows around
 // the current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that row. Each output is
 // written by one task in one fixed order: deterministic and independent of the thread count.
 //
@@ -42,9 +42,6 @@ namespace {
 constexpr int64_t CB = 16;
 // Channels of a slot of the residual convolution's rings, at most (a multiple of CB).
 constexpr int64_t kMaxSlot = 64;
-// The largest map of one batch element whose slots the residual convolution runs as one task (an L2 of this
-// project's CPUs, 1 MiB per core).
-constexpr int64_t kImageBytes = int64_t(1) << 20;
 
 // Adds g[c] * x[c] to acc[c] for the n <= CB channels of a block: whole vectors of the task's lane width for a
 // full float block, a plain loop otherwise (double, the last block of a C that is not a multiple of CB).
@@ -332,11 +329,8 @@ void residual_conv(const X* src, X* dst, const float* weight, const float* bias,
                    int64_t C, int64_t K, bool gelu = false) {
   const int64_t P = K / 2, cw = std::min(kMaxSlot, ceil_div(C, CB) * CB), nblk = ceil_div(C, cw);
   const int64_t slot = (W + 2 * P) * cw;
-  // Task t: slot t % nblk of batch element t / nblk. Where one element's map fits in kImageBytes and there are at
-  // least as many elements as threads, a task runs all the slots of one element in order (its map is read into one
-  // core's cache once; the slots of one element on two cores at a time measured 0.41 against 0.46 ms on one core at
-  // [8, 14, 14, 768]); each slot's outputs are the same either way.
-  const bool per_image = H * W * C * static_cast<int64_t>(sizeof(X)) <= kImageBytes && B >= at::get_num_threads();
+  // Task t: slot t % nblk of batch element t / nblk, grouped per element where there are enough elements
+  // (parallel_image_tasks); each slot's outputs are the same either way.
   auto run_slot = [&](int64_t t, std::vector<float>& buf) {
     std::fill(buf.begin(), buf.end(), 0.0f);  // the padding columns and channels, the zero row
     const int64_t b = t / nblk, c0 = (t % nblk) * cw, n = std::min(cw, C - c0);
@@ -397,14 +391,7 @@ void residual_conv(const X* src, X* dst, const float* weight, const float* bias,
       }
     });
   };
-  auto scratch = [&] { return std::vector<float>((K + 1) * slot + (K * K + 1) * cw); };
-  if (per_image) {
-    parallel_tasks(B, scratch, [&](int64_t b, std::vector<float>& buf) {
-      for (int64_t j = 0; j < nblk; ++j) run_slot(b * nblk + j, buf);
-    });
-  } else {
-    parallel_tasks(B * nblk, scratch, run_slot);
-  }
+  parallel_image_tasks(B, nblk, [&] { return std::vector<float>((K + 1) * slot + (K * K + 1) * cw); }, run_slot);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -413,7 +400,8 @@ void residual_conv(const X* src, X* dst, const float* weight, const float* bias,
 //   grad_h[p]     = GELU'(h[p]) * (g[p] + sum_{i, j} weight[c, i, j] * g[p - (i - P, j - P)])
 //   grad_weight   = sum_p g[p] * a[p + (i - P, j - P)],   grad_bias = sum_p g[p]
 // (maps zero outside), a and GELU' recomputed from h, so that the forward keeps h only. One pass over g and h,
-// writing grad_h: every task owns one batch element and a block of CB channels and walks its rows top to bottom
+// writing grad_h: every task owns one batch element and a block of CB channels (grouped per element:
+// parallel_image_tasks, cpu/utils.h) and walks its rows top to bottom
 // with rings of the k rows of g and of a around the current one (zero-padded, per-thread scratch) and of GELU';
 // its weight and bias sums go to its own slot, added over the batch in a fixed order afterwards: deterministic
 // and independent of the thread count.
@@ -424,8 +412,8 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
                                   int64_t C, float* gh, float* part) {
   constexpr int64_t K = KC, P = KC / 2, KK = KC * KC;
   const int64_t nblk = ceil_div(C, CB), slot = (W + 2 * P) * CB;
-  parallel_tasks(
-      B * nblk, [&] { return std::vector<float>((3 * K + 1) * slot + (KK + 1) * CB + W * CB); },
+  parallel_image_tasks(
+      B, nblk, [&] { return std::vector<float>((3 * K + 1) * slot + (KK + 1) * CB + W * CB); },
       [&](int64_t t, std::vector<float>& buf) {
     std::fill(buf.begin(), buf.end(), 0.0f);  // the padding columns and channels, the zero row
     const int64_t b = t / nblk, c0 = (t % nblk) * CB, n = std::min(CB, C - c0);

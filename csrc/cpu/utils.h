@@ -61,5 +61,22 @@ inline void parallel_tasks(int64_t ntasks, const Init& init, const Body& body) {
   });
 }
 
+// parallel_tasks over tasks t = image * parts + part (an image's channel blocks, say): where there are at least as
+// many images as threads, one task per image running its parts in order; else one task per (image, part). The
+// parts of one image on two cores at a time slow both down (each core's prefetchers pull the other's adjacent lines
+// of the same rows, which it then writes): the FFN's in-place depthwise convolution at PPMA-T's b8@224 shapes, 2
+// threads, measured 0.64-0.70 against 0.41-0.54 ms at [8, 28, 28, 384] and 1.5-2.3 against 1.3-1.6 ms at
+// [8, 56, 56, 192] per part against per image. body(t, scratch) must not depend on which grouping ran it.
+template <typename Init, typename Body>
+inline void parallel_image_tasks(int64_t images, int64_t parts, const Init& init, const Body& body) {
+  if (images >= at::get_num_threads()) {
+    parallel_tasks(images, init, [&](int64_t b, auto& scratch) {
+      for (int64_t j = 0; j < parts; ++j) body(b * parts + j, scratch);
+    });
+  } else {
+    parallel_tasks(images * parts, init, body);
+  }
+}
+
 }  // namespace cpu
 }  // namespace ppma
