@@ -150,7 +150,6 @@ def test_kernel_checks():
 _PATH_CODE = r"""
 import json, torch, ppma
 from ppma import backends
-from ppma.ops.layer_norm import uses_kernel as ln_uses_kernel
 out = {"cap": backends.cpu_capability()}
 for C in (3, 7, 16, 17, 64, 100, 768):
     g = torch.Generator().manual_seed(C)

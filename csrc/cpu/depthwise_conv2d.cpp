@@ -6,10 +6,10 @@
 //   y[b, h, w, c] = (bias[c] + x[b, h, w, c]) + sum_{i, j} weight[c, i, j] * x[b, h + i - k // 2, w + j - k // 2, c]
 // with x zero outside the map and the taps added in row-major order, in float32 (a bf16 map is widened as its rows
 // are kept, and each output is rounded to bf16 once, to nearest even). Every task owns one batch element and a
-// slot of up to kMaxSlot channels (all the slots of one element in turn where there are at least as many elements as
-// threads: parallel_image_tasks, cpu/utils.h) and walks its rows top to bottom, keeping the original values of the k rows around
-// the current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that row. Each output is
-// written by one task in one fixed order: deterministic and independent of the thread count.
+// slot of up to kMaxSlot channels (all the slots of one element in turn where there are at least as many elements
+// as threads: parallel_image_tasks, cpu/utils.h) and walks its rows top to bottom, keeping the original values of
+// the k rows around the current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that
+// row. Each output is written by one task in one fixed order: deterministic and independent of the thread count.
 //
 // ppma::gelu_depthwise_conv2d_residual_forward (training, float32): out = a + conv(a) + bias with a = GELU(h), the
 // same ring walk from h into a new map, GELU applied to each row as it enters the ring (docs/ops.md
@@ -401,8 +401,8 @@ void residual_conv(const X* src, X* dst, const float* weight, const float* bias,
 //   grad_weight   = sum_p g[p] * a[p + (i - P, j - P)],   grad_bias = sum_p g[p]
 // (maps zero outside), a and GELU' recomputed from h, so that the forward keeps h only. One pass over g and h,
 // writing grad_h: every task owns one batch element and a block of CB channels (grouped per element:
-// parallel_image_tasks, cpu/utils.h) and walks its rows top to bottom
-// with rings of the k rows of g and of a around the current one (zero-padded, per-thread scratch) and of GELU';
+// parallel_image_tasks, cpu/utils.h) and walks its rows top to bottom with rings of the k rows of g and of a
+// around the current one (zero-padded, per-thread scratch) and of GELU';
 // its weight and bias sums go to its own slot, added over the batch in a fixed order afterwards: deterministic
 // and independent of the thread count.
 

@@ -71,11 +71,12 @@ void check_args(const char* op, const at::Tensor& x, const at::Tensor& weight, c
   }
 }
 
-// y = layer_norm(x) row by row (x += r first where r is given); rows split over the threads.
-void norm_rows(at::Tensor& x, const float* r, const at::Tensor& weight, const at::Tensor& bias, double eps,
-               at::Tensor& y) {
-  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
-  if (rows == 0 || C == 0) return;
+// y = layer_norm(x) row by row (x += r first where r is given, written into x); rows split over the threads.
+void norm_rows(const at::Tensor& x, const float* r, const at::Tensor& weight, const at::Tensor& bias, double eps,
+               const at::Tensor& y) {
+  const int64_t C = x.size(-1);
+  if (C == 0 || x.numel() == 0) return;
+  const int64_t rows = x.numel() / C;
   float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const at::Tensor wc = weight.contiguous(), bc = bias.contiguous();
@@ -93,9 +94,8 @@ void norm_rows(at::Tensor& x, const float* r, const at::Tensor& weight, const at
 at::Tensor layer_norm_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
   constexpr const char* op = "ppma::layer_norm";
   check_args(op, x, weight, bias);
-  at::Tensor xc = x;  // read only: norm_rows writes x only where a residual is given
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  norm_rows(xc, nullptr, weight, bias, eps, y);
+  norm_rows(x, nullptr, weight, bias, eps, y);  // no residual: x is only read
   return y;
 }
 
@@ -109,9 +109,8 @@ at::Tensor add_layer_norm_inplace_cpu(const at::Tensor& x, const at::Tensor& res
   TORCH_CHECK(residual.device() == x.device(), op, ": residual is on ", residual.device(), " but x is on ",
               x.device());
   const at::Tensor rc = residual.contiguous();
-  at::Tensor xw = x;
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  norm_rows(xw, rc.data_ptr<float>(), weight, bias, eps, y);
+  norm_rows(x, rc.data_ptr<float>(), weight, bias, eps, y);
   return y;
 }
 
