@@ -11,9 +11,9 @@
 //             grad log_alpha)
 // with g = 0.5 grad_out. Every output element is written by exactly one task per phase: deterministic.
 // Memory: the inputs are read in place (queries, values and the z buffers through their row strides, the keys
-// of each line transposed into per-thread scratch; scale multiplies the products); the forward needs
-// one input-sized buffer (z1, then z2) and at most kRowMapBytes of row maps, the backward two ((z1, dz2), then
-// (z2, dz1)) and as many row maps besides its outputs.
+// of each line transposed into per-thread scratch; scale multiplies the products). Besides its outputs a call
+// needs at most kRowMapBytes of row maps and kGroupBytes of z buffers (z1, then z2; the backward's (z1, dz2),
+// then (z2, dz1)): the phases run per group of (batch, head) pairs whose scratch fits both (pair_groups).
 //
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
 // task runs at the lane width with_lanes() chooses (line kernels take it as their first argument).
@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common/checks.h"
@@ -114,13 +115,14 @@ inline void line_logits(Lanes<L> ln, int64_t n, int64_t d, const T* Q, int64_t q
 }
 
 // In-place row softmax of X [n][n], exp(x - m) * (1 / s); lse[j * ls] = logsumexp of row j. mx: the rows' maxima
-// (from add_line_bias), or null. st (or null): row j's m and 1 / s at st[j * ls], st[j * ls + 1], from which
+// (from add_line_bias), or null. st (or null): row j's m and 1 / s at st[j * ss], st[j * ss + 1], from which
 // add_line_bias recomputes the map bit for bit. Rows in blocks of kSoftmaxRows: the exponentials and sums of a
 // block's rows first (independent rows, whose chains of exps and lane sums overlap), then each row's 1 / s, scaling
 // and log; done row by row, each row's log and division waited on its sum (the same values either way).
 constexpr int64_t kSoftmaxRows = 16;
 template <int L, typename T>
-inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const T* mx = nullptr, T* st = nullptr) {
+inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const T* mx = nullptr, T* st = nullptr,
+                         int64_t ss = 0) {
   for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxRows) {
     const int64_t rows = std::min(kSoftmaxRows, n - j0);
     T m[kSoftmaxRows], s[kSoftmaxRows];
@@ -134,7 +136,7 @@ inline void line_softmax(Lanes<L> ln, int64_t n, T* X, T* lse, int64_t ls, const
       const T a = T(1) / s[u];
       scale_inplace(n, X + j * n, a);
       lse[j * ls] = m[u] + std::log(s[u]);
-      if (st) st[j * ls] = m[u], st[j * ls + 1] = a;
+      if (st) st[j * ss] = m[u], st[j * ss + 1] = a;
     }
   }
 }
@@ -343,13 +345,13 @@ inline Rows<T> line_scores(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li
   return q;
 }
 
-// out = P v for the line's map P (in X, or S.X; its values read by line_rows): z1 = A v of a row, z2 = B v of a
-// column.
+// out = P v (rows at stride os) for the line's map P (in X, or S.X; its values read by line_rows): z1 = A v of a
+// row, z2 = B v of a column.
 template <int L, typename T, typename I>
-inline void line_values(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, T* out,
+inline void line_values(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, T* out, int64_t os,
                         const T* X = nullptr) {
   const Rows<T> v = line_rows(li, D.v, D.dv, S.v);
-  line_apply(ln, li.n, D.dv, X ? X : S.X, v.p, v.s, li.at(out, D.dv), li.ld(D.dv));
+  line_apply(ln, li.n, D.dv, X ? X : S.X, v.p, v.s, out, os);
 }
 
 // The forward keeps the row maps A of phase 1 for phase 3 (instead of recomputing them there) for as many
@@ -371,44 +373,89 @@ inline int64_t pairs_kept(int64_t BG, int64_t H, int64_t elems, int64_t bytes) {
 // them rather than once per head.
 inline int64_t group_line(int64_t g0, int64_t gn, int64_t per, int64_t u) { return (g0 + u % gn) * per + u / gn; }
 
-// Forward. Z: [B, N, G, dv] scratch (z1, then z2 in place, column by column). The phases run per group of
-// (batch, head) pairs (kRowMapBytes); a group's lines are t = group_line(g0, gn, H, u) (rows) or
-// group_line(g0, gn, W, u) (columns).
+// The scratch maps of a group besides its row maps (the z buffers; the bf16 forward's float32 first half of out)
+// hold the group's pairs only, [pair][N][dv] (each pair's grid row-major, so a row's features are contiguous): at
+// most kGroupBytes for all of them together, so that a call's scratch stays small whatever its inputs' size (no
+// input-sized buffer made and freed, and its pages faulted in, at every call).
+constexpr int64_t kGroupBytes = int64_t(1) << 20;
+
+// A phase's task u as a line of a group's scratch maps (line group_line(0, gn, per, u) of pair u % gn there): its
+// first position at(base, ch) and the positions' stride ld(ch), as Line.
+struct GroupLine {
+  int64_t tok, ts;
+  GroupLine(int64_t H, int64_t W, int64_t gn, bool rows, int64_t u) {
+    const int64_t t = group_line(0, gn, rows ? H : W, u), per = rows ? H : W;
+    tok = t / per * H * W + line_token(rows, t % per, 0, W);
+    ts = line_stride(rows, W);
+  }
+  template <typename P>
+  P* at(P* base, int64_t ch) const {
+    return base + tok * ch;
+  }
+  int64_t ld(int64_t ch) const { return ts * ch; }
+};
+
+// The pairs of a group: at most pairs_kept(...) where the row maps are kept (keep), and no more than fit
+// kGroupBytes at `bytes` of scratch maps per pair (at least one).
+struct Groups {
+  int64_t size;
+  bool keep;
+};
+inline Groups pair_groups(int64_t BG, int64_t H, int64_t map_elems, int64_t map_bytes, int64_t bytes) {
+  const int64_t kept = pairs_kept(BG, H, map_elems, map_bytes);
+  return {std::min(kept ? kept : BG, std::max<int64_t>(1, kGroupBytes / bytes)), kept > 0};
+}
+
+// An uninitialised buffer of n elements (every element is written before it is read).
+template <typename T>
+std::unique_ptr<T[]> uninit(int64_t n) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
+}
+
+// Forward. The phases run per group of (batch, head) pairs (pair_groups); a group's lines are
+// t = group_line(g0, gn, H, u) (rows) or group_line(g0, gn, W, u) (columns). Z: the group's z1, then z2 in place
+// (column by column), [pair][N][dv] (GroupLine).
 template <typename T, typename I>
-void forward_kernel(const CCData<T, I>& D, T* out, T* lse, T* Z) {
+void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
-  const int64_t keep = pairs_kept(BG, H, nn, sizeof(T)), group = keep ? keep : BG;
-  std::vector<T> maps(keep * H * nn);                  // the group's row maps, [pair][row][W][W]
-  std::vector<T> stats(keep ? 0 : 2 * D.B * D.N * D.G);  // else the rows' m and 1 / s, [B, N, G, 2]
+  const Groups gr = pair_groups(BG, H, nn, sizeof(T), D.N * dv * sizeof(T));
+  const int64_t group = gr.size;
+  const bool keep = gr.keep;
+  auto maps = uninit<T>(keep ? group * H * nn : 0);   // the group's row maps, [pair][row][W][W]
+  auto stats = uninit<T>(keep ? 0 : 2 * group * D.N);  // else the rows' m and 1 / s, [pair][N][2]
+  auto Z = uninit<T>(group * D.N * dv);
   for (int64_t g0 = 0; g0 < BG; g0 += group) {
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
     parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> r(D, true, group_line(g0, gn, H, u));
-      T* X = keep ? maps.data() + u * nn : S.X;
+      const GroupLine zr(H, W, gn, true, u);
+      T* X = keep ? maps.get() + u * nn : S.X;
       line_scores(ln, D, r, S, true, false, static_cast<const T*>(nullptr), 0, static_cast<const T*>(nullptr), X);
-      line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : r.at(stats.data(), 2));
-      line_values(ln, D, r, S, Z, X);
+      line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
+      line_values(ln, D, r, S, zr.at(Z.get(), dv), zr.ld(dv), X);
     });
     // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
     parallel_lines(D, gn * W, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> c(D, false, group_line(g0, gn, W, u));
+      const GroupLine zc(H, W, gn, false, u);
       line_scores(ln, D, c, S, true);
       line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
       // out = 0.5 B z1, z1 read in place before z2 replaces it
-      line_apply(ln, c.n, dv, S.X, c.at(Z, dv), c.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
-      line_values(ln, D, c, S, Z);  // z2 = B v
+      line_apply(ln, c.n, dv, S.X, zc.at(Z.get(), dv), zc.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
+      line_values(ln, D, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
     });
     // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
     parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const T* X = keep ? maps.data() + u * nn : nullptr;
+      const GroupLine zr(H, W, gn, true, u);
+      const T* X = keep ? maps.get() + u * nn : nullptr;
       if (!keep) {
-        const T* st = r.at(stats.data(), 2);
-        line_scores(ln, D, r, S, false, false, st, r.ld(2), st + 1);
+        const T* st = zr.at(stats.get(), 2);
+        line_scores(ln, D, r, S, false, false, st, zr.ld(2), st + 1);
         X = S.X;
       }
-      line_apply(ln, r.n, dv, X, r.at(Z, dv), r.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
+      line_apply(ln, r.n, dv, X, zr.at(Z.get(), dv), zr.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
     });
   }
 }
@@ -534,71 +581,78 @@ inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S, uint16_t* pb
   }
 }
 
-// C (=|+=) alpha * P src for the line's bf16 map (pb, or S.pb) and the line's rows of a bf16 [B, N, G, dv] tensor
-// src (gathered into S.vp); C rows at stride ldc.
+// C (=|+=) alpha * P src for the bf16 map of a line of n tokens (pb, or S.pb) and the line's n bf16 rows of dv
+// values at src, stride ss (gathered into S.vp); C rows at stride ldc.
 template <int L>
-inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, const Line<float>& li, LineScratchBf16& S,
-                            const uint16_t* src, float* C, int64_t ldc, bool accumulate, float alpha,
+inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, int64_t n, LineScratchBf16& S, const uint16_t* src,
+                            int64_t ss, float* C, int64_t ldc, bool accumulate, float alpha,
                             const uint16_t* pb = nullptr) {
-  const int64_t n = li.n, dv = D.dv, n2 = ceil_div(n, 2);
-  gather_pairs_positions(n, dv, li.at(src, dv), li.ld(dv), S.vp, S.dvp);
+  const int64_t dv = D.dv, n2 = ceil_div(n, 2);
+  gather_pairs_positions(n, dv, src, ss, S.vp, S.dvp);
   small_gemm_bf16(ln, n, dv, n2, pb ? pb : S.pb, n2, reinterpret_cast<const uint16_t*>(S.vp), S.dvp, C, ldc,
                   accumulate, alpha);
 }
 
-// The line's rows of Z (bf16 [B, N, G, dv]) = bf16(P v) (P: pb, or S.pb).
+// The line's rows z (stride zs) = bf16(P v) (P: pb, or S.pb).
 template <int L>
 inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                             LineScratchBf16& S, uint16_t* Z, const uint16_t* pb = nullptr) {
+                             LineScratchBf16& S, uint16_t* z, int64_t zs, const uint16_t* pb = nullptr) {
   const int64_t dv = D.dv;
-  line_apply_bf16(ln, D, li, S, P.v, S.O, dv, false, 1.0f, pb);
-  uint16_t* z = li.at(Z, dv);
-  for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, z + j * li.ld(dv));
+  line_apply_bf16(ln, D, li.n, S, li.at(P.v, dv), li.ld(dv), S.O, dv, false, 1.0f, pb);
+  for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, z + j * zs);
 }
 
-// forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused); Z: bf16
-// [B, N, G, dv] scratch (z1, then z2 in place, column by column). The row maps are kept in bf16 (as rounded for
-// their products) for the groups of pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. out: float32
-// 0.5 B z1 after phase 2; phase 3 adds 0.5 A z2 to each row's copy in scratch and writes the sum rounded to bf16
-// into outb (the float32 sum rounded once, as out.to(bf16) would, without that pass over out).
-void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, float* lse, uint16_t* Z,
-                         uint16_t* outb) {
+// forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused). Per group of
+// pairs (pair_groups), Z: bf16 z1, then z2 in place (column by column), and O1: float32 0.5 B z1 after phase 2,
+// [pair][N][dv] each (GroupLine). The row maps are kept in bf16 (as rounded for their products) for the groups of
+// pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. Phase 3 adds 0.5 A z2 to each row's copy of
+// O1 in scratch and writes the sum rounded to bf16 into outb (the float32 sum rounded once, as a float32 out's
+// .to(bf16) would, without that pass).
+void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, uint16_t* outb) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nw = W * (W + (W & 1));
-  const int64_t keep = pairs_kept(BG, H, nw, sizeof(uint16_t)), group = keep ? keep : BG;
-  std::vector<uint16_t> maps(keep * H * nw);               // the group's row maps in bf16, [pair][row][W][W2]
-  std::vector<float> stats(keep ? 0 : 2 * D.B * D.N * D.G);  // else the rows' m and 1 / s, [B, N, G, 2]
+  const Groups gr = pair_groups(BG, H, nw, sizeof(uint16_t), D.N * dv * (sizeof(uint16_t) + sizeof(float)));
+  const int64_t group = gr.size;
+  const bool keep = gr.keep;
+  auto maps = uninit<uint16_t>(keep ? group * H * nw : 0);  // the group's row maps in bf16, [pair][row][W][W2]
+  auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);    // else the rows' m and 1 / s, [pair][N][2]
+  auto Z = uninit<uint16_t>(group * D.N * dv);
+  auto O1 = uninit<float>(group * D.N * dv);
   for (int64_t g0 = 0; g0 < BG; g0 += group) {
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> r(D, true, group_line(g0, gn, H, u));
-      uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
+      const GroupLine zr(H, W, gn, true, u);
+      uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
       line_scores_bf16(ln, D, P, r, S);
       line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
-                   keep ? nullptr : r.at(stats.data(), 2));
+                   keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
       map_to_bf16(ln, r.n, S, pb);
-      line_values_bf16(ln, D, P, r, S, Z, pb);
+      line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), pb);
     });
-    // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1, which is gathered first).
+    // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
     parallel_lines_bf16(D, gn * W, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> c(D, false, group_line(g0, gn, W, u));
+      const GroupLine zc(H, W, gn, false, u);
       line_scores_bf16(ln, D, P, c, S);
       line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
       map_to_bf16(ln, c.n, S);
-      line_apply_bf16(ln, D, c, S, Z, c.at(out, dv), c.ld(dv), false, 0.5f);  // out = 0.5 B z1
-      line_values_bf16(ln, D, P, c, S, Z);                                     // z2 = B v
+      line_apply_bf16(ln, D, c.n, S, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false,
+                      0.5f);                                                          // O1 = 0.5 B z1
+      line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
     });
-    // Phase 3: rows again, A kept or recomputed; outb = bf16(out + 0.5 A z2).
+    // Phase 3: rows again, A kept or recomputed; outb = bf16(O1 + 0.5 A z2).
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const uint16_t* pb = keep ? maps.data() + u * nw : S.pb;
+      const GroupLine zr(H, W, gn, true, u);
+      const uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
       if (!keep) {
-        const float* st = r.at(stats.data(), 2);
-        line_scores_bf16(ln, D, P, r, S, st, r.ld(2), st + 1);
+        const float* st = zr.at(stats.get(), 2);
+        line_scores_bf16(ln, D, P, r, S, st, zr.ld(2), st + 1);
         map_to_bf16(ln, r.n, S);
       }
-      gather_rows(r.n, dv, r.at(out, dv), r.ld(dv), S.O, dv);
-      line_apply_bf16(ln, D, r, S, Z, S.O, dv, true, 0.5f, pb);
+      gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
+      line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true, 0.5f, pb);
       uint16_t* o = r.at(outb, dv);
       for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, o + j * r.ld(dv));
     });
@@ -608,20 +662,21 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* out, fl
 
 // The gradients through one line's map P (B of a column, A of a row: the kept map X where given, else recomputed
 // into S.X from lse + side), given g = 0.5 grad_out, the gradient dz of the map's own product (dz2 for a column,
-// dz1 for a row) and the other product z (z1 for a column, z2 for a row): dP = g z^T + dz v^T, then line_backward
-// (dq, dk written or accumulated), grad v (=|+=) P^T dz and the line's log-decay gradients. Leaves [g | dz] in S.gu.
+// dz1 for a row) and the other product z (z1 for a column, z2 for a row; z and dz: the group's scratch maps, the
+// line's rows at zl): dP = g z^T + dz v^T, then line_backward (dq, dk written or accumulated), grad v (=|+=) P^T dz
+// and the line's log-decay gradients. Leaves [g | dz] in S.gu.
 template <int L, typename T, typename I>
 inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, LineScratch<T>& S, const T* go,
-                       const T* lse, int side, const T* z, const T* dz, T* dq, T* dk, T* gv, T* gdecay,
-                       bool accumulate, const T* X = nullptr) {
+                       const T* lse, int side, const GroupLine& zl, const T* z, const T* dz, T* dq, T* dk, T* gv,
+                       T* gdecay, bool accumulate, const T* X = nullptr) {
   const int64_t n = li.n, d = D.d, dv = D.dv;
   const Rows<T> q = X ? line_rows(li, D.q, d, S.q, true)
                       : line_scores(ln, D, li, S, false, true, li.at(lse, 2) + side, li.ld(2));  // the map P
   const T* P = X ? X : S.X;
   const Rows<T> k = line_rows(li, D.k, d, S.k, true);
   gather_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv, T(0.5));  // [g | dz], row stride 2 dv
-  gather_rows(n, dv, li.at(dz, dv), li.ld(dv), S.gu + dv, 2 * dv);
-  gather_rows_t(ln, n, dv, li.at(z, dv), li.ld(dv), S.ut);  // [z^T ; v^T]
+  gather_rows(n, dv, zl.at(dz, dv), zl.ld(dv), S.gu + dv, 2 * dv);
+  gather_rows_t(ln, n, dv, zl.at(z, dv), zl.ld(dv), S.ut);  // [z^T ; v^T]
   gather_input_rows_t(ln, n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n);
   line_backward(ln, n, d, dv, P, S.gu, 2 * dv, S.ut, q.p, q.s, k.p, k.s, D.scale, S.DX, S.gc, li.at(dq, d), li.ld(d),
                 li.at(dk, d), li.ld(d), accumulate);
@@ -629,40 +684,46 @@ inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, Li
   decay_grads_from_prefix(n, S.gc, 1, gdecay + li.tok, li.ts);
 }
 
-// Backward with g = 0.5 grad_out. ZA, ZB: [B, N, G, dv] scratch: (z1, dz2) after the rows, replaced by
-// (z2, dz1) column by column. The column phase writes dq, dk, dv (column parts), the last row phase adds
-// the row parts. Outputs in the [B, H, W, heads, *] layout, lse [B, H, W, heads, 2]. As the forward, the phases run
-// per group of (batch, head) pairs whose row maps A (recomputed from lse in phase 1) fit in kRowMapBytes, kept for
-// phase 3; where one pair's do not fit, phase 3 recomputes them, the same bits either way.
+// Backward with g = 0.5 grad_out. As the forward, the phases run per group of (batch, head) pairs (pair_groups;
+// the row maps A, recomputed from lse in phase 1, kept for phase 3 where they fit in kRowMapBytes, else recomputed
+// there, the same bits either way). ZA, ZB: the group's (z1, dz2) after the rows, replaced by (z2, dz1) column by
+// column, [pair][N][dv] each (GroupLine). The column phase writes dq, dk, dv (column parts), the last row phase adds
+// the row parts. Outputs in the [B, H, W, heads, *] layout, lse [B, H, W, heads, 2].
 template <typename T, typename I>
-void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* ZA, T* ZB, T* dq, T* dk, T* dv_out, T* gla,
-                     T* glb) {
+void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* dq, T* dk, T* dv_out, T* gla, T* glb) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
-  const int64_t keep = pairs_kept(BG, H, nn, sizeof(T)), group = keep ? keep : BG;
-  std::vector<T> maps(keep * H * nn);  // the group's row maps, [pair][row][W][W]
+  const Groups gr = pair_groups(BG, H, nn, sizeof(T), 2 * D.N * dv * sizeof(T));
+  const int64_t group = gr.size;
+  const bool keep = gr.keep;
+  auto maps = uninit<T>(keep ? group * H * nn : 0);  // the group's row maps, [pair][row][W][W]
+  auto ZA = uninit<T>(group * D.N * dv), ZB = uninit<T>(group * D.N * dv);
+  T *za = ZA.get(), *zb = ZB.get();
   for (int64_t g0 = 0; g0 < BG; g0 += group) {
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
     parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> r(D, true, group_line(g0, gn, H, u));
-      T* X = keep ? maps.data() + u * nn : S.X;
+      const GroupLine zr(H, W, gn, true, u);
+      T* X = keep ? maps.get() + u * nn : S.X;
       line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2), static_cast<const T*>(nullptr), X);
-      line_values(ln, D, r, S, ZA, X);
+      line_values(ln, D, r, S, zr.at(za, dv), zr.ld(dv), X);
       gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
-      line_apply_t(ln, r.n, dv, X, S.gu, dv, r.at(ZB, dv), r.ld(dv));
+      line_apply_t(ln, r.n, dv, X, S.gu, dv, zr.at(zb, dv), zr.ld(dv));
     });
     // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
     // replace z1 and dz2 of this column.
     parallel_lines(D, gn * W, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> c(D, false, group_line(g0, gn, W, u));
-      line_grads(ln, D, c, S, go, lse, 1, ZA, ZB, dq, dk, dv_out, glb, false);
-      line_values(ln, D, c, S, ZA);
-      line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, c.at(ZB, dv), c.ld(dv));
+      const GroupLine zc(H, W, gn, false, u);
+      line_grads(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
+      line_values(ln, D, c, S, zc.at(za, dv), zc.ld(dv));
+      line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, zc.at(zb, dv), zc.ld(dv));
     });
     // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
     parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      line_grads(ln, D, Line<T>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0, ZA, ZB, dq, dk, dv_out, gla, true,
-                 keep ? static_cast<const T*>(maps.data() + u * nn) : static_cast<const T*>(nullptr));
+      line_grads(ln, D, Line<T>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0, GroupLine(H, W, gn, true, u), za,
+                 zb, dq, dk, dv_out, gla, true,
+                 keep ? static_cast<const T*>(maps.get() + u * nn) : static_cast<const T*>(nullptr));
     });
   }
 }
@@ -708,13 +769,11 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
     // The bf16 inputs read in place (contiguous: a no-op for the usual layout); Z holds z1 and z2 in bf16.
     at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
-    at::Tensor Z = at::empty({B, H, W, G, dv}, q.options());
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
     CCData<float> D{nullptr,     nullptr, nullptr, cr.data_ptr<float>(), cct.data_ptr<float>(), B, G, H, W, H * W,
                     q.size(4), dv,      static_cast<float>(scale)};
     at::Tensor outb = at::empty({B, H, W, G, dv}, q.options());
-    forward_kernel_bf16(D, CCBf16{bits(qc), bits(kc), bits(vc)}, out.data_ptr<float>(), lse.data_ptr<float>(),
-                        reinterpret_cast<uint16_t*>(Z.data_ptr<at::BFloat16>()),
+    forward_kernel_bf16(D, CCBf16{bits(qc), bits(kc), bits(vc)}, lse.data_ptr<float>(),
                         reinterpret_cast<uint16_t*>(outb.data_ptr<at::BFloat16>()));
     return {outb, lse};
   }
@@ -722,14 +781,13 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
   if (out.numel() > 0) {
     at::Tensor qc = kernel_input(q, acc), kc = kernel_input(k, acc), vc = kernel_input(v, acc);
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
-    at::Tensor Z = at::empty({B, H, W, G, dv}, opts);
     if (q.scalar_type() == at::kBFloat16) {
       forward_kernel(make_data<float, uint16_t>(qc, kc, vc, cr, cct, scale), out.data_ptr<float>(),
-                     lse.data_ptr<float>(), Z.data_ptr<float>());
+                     lse.data_ptr<float>());
     } else {
       AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_cpu", [&] {
         forward_kernel(make_data<scalar_t>(qc, kc, vc, cr, cct, scale), out.data_ptr<scalar_t>(),
-                       lse.data_ptr<scalar_t>(), Z.data_ptr<scalar_t>());
+                       lse.data_ptr<scalar_t>());
       });
     }
   }
@@ -754,17 +812,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
     at::Tensor qc = kernel_input(q, acc), kc = kernel_input(k, acc), vc = kernel_input(v, acc);
     at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
-    at::Tensor ZA = at::empty({B, H, W, G, dv}, opts), ZB = at::empty_like(ZA);
     if (q.scalar_type() == at::kBFloat16) {
       backward_kernel(make_data<float, uint16_t>(qc, kc, vc, cr, cct, scale), goc.data_ptr<float>(),
-                      lsec.data_ptr<float>(), ZA.data_ptr<float>(), ZB.data_ptr<float>(), dq.data_ptr<float>(),
-                      dk.data_ptr<float>(), dv_.data_ptr<float>(), gla.data_ptr<float>(), glb.data_ptr<float>());
+                      lsec.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), dv_.data_ptr<float>(),
+                      gla.data_ptr<float>(), glb.data_ptr<float>());
     } else {
       AT_DISPATCH_FLOATING_TYPES(acc, "ppma_criss_cross_attention_backward_cpu", [&] {
         backward_kernel(make_data<scalar_t>(qc, kc, vc, cr, cct, scale), goc.data_ptr<scalar_t>(),
-                        lsec.data_ptr<scalar_t>(), ZA.data_ptr<scalar_t>(), ZB.data_ptr<scalar_t>(),
-                        dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv_.data_ptr<scalar_t>(),
-                        gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
+                        lsec.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                        dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
       });
     }
   }

@@ -106,5 +106,6 @@ class PPMABlock(nn.Module):
         else:
             y = y.add_(a) if inplace else y + a
             h = n2(y)
+        del a  # not held while the FFN's hidden map lives (peak memory)
         m = self.drop_path2(self.ls2(self.mlp(h)))
         return y.add_(m) if inplace else y + m
