@@ -374,19 +374,19 @@ inline int64_t pairs_kept(int64_t BG, int64_t H, int64_t elems, int64_t bytes) {
 inline int64_t group_line(int64_t g0, int64_t gn, int64_t per, int64_t u) { return (g0 + u % gn) * per + u / gn; }
 
 // The scratch maps of a group besides its row maps (the z buffers; the bf16 forward's float32 first half of out)
-// hold the group's pairs only, [pair][N][dv] (each pair's grid row-major, so a row's features are contiguous): at
-// most kGroupBytes for all of them together, so that a call's scratch stays small whatever its inputs' size (no
-// input-sized buffer made and freed, and its pages faulted in, at every call).
+// hold the group's pairs only, [N][pair][dv] (the inputs' [B, N, G, *] layout with the group's pairs in place of
+// the heads: the group's heads of a line, which run as consecutive tasks, lie side by side): at most kGroupBytes
+// for all of them together, so that a call's scratch stays small whatever its inputs' size (no input-sized buffer
+// made and freed, and its pages faulted in, at every call).
 constexpr int64_t kGroupBytes = int64_t(1) << 20;
 
-// A phase's task u as a line of a group's scratch maps (line group_line(0, gn, per, u) of pair u % gn there): its
-// first position at(base, ch) and the positions' stride ld(ch), as Line.
+// A phase's task u as a line of a group's scratch maps (line u / gn of pair u % gn there, as group_line): its first
+// position at(base, ch) and the positions' stride ld(ch), as Line.
 struct GroupLine {
   int64_t tok, ts;
-  GroupLine(int64_t H, int64_t W, int64_t gn, bool rows, int64_t u) {
-    const int64_t t = group_line(0, gn, rows ? H : W, u), per = rows ? H : W;
-    tok = t / per * H * W + line_token(rows, t % per, 0, W);
-    ts = line_stride(rows, W);
+  GroupLine(int64_t W, int64_t gn, bool rows, int64_t u) {
+    tok = line_token(rows, u / gn, 0, W) * gn + u % gn;
+    ts = line_stride(rows, W) * gn;
   }
   template <typename P>
   P* at(P* base, int64_t ch) const {
@@ -414,7 +414,7 @@ std::unique_ptr<T[]> uninit(int64_t n) {
 
 // Forward. The phases run per group of (batch, head) pairs (pair_groups); a group's lines are
 // t = group_line(g0, gn, H, u) (rows) or group_line(g0, gn, W, u) (columns). Z: the group's z1, then z2 in place
-// (column by column), [pair][N][dv] (GroupLine).
+// (column by column), [N][pair][dv] (GroupLine).
 template <typename T, typename I>
 void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
@@ -422,14 +422,14 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
   const int64_t group = gr.size;
   const bool keep = gr.keep;
   auto maps = uninit<T>(keep ? group * H * nn : 0);   // the group's row maps, [pair][row][W][W]
-  auto stats = uninit<T>(keep ? 0 : 2 * group * D.N);  // else the rows' m and 1 / s, [pair][N][2]
+  auto stats = uninit<T>(keep ? 0 : 2 * group * D.N);  // else the rows' m and 1 / s, [N][pair][2]
   auto Z = uninit<T>(group * D.N * dv);
   for (int64_t g0 = 0; g0 < BG; g0 += group) {
     const int64_t gn = std::min(group, BG - g0);
     // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
     parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(H, W, gn, true, u);
+      const GroupLine zr(W, gn, true, u);
       T* X = keep ? maps.get() + u * nn : S.X;
       line_scores(ln, D, r, S, true, false, static_cast<const T*>(nullptr), 0, static_cast<const T*>(nullptr), X);
       line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
@@ -438,7 +438,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
     // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
     parallel_lines(D, gn * W, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(H, W, gn, false, u);
+      const GroupLine zc(W, gn, false, u);
       line_scores(ln, D, c, S, true);
       line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
       // out = 0.5 B z1, z1 read in place before z2 replaces it
@@ -448,7 +448,7 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
     // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
     parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(H, W, gn, true, u);
+      const GroupLine zr(W, gn, true, u);
       const T* X = keep ? maps.get() + u * nn : nullptr;
       if (!keep) {
         const T* st = zr.at(stats.get(), 2);
@@ -604,7 +604,7 @@ inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& 
 
 // forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused). Per group of
 // pairs (pair_groups), Z: bf16 z1, then z2 in place (column by column), and O1: float32 0.5 B z1 after phase 2,
-// [pair][N][dv] each (GroupLine). The row maps are kept in bf16 (as rounded for their products) for the groups of
+// [N][pair][dv] each (GroupLine). The row maps are kept in bf16 (as rounded for their products) for the groups of
 // pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. Phase 3 adds 0.5 A z2 to each row's copy of
 // O1 in scratch and writes the sum rounded to bf16 into outb (the float32 sum rounded once, as a float32 out's
 // .to(bf16) would, without that pass).
@@ -614,7 +614,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
   const int64_t group = gr.size;
   const bool keep = gr.keep;
   auto maps = uninit<uint16_t>(keep ? group * H * nw : 0);  // the group's row maps in bf16, [pair][row][W][W2]
-  auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);    // else the rows' m and 1 / s, [pair][N][2]
+  auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);    // else the rows' m and 1 / s, [N][pair][2]
   auto Z = uninit<uint16_t>(group * D.N * dv);
   auto O1 = uninit<float>(group * D.N * dv);
   for (int64_t g0 = 0; g0 < BG; g0 += group) {
@@ -622,7 +622,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
     // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(H, W, gn, true, u);
+      const GroupLine zr(W, gn, true, u);
       uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
       line_scores_bf16(ln, D, P, r, S);
       line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
@@ -633,7 +633,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
     // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
     parallel_lines_bf16(D, gn * W, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(H, W, gn, false, u);
+      const GroupLine zc(W, gn, false, u);
       line_scores_bf16(ln, D, P, c, S);
       line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
       map_to_bf16(ln, c.n, S);
@@ -644,7 +644,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
     // Phase 3: rows again, A kept or recomputed; outb = bf16(O1 + 0.5 A z2).
     parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
       const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(H, W, gn, true, u);
+      const GroupLine zr(W, gn, true, u);
       const uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
       if (!keep) {
         const float* st = zr.at(stats.get(), 2);
@@ -687,7 +687,7 @@ inline void line_grads(Lanes<L> ln, const CCData<T, I>& D, const Line<T>& li, Li
 // Backward with g = 0.5 grad_out. As the forward, the phases run per group of (batch, head) pairs (pair_groups;
 // the row maps A, recomputed from lse in phase 1, kept for phase 3 where they fit in kRowMapBytes, else recomputed
 // there, the same bits either way). ZA, ZB: the group's (z1, dz2) after the rows, replaced by (z2, dz1) column by
-// column, [pair][N][dv] each (GroupLine). The column phase writes dq, dk, dv (column parts), the last row phase adds
+// column, [N][pair][dv] each (GroupLine). The column phase writes dq, dk, dv (column parts), the last row phase adds
 // the row parts. Outputs in the [B, H, W, heads, *] layout, lse [B, H, W, heads, 2].
 template <typename T, typename I>
 void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* dq, T* dk, T* dv_out, T* gla, T* glb) {
@@ -703,7 +703,7 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* dq, T*
     // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
     parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(H, W, gn, true, u);
+      const GroupLine zr(W, gn, true, u);
       T* X = keep ? maps.get() + u * nn : S.X;
       line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2), static_cast<const T*>(nullptr), X);
       line_values(ln, D, r, S, zr.at(za, dv), zr.ld(dv), X);
@@ -714,14 +714,14 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* dq, T*
     // replace z1 and dz2 of this column.
     parallel_lines(D, gn * W, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
       const Line<T> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(H, W, gn, false, u);
+      const GroupLine zc(W, gn, false, u);
       line_grads(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
       line_values(ln, D, c, S, zc.at(za, dv), zc.ld(dv));
       line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, zc.at(zb, dv), zc.ld(dv));
     });
     // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
     parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      line_grads(ln, D, Line<T>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0, GroupLine(H, W, gn, true, u), za,
+      line_grads(ln, D, Line<T>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0, GroupLine(W, gn, true, u), za,
                  zb, dq, dk, dv_out, gla, true,
                  keep ? static_cast<const T*>(maps.get() + u * nn) : static_cast<const T*>(nullptr));
     });
