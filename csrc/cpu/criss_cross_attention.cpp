@@ -228,11 +228,22 @@ struct CCData {
   T scale;
 };
 
-// Line t of a phase: row t % H (rows) or column t % W of (batch, head) t / H (or t / W). Position u of the line
-// is token tok + u * ts of the [B, N, G] layout (its features at (tok + u * ts) * channels); c: its prefix sums.
+// A line's positions in a token-major tensor of `ch` channels a token: the first at at(base, ch), the next ld(ch)
+// elements apart (position u is token tok + u * ts).
+struct LinePositions {
+  int64_t tok, ts;
+  template <typename P>
+  P* at(P* base, int64_t ch) const {
+    return base + tok * ch;
+  }
+  int64_t ld(int64_t ch) const { return ts * ch; }
+};
+
+// Line t of a phase: row t % H (rows) or column t % W of (batch, head) t / H (or t / W). Its positions are tokens
+// of the [B, N, G] layout (its rows of a [B, N, G, ch] tensor at at(base, ch), stride ld(ch)); c: its prefix sums.
 template <typename T>
-struct Line {
-  int64_t n, tok, ts;
+struct Line : LinePositions {
+  int64_t n;
   const T* c;
 
   template <typename I>
@@ -243,12 +254,6 @@ struct Line {
     ts = line_stride(rows, D.W) * D.G;
     c = (rows ? D.cr : D.cct) + bg * D.N + li * n;
   }
-  // The line's rows of a [B, N, G, ch] tensor: first row and row stride.
-  template <typename P>
-  P* at(P* base, int64_t ch) const {
-    return base + tok * ch;
-  }
-  int64_t ld(int64_t ch) const { return ts * ch; }
 };
 
 // gather_rows and gather_rows_t (cpu/simd.h) from the inputs: a plain copy when I is T, bf16 bits widened to float
@@ -380,19 +385,10 @@ inline int64_t group_line(int64_t g0, int64_t gn, int64_t per, int64_t u) { retu
 // made and freed, and its pages faulted in, at every call).
 constexpr int64_t kGroupBytes = int64_t(1) << 20;
 
-// A phase's task u as a line of a group's scratch maps (line u / gn of pair u % gn there, as group_line): its first
-// position at(base, ch) and the positions' stride ld(ch), as Line.
-struct GroupLine {
-  int64_t tok, ts;
-  GroupLine(int64_t W, int64_t gn, bool rows, int64_t u) {
-    tok = line_token(rows, u / gn, 0, W) * gn + u % gn;
-    ts = line_stride(rows, W) * gn;
-  }
-  template <typename P>
-  P* at(P* base, int64_t ch) const {
-    return base + tok * ch;
-  }
-  int64_t ld(int64_t ch) const { return ts * ch; }
+// A phase's task u as a line of a group's scratch maps (line u / gn of pair u % gn there, as group_line).
+struct GroupLine : LinePositions {
+  GroupLine(int64_t W, int64_t gn, bool rows, int64_t u)
+      : LinePositions{line_token(rows, u / gn, 0, W) * gn + u % gn, line_stride(rows, W) * gn} {}
 };
 
 // The pairs of a group: at most pairs_kept(...) where the row maps are kept (keep), and no more than fit
