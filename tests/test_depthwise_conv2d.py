@@ -1,4 +1,4 @@
-"""``ppma.ops.depthwise_conv2d`` and its CPU weight-gradient kernel ``torch.ops.ppma.depthwise_conv2d_backward``
+"""``ppma.ops.cpu.depthwise_conv2d`` and its CPU weight-gradient kernel ``torch.ops.ppma.depthwise_conv2d_backward``
 (docs/ops.md "depthwise_conv2d"): gradients equal torch's up to rounding, gradcheck, bitwise the same for every
 thread count, every SIMD path, the dispatch rules, and DWConv2d taking the kernel in training. The in-place
 inference kernel ``torch.ops.ppma.depthwise_conv2d_residual_`` (``x + conv(x)`` written over ``x``): equal to
@@ -22,7 +22,7 @@ from op_utils import assert_close, needs_ext
 from ppma import backends
 from ppma.nn.layers import DWConv2d
 from ppma.nn.layers import ConvFFN
-from ppma.ops.depthwise_conv2d import (
+from ppma.ops.cpu.depthwise_conv2d import (
     depthwise_conv2d,
     depthwise_conv2d_ref,
     depthwise_conv2d_residual_,

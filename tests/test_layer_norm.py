@@ -1,4 +1,4 @@
-"""``ppma.ops.layer_norm`` and ``ppma.ops.add_layer_norm_`` (CPU inference kernels) against
+"""``ppma.ops.cpu.layer_norm`` and ``ppma.ops.cpu.add_layer_norm_`` (CPU inference kernels) against
 ``torch.nn.functional.layer_norm``: swept channel counts (vector widths, tails), every SIMD path, thread counts
 bitwise, the in-place residual sum, the fall-backs (gradients, reference impl, other dtypes), opcheck and the
 argument checks."""
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import ppma
 from op_utils import needs_ext
 from ppma import backends
-from ppma.ops.layer_norm import uses_kernel as ln_uses_kernel
+from ppma.ops.cpu.layer_norm import uses_kernel as ln_uses_kernel
 from test_cpu_baseline import ROOT, cpu_subprocess_env
 
 # Channel counts around the vector widths (4, 8, 16 lanes) and PPMA's widths (64 ... 512, 768: a hidden map).
@@ -42,9 +42,9 @@ def test_matches_torch(C):
     x, w, b, r = _inputs((2, 3, 5, C))
     with torch.no_grad():
         assert ln_uses_kernel(x, w, b, r)
-        _close(ppma.ops.layer_norm(x, w, b, 1e-6), F.layer_norm(x, (C,), w, b, 1e-6))
+        _close(ppma.ops.cpu.layer_norm(x, w, b, 1e-6), F.layer_norm(x, (C,), w, b, 1e-6))
         xi = x.clone()
-        y = ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)
+        y = ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)
     assert torch.equal(xi, x + r)
     _close(y, F.layer_norm(x + r, (C,), w, b, 1e-6))
 
@@ -57,10 +57,10 @@ def test_constant_rows_and_large_offsets():
     w, b = torch.randn(C), torch.randn(C)
     x = torch.full((4, C), 3.0)
     with torch.no_grad():
-        torch.testing.assert_close(ppma.ops.layer_norm(x, w, b, 1e-5), b.expand(4, C), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ppma.ops.cpu.layer_norm(x, w, b, 1e-5), b.expand(4, C), rtol=0, atol=1e-6)
         x = torch.randn(4, C) + 1e4
         exact = F.layer_norm(x.double(), (C,), w.double(), b.double(), 1e-5)
-        ours = (ppma.ops.layer_norm(x, w, b, 1e-5).double() - exact).abs().max()
+        ours = (ppma.ops.cpu.layer_norm(x, w, b, 1e-5).double() - exact).abs().max()
         torchs = (F.layer_norm(x, (C,), w, b, 1e-5).double() - exact).abs().max()
         assert ours <= 2 * torchs + 1e-5, (ours, torchs)
 
@@ -76,7 +76,7 @@ def test_thread_counts_bitwise():
             torch.set_num_threads(t)
             with torch.no_grad():
                 xi = x.clone()
-                out.append((ppma.ops.layer_norm(x, w, b, 1e-6), ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)))
+                out.append((ppma.ops.cpu.layer_norm(x, w, b, 1e-6), ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)))
     finally:
         torch.set_num_threads(prev)
     for y, z in out[1:]:
@@ -90,7 +90,7 @@ def test_falls_back_to_torch():
     x, w, b, r = _inputs((2, 4, 16))
     wg = w.clone().requires_grad_(True)
     assert not ln_uses_kernel(x, wg, b)
-    y = ppma.ops.layer_norm(x, wg, b, 1e-6)
+    y = ppma.ops.cpu.layer_norm(x, wg, b, 1e-6)
     assert torch.equal(y, F.layer_norm(x, (16,), wg, b, 1e-6))
     y.sum().backward()
     assert wg.grad is not None
@@ -98,13 +98,13 @@ def test_falls_back_to_torch():
     with torch.no_grad():
         assert not ln_uses_kernel(xd, w.double(), b.double())
         wd, bd = w.double(), b.double()
-        assert torch.equal(ppma.ops.layer_norm(xd, wd, bd), F.layer_norm(xd, (16,), wd, bd))
+        assert torch.equal(ppma.ops.cpu.layer_norm(xd, wd, bd), F.layer_norm(xd, (16,), wd, bd))
         xt = x.transpose(0, 1)
         assert not ln_uses_kernel(xt, w, b)
-        assert torch.equal(ppma.ops.layer_norm(xt, w, b), F.layer_norm(xt, (16,), w, b))
+        assert torch.equal(ppma.ops.cpu.layer_norm(xt, w, b), F.layer_norm(xt, (16,), w, b))
         with ppma.ops.use_impl("reference"):
             xi = x.clone()
-            y = ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)
+            y = ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)
         assert torch.equal(xi, x + r) and torch.equal(y, F.layer_norm(x + r, (16,), w, b, 1e-6))
 
 
@@ -119,10 +119,10 @@ def test_opcheck():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda x, w, b, r: ppma.ops.layer_norm(x, w[:-1], b), r"weight must be \[C\] = \(16,\)"),
-        (lambda x, w, b, r: ppma.ops.layer_norm(x, w, b[None]), r"bias must be \[C\] = \(16,\)"),
-        (lambda x, w, b, r: ppma.ops.layer_norm(x, w, b, -1.0), "eps must be a number >= 0"),
-        (lambda x, w, b, r: ppma.ops.add_layer_norm_(x, r[:1], w, b), "residual must have x's shape"),
+        (lambda x, w, b, r: ppma.ops.cpu.layer_norm(x, w[:-1], b), r"weight must be \[C\] = \(16,\)"),
+        (lambda x, w, b, r: ppma.ops.cpu.layer_norm(x, w, b[None]), r"bias must be \[C\] = \(16,\)"),
+        (lambda x, w, b, r: ppma.ops.cpu.layer_norm(x, w, b, -1.0), "eps must be a number >= 0"),
+        (lambda x, w, b, r: ppma.ops.cpu.add_layer_norm_(x, r[:1], w, b), "residual must have x's shape"),
     ],
 )
 def test_bad_arguments_named(call, match):
@@ -156,9 +156,9 @@ for C in (3, 7, 16, 17, 64, 100, 768):
     x = torch.randn(3, 5, C, generator=g) * 3 + 0.5
     w, b, r = torch.randn(C, generator=g), torch.randn(C, generator=g), torch.randn(3, 5, C, generator=g)
     with torch.no_grad():
-        y = ppma.ops.layer_norm(x, w, b, 1e-6)
+        y = ppma.ops.cpu.layer_norm(x, w, b, 1e-6)
         xi = x.clone()
-        z = ppma.ops.add_layer_norm_(xi, r, w, b, 1e-6)
+        z = ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)
     out[str(C)] = [y.flatten().tolist(), z.flatten().tolist(), torch.equal(xi, x + r)]
 print(json.dumps(out))
 """
@@ -187,7 +187,7 @@ def test_every_simd_path(capability):
 @needs_ext
 def test_layer_norm_module():
     """``ppma.nn.LayerNorm``: nn.LayerNorm's parameters and state dict; in eager CPU inference its forward is the
-    kernel (bit for bit ``ppma.ops.layer_norm``, and ``add_layer_norm_`` with its parameters is bit for bit the
+    kernel (bit for bit ``ppma.ops.cpu.layer_norm``, and ``add_layer_norm_`` with its parameters is bit for bit the
     module on the sum); with a gradient recorded or fast paths off it is nn.LayerNorm's forward exactly."""
     ref = torch.nn.LayerNorm(32, eps=1e-6)
     torch.nn.init.normal_(ref.weight), torch.nn.init.normal_(ref.bias)
@@ -198,10 +198,10 @@ def test_layer_norm_module():
     with torch.inference_mode():
         assert mod.fast_path(x)
         y = mod(x)
-        assert torch.equal(y, ppma.ops.layer_norm(x, mod.weight, mod.bias, 1e-6))
+        assert torch.equal(y, ppma.ops.cpu.layer_norm(x, mod.weight, mod.bias, 1e-6))
         _close(y, ref(x))
         xi = x.clone()
-        assert torch.equal(ppma.ops.add_layer_norm_(xi, r, mod.weight, mod.bias, 1e-6), mod(x + r))
+        assert torch.equal(ppma.ops.cpu.add_layer_norm_(xi, r, mod.weight, mod.bias, 1e-6), mod(x + r))
         with ppma.nn.use_inference_fast_paths(False):
             assert not mod.fast_path(x) and torch.equal(mod(x), ref(x))
     assert not mod.fast_path(x)  # parameters that require grad, grad mode on

@@ -120,7 +120,7 @@ def test_block_residual_structure():
 @pytest.mark.parametrize("mixer", ["criss_cross", "full"])
 def test_block_inference_in_place(mixer):
     """In CPU inference the block adds its two residual sums into its own CPE output (the first one inside
-    ppma.ops.add_layer_norm_, with norm2) and the attention rotates its own q and k in place: the out-of-place
+    ppma.ops.cpu.add_layer_norm_, with norm2) and the attention rotates its own q and k in place: the out-of-place
     formula's output up to rounding, the input left alone; a hook on a norm (which could keep the map it sees) or
     on the q/k layers (their outputs) switches that off."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""``ppma.ops.path_decay`` (PPMA's per-token log-decays, one CPU kernel each way) against ``path_decay_ref`` (the
+"""``ppma.ops.cpu.path_decay`` (PPMA's per-token log-decays, one CPU kernel each way) against ``path_decay_ref`` (the
 ``ppma.nn.PathDecay`` formula with torch's autograd) in float64: forward and the four gradients over swept shapes and
 direction counts, gradcheck, thread-count invariance, every SIMD path, the softplus threshold and the underflow,
 argument checks, opcheck, and the modules that use it."""
@@ -17,7 +17,7 @@ from op_utils import needs_ext
 from ppma import backends
 from ppma.nn import PathDecay, PathDecay3D
 from ppma.nn.masks import SharedDecay
-from ppma.ops.path_decay import path_decay, path_decay_ref, uses_path_decay_kernel
+from ppma.ops.cpu.path_decay import path_decay, path_decay_ref, uses_path_decay_kernel
 from test_cpu_baseline import ROOT, cpu_subprocess_env
 
 # (leading dims, heads, head_dim): head dims on and off the vector widths (16, 32; 10, 33, 1), more tokens than one
@@ -165,7 +165,7 @@ def test_opcheck(dtype):
 _PATH_CODE = """
 import json, torch, ppma
 from ppma import backends
-from ppma.ops.path_decay import path_decay
+from ppma.ops.cpu.path_decay import path_decay
 out = {"cap": backends.cpu_capability()}
 for i, (lead, G, hd, D) in enumerate(CASES):
     gen = torch.Generator().manual_seed(i)

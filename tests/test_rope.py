@@ -1,4 +1,4 @@
-"""``ppma.ops.rope`` (the fused RoPE of queries and keys) against ``ppma.ops.reference.rope_ref`` and the module
+"""``ppma.ops.cpu.rope`` (the fused RoPE of queries and keys) against ``ppma.ops.reference.rope_ref`` and the module
 formula ``ppma.nn.rope.apply_rotary``: forward and gradients over the CPU sweep's shapes, all dtypes, gradcheck,
 second derivatives, opcheck, ``torch.compile``, the argument checks, and the in-place ``rope_`` (the same values)."""
 
@@ -59,7 +59,7 @@ def test_matches_reference(shape, dtype, transpose):
     scale; low precision inputs with fp32 tables come back in their own dtype."""
     x, sin, cos = _inputs(shape, dtype, requires_grad=True)
     xr = x.detach().requires_grad_()
-    y = ppma.ops.rope(x, sin, cos, 0.3, transpose)
+    y = ppma.ops.cpu.rope(x, sin, cos, 0.3, transpose)
     y_ref = rope_ref(xr, sin, cos, 0.3, transpose)
     assert y.dtype == dtype and y.is_contiguous()
     assert_close(y, y_ref, dtype, "rope")
@@ -74,8 +74,8 @@ def test_matches_reference(shape, dtype, transpose):
 def test_fp64_bitwise_equal_to_module_formula():
     """In fp64 the kernel computes the formula's products and sums in the formula's order: bit-exact."""
     x, sin, cos = _inputs((2, 7, 9, 3, 16), torch.float64)
-    assert torch.equal(ppma.ops.rope(x, sin, cos), apply_rotary(x, sin, cos))
-    assert torch.equal(ppma.ops.rope(x, sin, cos, 0.125), apply_rotary(x * 0.125, sin, cos))
+    assert torch.equal(ppma.ops.cpu.rope(x, sin, cos), apply_rotary(x, sin, cos))
+    assert torch.equal(ppma.ops.cpu.rope(x, sin, cos, 0.125), apply_rotary(x * 0.125, sin, cos))
 
 
 @needs_ext
@@ -83,7 +83,7 @@ def test_noncontiguous_and_fp64_tables():
     x, sin, cos = _inputs((2, 4, 5, 2, 8), torch.float32, table_dtype=torch.float64)
     xt = x.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
     assert not xt.is_contiguous()
-    y = ppma.ops.rope(xt, sin, cos, 0.5)
+    y = ppma.ops.cpu.rope(xt, sin, cos, 0.5)
     assert y.dtype == torch.float32
     assert_close(y, rope_ref(x, sin, cos, 0.5), torch.float32, "rope (fp64 tables, strided x)")
 
@@ -98,7 +98,7 @@ def test_gradcheck_including_tables(transpose):
     cos = torch.randn(3, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
 
     def f(x, sin, cos):
-        return ppma.ops.rope(x, sin, cos, 0.7, transpose)
+        return ppma.ops.cpu.rope(x, sin, cos, 0.7, transpose)
 
     assert torch.autograd.gradcheck(f, (x, sin, cos))
     assert torch.autograd.gradgradcheck(f, (x, sin, cos))
@@ -116,12 +116,12 @@ def test_opcheck(dtype):
 def test_no_tensor_saved_without_table_grads():
     """A backward needs only the tables when they take no gradient: ``x`` is not kept alive."""
     x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float32, requires_grad=True)
-    y = ppma.ops.rope(x, sin, cos)
+    y = ppma.ops.cpu.rope(x, sin, cos)
     saved = [t for t in (getattr(y.grad_fn, name, None) for name in dir(y.grad_fn) if name.startswith("_saved"))
              if isinstance(t, torch.Tensor)]
     assert all(t.data_ptr() != x.data_ptr() for t in saved)
     with torch.inference_mode():
-        assert ppma.ops.rope(x, sin, cos).grad_fn is None
+        assert ppma.ops.cpu.rope(x, sin, cos).grad_fn is None
 
 
 @needs_ext
@@ -131,7 +131,7 @@ def test_compile_fullgraph():
     x, sin, cos = _inputs((2, 5, 6, 2, 8), torch.float32, requires_grad=True)
 
     def f(x):
-        return ppma.ops.rope(x, sin, cos, 0.5).square().sum()
+        return ppma.ops.cpu.rope(x, sin, cos, 0.5).square().sum()
 
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -152,11 +152,11 @@ def test_inplace_is_rope_bit_for_bit(dtype, transpose):
     the float32 tables of the model and with a last channel pair outside the vectors (d = 6)."""
     for shape in [(2, 5, 6, 2, 8), (1, 3, 4, 3, 6), (2, 7, 3, 2, 32)]:
         x, sin, cos = _inputs(shape, dtype, table_dtype=torch.float32)
-        want = ppma.ops.rope(x, sin, cos, 0.3, transpose)
+        want = ppma.ops.cpu.rope(x, sin, cos, 0.3, transpose)
         for ctx in (torch.no_grad, torch.inference_mode):
             xi = x.clone()
             with ctx():
-                y = ppma.ops.rope_(xi, sin, cos, 0.3, transpose)
+                y = ppma.ops.cpu.rope_(xi, sin, cos, 0.3, transpose)
             assert y is xi
             assert torch.equal(y, want), (shape, dtype, transpose)
 
@@ -166,7 +166,7 @@ def test_inplace_falls_back_to_a_new_tensor():
     """Where the kernel may not write over ``x`` (a gradient recorded, a non-contiguous ``x``, the reference
     implementation) ``rope_`` returns ``rope``'s new tensor and leaves ``x`` alone; with a gradient, it flows."""
     x, sin, cos = _inputs((2, 3, 4, 2, 8), torch.float32, requires_grad=True)
-    y = ppma.ops.rope_(x, sin, cos, 0.5)
+    y = ppma.ops.cpu.rope_(x, sin, cos, 0.5)
     assert y is not x and y.grad_fn is not None
     torch.testing.assert_close(y, rope_ref(x.detach(), sin, cos, 0.5))
     (g,) = torch.autograd.grad(y.sum(), x)
@@ -174,12 +174,12 @@ def test_inplace_falls_back_to_a_new_tensor():
     base = torch.randn(2, 3, 4, 8, 2).transpose(-1, -2)  # [2, 3, 4, 2, 8], not contiguous
     keep = base.clone()
     with torch.no_grad():
-        y = ppma.ops.rope_(base, sin, cos)
+        y = ppma.ops.cpu.rope_(base, sin, cos)
         assert y is not base and torch.equal(base, keep)
-        assert torch.equal(y, ppma.ops.rope(keep, sin, cos))
+        assert torch.equal(y, ppma.ops.cpu.rope(keep, sin, cos))
         xr = keep.contiguous()
         with ppma.ops.use_impl("reference"):
-            y = ppma.ops.rope_(xr, sin, cos)
+            y = ppma.ops.cpu.rope_(xr, sin, cos)
         assert y is not xr and torch.equal(xr, keep)
 
 
@@ -191,15 +191,15 @@ def test_inplace_opcheck_and_checks():
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.ppma.rope_(x.transpose(1, 2), sin.transpose(0, 1), cos.transpose(0, 1), 1.0, False)
     with pytest.raises(ValueError, match="sin must be"):
-        ppma.ops.rope_(x, sin[:, :-1], cos)
+        ppma.ops.cpu.rope_(x, sin[:, :-1], cos)
 
 
 def test_reference_impl_switch():
     """``use_impl("reference")`` runs ``rope_ref``; both give the same numbers."""
     x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float64)
     with ppma.ops.use_impl("reference"):
-        y_ref = ppma.ops.rope(x, sin, cos, 0.5)
-    torch.testing.assert_close(ppma.ops.rope(x, sin, cos, 0.5), y_ref, rtol=TOLERANCES[torch.float64][0], atol=0)
+        y_ref = ppma.ops.cpu.rope(x, sin, cos, 0.5)
+    torch.testing.assert_close(ppma.ops.cpu.rope(x, sin, cos, 0.5), y_ref, rtol=TOLERANCES[torch.float64][0], atol=0)
 
 
 @pytest.mark.parametrize(
@@ -215,15 +215,15 @@ def test_reference_impl_switch():
 )
 def test_bad_arguments_named(args, match):
     with pytest.raises(ValueError, match=match):
-        ppma.ops.rope(*args)
+        ppma.ops.cpu.rope(*args)
 
 
 def test_bad_scale_and_transpose_named():
     x, sin, cos = _inputs((1, 3, 4, 2, 8), torch.float32)
     with pytest.raises(ValueError, match="scale"):
-        ppma.ops.rope(x, sin, cos, "1")
+        ppma.ops.cpu.rope(x, sin, cos, "1")
     with pytest.raises(ValueError, match="transpose"):
-        ppma.ops.rope(x, sin, cos, 1.0, 1)
+        ppma.ops.cpu.rope(x, sin, cos, 1.0, 1)
 
 
 _PATH_CODE = """
@@ -237,11 +237,11 @@ for shape in [(2, 3, 5, 2, 16), (1, 4, 3, 3, 32), (2, 3, 4, 2, 6), (1, 2, 5, 2, 
     sin, cos = rotary_sin_cos(rotary_angle(shape[-1]).float(), shape[1], shape[2])
     for dtype in ("float32", "bfloat16"):
         for t in (False, True):
-            y = ppma.ops.rope(x.to(getattr(torch, dtype)), sin, cos, 0.3, t)
+            y = ppma.ops.cpu.rope(x.to(getattr(torch, dtype)), sin, cos, 0.3, t)
             out[f"{shape}{dtype}{t}"] = y.double().flatten().tolist()
             with torch.no_grad():  # the in-place op: the same values
                 xi = x.to(getattr(torch, dtype))
-                out[f"{shape}{dtype}{t}_"] = ppma.ops.rope_(xi, sin, cos, 0.3, t) is xi and torch.equal(xi, y)
+                out[f"{shape}{dtype}{t}_"] = ppma.ops.cpu.rope_(xi, sin, cos, 0.3, t) is xi and torch.equal(xi, y)
 print(json.dumps(out))
 """
 

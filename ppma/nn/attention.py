@@ -148,11 +148,11 @@ class PPMAAttention(nn.Module):
         q, k, v = linears(x, self.q, self.k, self.v)  # in CPU training one node (ppma.nn.layers.linears)
         shape = (B, H, W, self.num_heads, self.head_dim)
         # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
-        # (ppma.ops.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention
+        # (ppma.ops.cpu.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention
         # op as they reach the official q k^T matmul, while the sin/cos tables stay fp32. In CPU inference q and k
-        # are this module's own fresh projections (no hooks on the layers): rotated in place (ppma.ops.rope_,
+        # are this module's own fresh projections (no hooks on the layers): rotated in place (ppma.ops.cpu.rope_,
         # the same values), no second map of their size.
-        rope_fn = ops.rope_ if _eager_inference(x, self.q, self.k) else ops.rope
+        rope_fn = ops.cpu.rope_ if _eager_inference(x, self.q, self.k) else ops.cpu.rope
         q = rope_fn(q.reshape(shape), sin, cos)
         k = rope_fn(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)

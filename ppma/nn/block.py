@@ -97,12 +97,12 @@ class PPMABlock(nn.Module):
         y = self.cpe(x, residual=True)  # x + cpe(x)
         # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added into it in
         # place (the same values), no new map of the block's size for each; where norm2 runs ppma's kernel, the first
-        # sum and norm2 are one pass over y (ppma.ops.add_layer_norm_: bit for bit norm2(y + a))
+        # sum and norm2 are one pass over y (ppma.ops.cpu.add_layer_norm_: bit for bit norm2(y + a))
         inplace = y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2)
         a = self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
         n2 = self.norm2
         if inplace and type(n2) is LayerNorm and n2.fast_path(y) and a.shape == y.shape and a.dtype == y.dtype:
-            h = ops.add_layer_norm_(y, a, n2.weight, n2.bias, n2.eps)
+            h = ops.cpu.add_layer_norm_(y, a, n2.weight, n2.bias, n2.eps)
         else:
             y = y.add_(a) if inplace else y + a
             h = n2(y)

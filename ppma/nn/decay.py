@@ -10,7 +10,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ppma.nn.layers import _has_hooks
-from ppma.ops.path_decay import path_decay
+from ppma.ops.cpu.path_decay import path_decay
 
 __all__ = ["PathDecay"]
 
@@ -73,11 +73,11 @@ class PathDecay(nn.Module):
     def decays(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [..., C]`` -> ``d: [..., heads, directions]``, the log-decays of every direction (float32, float64 for
         float64 ``x``). On the CPU with the fused implementation (float32/float64, no autocast, no hooks on
-        ``dt_linear``) one ppma kernel each way (``ppma.ops.path_decay``, docs/ops.md "path_decay"); elsewhere
+        ``dt_linear``) one ppma kernel each way (``ppma.ops.cpu.path_decay``, docs/ops.md "path_decay"); elsewhere
         ``dt_linear``, softplus and the scaling as written in the class docstring."""
         lin = self.dt_linear
         if type(lin) is nn.Linear and lin.bias is None and not _has_hooks(lin):
-            # the kernel where ppma.ops.path_decay.uses_path_decay_kernel says so, its reference (this formula) else
+            # the kernel where ppma.ops.cpu.path_decay.uses_path_decay_kernel says so, its reference (this formula) else
             return path_decay(x, lin.weight, self.dt_bias, self.A_log)
         u = lin(x.reshape(*x.shape[:-1], self.num_heads, self.head_dim))  # [..., heads, directions]
         # softplus/exp in fp32 (fp64 for fp64), like the official code under autocast (docs/model.md §3.5).

@@ -9,10 +9,10 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as _module
 
 from ppma.nn.monarch import MonarchLinear
-from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
-from ppma.ops.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
-from ppma.ops.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
-from ppma.ops.layer_norm import layer_norm as _layer_norm_op
+from ppma.ops.cpu.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
+from ppma.ops.cpu.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
+from ppma.ops.cpu.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
+from ppma.ops.cpu.layer_norm import layer_norm as _layer_norm_op
 from ppma.ops import _dispatch
 from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
@@ -54,8 +54,8 @@ def set_inference_fast_paths(enabled: bool) -> None:
     """Switch the model's CPU inference fast paths on (the default) or off: oneDNN's fused linear and convolution
     ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data), the FFN's in-place ``h + dwconv(h)``,
     the LePE added in place (:class:`DWConv2d`), RoPE on the attention's own q and k in place
-    (:func:`ppma.ops.rope_`), the block's residual sums added into its own CPE output and its LayerNorms on
-    ppma's kernels (:class:`LayerNorm`, :func:`ppma.ops.add_layer_norm_`). Off, every module runs its plain torch
+    (:func:`ppma.ops.cpu.rope_`), the block's residual sums added into its own CPE output and its LayerNorms on
+    ppma's kernels (:class:`LayerNorm`, :func:`ppma.ops.cpu.add_layer_norm_`). Off, every module runs its plain torch
     call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding), e.g. to
     compare with other code bit for bit, or the stand-in for the official code in
     ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead.
@@ -299,7 +299,7 @@ class DWConv2d(nn.Module):
 
         ``inplace=True`` lets eager CPU inference (:func:`_eager_inference`) write the result over the caller's
         own map instead of allocating one more: over ``x`` with ``residual=True``
-        (``ppma.ops.depthwise_conv2d_residual_``, the FFN's hidden map: float32 without autocast, or bf16 under
+        (``ppma.ops.cpu.depthwise_conv2d_residual_``, the FFN's hidden map: float32 without autocast, or bf16 under
         bf16 autocast, computed in float32 and rounded once), over ``add`` otherwise (oneDNN adds the
         convolution's output to ``add`` in place, float32 or bf16 under autocast, rounded once). The caller must
         use the returned tensor and must not need the overwritten map's values afterwards. Everywhere else (and
@@ -349,7 +349,7 @@ class DWConv2d(nn.Module):
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (the same parameters, state dict and numbers up to rounding) whose eager CPU inference runs
-    ppma's kernel, :func:`ppma.ops.layer_norm` (float32; 2x torch's at PPMA-T's widths, docs/ops.md "layer_norm"):
+    ppma's kernel, :func:`ppma.ops.cpu.layer_norm` (float32; 2x torch's at PPMA-T's widths, docs/ops.md "layer_norm"):
     over the last dimension, with a weight and a bias, fast paths on (:func:`set_inference_fast_paths`), no
     gradient recorded, no hooks, outside torch.compile, tracing and export. Everywhere else ``nn.LayerNorm``'s
     forward. PPMABlock's ``norm1`` and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes
@@ -361,7 +361,7 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x)
 
     def fast_path(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward` runs ppma's kernel on ``x`` (and so whether ``ppma.ops.add_layer_norm_`` with
+        """Whether :meth:`forward` runs ppma's kernel on ``x`` (and so whether ``ppma.ops.cpu.add_layer_norm_`` with
         this module's parameters gives its numbers for a sum)."""
         return (len(self.normalized_shape) == 1 and self.weight is not None and self.bias is not None
                 and _eager_inference(x, self))
@@ -432,7 +432,7 @@ class ConvFFN(nn.Module):
             if (conv is not None and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))
                     and uses_gelu_kernel(x, conv.weight, conv.bias)):
                 # CPU training: GELU and h + dwconv(h) as one op that keeps fc1's output only, one ppma kernel each
-                # way (ppma.ops.gelu_depthwise_conv2d_residual; output and gradients equal to the modules' up to
+                # way (ppma.ops.cpu.gelu_depthwise_conv2d_residual; output and gradients equal to the modules' up to
                 # rounding)
                 return self.fc2(gelu_depthwise_conv2d_residual(self.fc1(x), conv.weight, conv.bias))
             x = linear(x, self.fc1, gelu=True)

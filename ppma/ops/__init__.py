@@ -25,10 +25,7 @@ from ppma.ops.polyline_scan import polyline_scan
 from ppma.ops.polyline_attention_3d import polyline_attention_3d
 from ppma.ops.polyline_linear_attention_3d import polyline_linear_attention_3d
 from ppma.ops.polyline_scan_3d import polyline_scan_3d
-from ppma.ops.rope import rope, rope_
-from ppma.ops.layer_norm import add_layer_norm_, layer_norm
-from ppma.ops.path_decay import path_decay
-from ppma.ops.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_, gelu_depthwise_conv2d_residual
+from ppma.ops import cpu
 from ppma.ops import reference, reference_3d
 
 __all__ = [
@@ -39,16 +36,9 @@ __all__ = [
     "polyline_attention_3d",
     "polyline_linear_attention_3d",
     "polyline_scan_3d",
-    "rope",
-    "rope_",
-    "layer_norm",
-    "add_layer_norm_",
-    "path_decay",
-    "depthwise_conv2d",
-    "depthwise_conv2d_residual_",
-    "gelu_depthwise_conv2d_residual",
     "reference",
     "reference_3d",
+    "cpu",
     "IMPLS",
     "set_impl",
     "cuda_kernels_enabled",

@@ -64,7 +64,7 @@ __all__ = [
 
 
 def path_decay_ref(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
-    """The log-decays of every direction (``ppma.ops.path_decay``; docs/ops.md "path_decay"):
+    """The log-decays of every direction (``ppma.ops.cpu.path_decay``; docs/ops.md "path_decay"):
     ``d[..., g, c] = softplus(x_g . weight[c] + dt_bias[g]) * -exp(A_log[g])`` for ``x: [..., heads * head_dim]``,
     ``weight: [D, head_dim]``, ``dt_bias, A_log: [heads]``; ``[..., heads, D]`` in fp32 (fp64 for fp64 ``x``)."""
     G, hd = dt_bias.shape[0], weight.shape[1]

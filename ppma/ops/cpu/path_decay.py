@@ -1,4 +1,4 @@
-"""``ppma.ops.path_decay``: PPMA's per-token log-decays (``ppma.nn.PathDecay``; docs/ops.md "path_decay") with one CPU
+"""``ppma.ops.cpu.path_decay``: PPMA's per-token log-decays (``ppma.nn.PathDecay``; docs/ops.md "path_decay") with one CPU
 kernel each way.
 
 ``d[..., g, c] = softplus(<x_g, weight[c]> + dt_bias[g]) * A[g]`` with ``A = -exp(A_log)``: the Mamba2 Δ/A
@@ -29,16 +29,16 @@ MAX_DIRECTIONS = 3
 def _check(x, weight, dt_bias, A_log) -> None:
     for name, t in (("x", x), ("weight", weight), ("dt_bias", dt_bias), ("A_log", A_log)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"ppma.ops.path_decay: {name} must be a tensor, got {type(t).__name__}")
+            raise TypeError(f"ppma.ops.cpu.path_decay: {name} must be a tensor, got {type(t).__name__}")
     if weight.dim() != 2 or dt_bias.dim() != 1 or tuple(A_log.shape) != tuple(dt_bias.shape):
         raise ValueError(
-            "ppma.ops.path_decay: weight must be [D, head_dim], dt_bias and A_log [heads], got shapes "
+            "ppma.ops.cpu.path_decay: weight must be [D, head_dim], dt_bias and A_log [heads], got shapes "
             f"{tuple(weight.shape)}, {tuple(dt_bias.shape)} and {tuple(A_log.shape)}"
         )
     G, hd = dt_bias.shape[0], weight.shape[1]
     if x.dim() < 1 or x.shape[-1] != G * hd:
         raise ValueError(
-            f"ppma.ops.path_decay: x must be [..., heads * head_dim] = [..., {G} * {hd}], got shape {tuple(x.shape)}"
+            f"ppma.ops.cpu.path_decay: x must be [..., heads * head_dim] = [..., {G} * {hd}], got shape {tuple(x.shape)}"
         )
 
 

@@ -1,4 +1,4 @@
-"""``ppma.ops.layer_norm`` and ``ppma.ops.add_layer_norm_``: LayerNorm over the last dimension for CPU inference,
+"""``ppma.ops.cpu.layer_norm`` and ``ppma.ops.cpu.add_layer_norm_``: LayerNorm over the last dimension for CPU inference,
 and the block's residual sum followed by its norm in one pass (docs/ops.md "layer_norm").
 
 The kernels (``torch.ops.ppma.layer_norm``, ``torch.ops.ppma.add_layer_norm_``; float32, contiguous ``x``) normalise
@@ -26,17 +26,17 @@ _HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, "layer_norm") and hasattr(t
 def _check(x, weight, bias, eps, residual=None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"ppma.ops.layer_norm: x must be a tensor with a channel dimension, got {shape}")
+        raise ValueError(f"ppma.ops.cpu.layer_norm: x must be a tensor with a channel dimension, got {shape}")
     C = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (C,):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ppma.ops.layer_norm: {name} must be [C] = ({C},) (x's last dimension), got {shape}")
+            raise ValueError(f"ppma.ops.cpu.layer_norm: {name} must be [C] = ({C},) (x's last dimension), got {shape}")
     if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape):
         shape = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
-        raise ValueError(f"ppma.ops.add_layer_norm_: residual must have x's shape {tuple(x.shape)}, got {shape}")
+        raise ValueError(f"ppma.ops.cpu.add_layer_norm_: residual must have x's shape {tuple(x.shape)}, got {shape}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"ppma.ops.layer_norm: eps must be a number >= 0, got {eps!r}")
+        raise ValueError(f"ppma.ops.cpu.layer_norm: eps must be a number >= 0, got {eps!r}")
 
 
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""``ppma.ops.rope``: the rotary position embedding of PPMA's queries and keys in one pass (paper §3).
+"""``ppma.ops.cpu.rope``: the rotary position embedding of PPMA's queries and keys in one pass (paper §3).
 
 The fused kernel is ``torch.ops.ppma.rope`` (CPU: one read and one write of ``x``, with the key scale and the
 cast back to ``x``'s dtype folded in); its fake (meta) kernel and autograd formula are registered here, next to
@@ -36,22 +36,22 @@ _HAS_INPLACE_OP = _ext.has_ext() and hasattr(torch.ops.ppma, "rope_")
 def _check(x, sin, cos, scale, transpose) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 5 or x.shape[-1] % 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"ppma.ops.rope: x must be a [B, H, W, heads, d] tensor with d even, got {shape}")
+        raise ValueError(f"ppma.ops.cpu.rope: x must be a [B, H, W, heads, d] tensor with d even, got {shape}")
     want = (x.shape[1], x.shape[2], x.shape[4])
     for name, t in (("sin", sin), ("cos", cos)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ppma.ops.rope: {name} must be [H, W, d] = {want}, got {shape}")
+            raise ValueError(f"ppma.ops.cpu.rope: {name} must be [H, W, d] = {want}, got {shape}")
         if not t.is_floating_point():
-            raise ValueError(f"ppma.ops.rope: {name} must be floating point, got {t.dtype}")
+            raise ValueError(f"ppma.ops.cpu.rope: {name} must be floating point, got {t.dtype}")
     if not x.is_floating_point():
-        raise ValueError(f"ppma.ops.rope: x must be floating point, got {x.dtype}")
+        raise ValueError(f"ppma.ops.cpu.rope: x must be floating point, got {x.dtype}")
     if sin.dtype != cos.dtype:
-        raise ValueError(f"ppma.ops.rope: sin and cos must have one dtype, got {sin.dtype} and {cos.dtype}")
+        raise ValueError(f"ppma.ops.cpu.rope: sin and cos must have one dtype, got {sin.dtype} and {cos.dtype}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"ppma.ops.rope: scale must be a real number, got {scale!r}")
+        raise ValueError(f"ppma.ops.cpu.rope: scale must be a real number, got {scale!r}")
     if not isinstance(transpose, bool):
-        raise ValueError(f"ppma.ops.rope: transpose must be a bool, got {transpose!r}")
+        raise ValueError(f"ppma.ops.cpu.rope: transpose must be a bool, got {transpose!r}")
 
 
 def rope(

@@ -1,4 +1,4 @@
-"""``ppma.ops.depthwise_conv2d``: the depthwise ``k x k`` convolution of PPMA's LePE / CPE / FFN on channels-last
+"""``ppma.ops.cpu.depthwise_conv2d``: the depthwise ``k x k`` convolution of PPMA's LePE / CPE / FFN on channels-last
 maps, with a CPU backward of its own for the weight and bias (docs/ops.md "depthwise_conv2d"), and
 ``depthwise_conv2d_residual_``, the FFN's ``x + conv(x)`` written over ``x`` in CPU inference, and
 ``gelu_depthwise_conv2d_residual``, the FFN's GELU and ``a + conv(a)`` with one CPU kernel each way for training
@@ -47,15 +47,15 @@ MIN_KERNEL = 5
 def _check(x, weight, bias) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"ppma.ops.depthwise_conv2d: x must be a [B, H, W, C] tensor, got {shape}")
+        raise ValueError(f"ppma.ops.cpu.depthwise_conv2d: x must be a [B, H, W, C] tensor, got {shape}")
     C = x.shape[-1]
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 4 or weight.shape[:2] != (C, 1)
             or weight.shape[2] != weight.shape[3] or weight.shape[2] % 2 == 0):
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"ppma.ops.depthwise_conv2d: weight must be [C, 1, k, k] with C = {C} and k odd, got {shape}")
+        raise ValueError(f"ppma.ops.cpu.depthwise_conv2d: weight must be [C, 1, k, k] with C = {C} and k odd, got {shape}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
         shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"ppma.ops.depthwise_conv2d: bias must be None or [C] = ({C},), got {shape}")
+        raise ValueError(f"ppma.ops.cpu.depthwise_conv2d: bias must be None or [C] = ({C},), got {shape}")
 
 
 def _folded(weight: torch.Tensor, residual: bool) -> torch.Tensor:
