@@ -7,6 +7,7 @@ so that pip never downloads another torch into a build environment.
 """
 
 import glob
+import importlib.util
 import os
 
 from setuptools import find_packages, setup
@@ -16,6 +17,21 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _write_stamp(csrc: str, kind: str) -> None:
+    """Write csrc/generated/stamp.h: the hash of the sources this build compiles (ppma/_stamp.py), which the
+    library reports (torch.ops.ppma.source_stamp) so that a source checkout detects a stale build. Rewritten only
+    when it changes, so that an unchanged tree rebuilds nothing."""
+    spec = importlib.util.spec_from_file_location("_ppma_stamp", os.path.join(ROOT, "ppma", "_stamp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = f'#pragma once\n#define PPMA_SOURCE_STAMP "{mod.source_stamp(csrc, kind)}"\n'
+    path = os.path.join(csrc, "generated", "stamp.h")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
 
 
 def _extensions():
@@ -41,6 +57,7 @@ def _extensions():
     if _flag("PPMA_DEBUG"):
         cxx = ["-O0", "-g", "-std=c++17", "-fopenmp", "-Wno-psabi"]
     include_dirs = [csrc]
+    _write_stamp(csrc, "cuda" if with_cuda and cuda_sources else "cpu")
     if with_cuda and cuda_sources:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             # No GPU is needed to build: pick the architectures we test on (Ampere, Hopper).

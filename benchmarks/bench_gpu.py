@@ -3,7 +3,7 @@
 For each case, on the same inputs and in one process: the eager reference (``ppma.ops.reference``), the reference
 under ``torch.compile``, FlexAttention with the same bias as a ``score_mod`` (``polyline_attention`` only: two
 compiled passes, one per softmax), and ppma's fused op (for ``polyline_attention`` on CUDA also with its tensor-core
-kernels switched off, ``PPMA_CUDA_TENSOR_CORES=0``). Forward and forward + backward (every input gradient);
+kernels switched off, the internal option ``cuda_tensor_cores`` = 0). Forward and forward + backward (every input gradient);
 median time after warm-up (``ppma.timing.measure_time``, on ``torch.utils.benchmark``) and peak memory above the
 inputs; ratios reference / fused.
 
@@ -107,16 +107,12 @@ def flex_polyline(q, k, v, la, lb, scale):
 
 @contextmanager
 def cuda_core_kernels():
-    """PPMA_CUDA_TENSOR_CORES=0 for the duration (read by the CUDA launcher at each call)."""
-    old = os.environ.get("PPMA_CUDA_TENSOR_CORES")
-    os.environ["PPMA_CUDA_TENSOR_CORES"] = "0"
+    """The internal option cuda_tensor_cores = 0 for the duration (read by the CUDA launcher at each call)."""
+    old = ppma.config.set_internal_option("cuda_tensor_cores", 0)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["PPMA_CUDA_TENSOR_CORES"]
-        else:
-            os.environ["PPMA_CUDA_TENSOR_CORES"] = old
+        ppma.config.set_internal_option("cuda_tensor_cores", old)
 
 
 def _linear_ref(q, k, v, la, lb, scale):

@@ -14,6 +14,24 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <string>
+
+#include "common/options.h"
+#include "generated/stamp.h"  // PPMA_SOURCE_STAMP, written by setup.py (ppma/_stamp.py)
+
+// The kernels' run-time options (common/options.h), as ops that take no tensor: ppma/config.py sets them.
+//   ppma::set_option(str name, int value) -> int   sets one and returns its previous value
+//   ppma::get_option(str name) -> int              its current value
+//   ppma::source_stamp() -> str                     the hash of the sources this library was built from
+namespace {
+int64_t set_option_op(const std::string& name, int64_t value) {
+  return ppma::set_option(ppma::option_by_name(name), static_cast<int>(value));
+}
+int64_t get_option_op(const std::string& name) { return ppma::get_option(ppma::option_by_name(name)); }
+std::string source_stamp_op() { return PPMA_SOURCE_STAMP; }
+}  // namespace
+
 extern "C" {
 // ppma._C is imported only to run the static registrations below.
 PyObject* PyInit__C(void) {
@@ -23,6 +41,9 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(ppma, m) {
+  m.def("set_option(str name, int value) -> int", &set_option_op);
+  m.def("get_option(str name) -> int", &get_option_op);
+  m.def("source_stamp() -> str", &source_stamp_op);
   m.def(
       "polyline_attention(Tensor q, Tensor k, Tensor v, Tensor log_alpha, Tensor log_beta, float scale)"
       " -> (Tensor out, Tensor out_v2h, Tensor lse)");

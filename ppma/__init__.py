@@ -3,6 +3,7 @@
 Fused operators (``ppma.ops``), modules (``ppma.nn``) and the PPMA-T/S/B backbones (``ppma.models``).
 """
 
+from ppma import config  # first: every setting of the environment is parsed here
 from ppma._ext import has_cuda_kernels, has_ext
 from ppma import backends, ops
 
@@ -17,4 +18,4 @@ def create_model(name: str, *args, **kwargs):
     return _create_model(name, *args, **kwargs)
 
 
-__all__ = ["ops", "backends", "has_ext", "has_cuda_kernels", "create_model", "__version__"]
+__all__ = ["ops", "backends", "config", "has_ext", "has_cuda_kernels", "create_model", "__version__"]

@@ -8,9 +8,8 @@ The CPU kernels are built for baseline x86-64 and carry AVX2 and AVX-512 variant
 
 The environment variable ``PPMA_CPU_CAPABILITY=default|avx2|avx512`` caps the path, like PyTorch's
 ``ATEN_CPU_CAPABILITY``: the kernels run the lower of the cap and the best path the CPU has (a cap never turns
-on instructions the CPU lacks). It is read once, when the first CPU kernel (or one of these functions) runs, so
-set it before that, e.g. in the environment of a fresh process. ``PPMA_CPU_BASELINE=1`` is a deprecated alias of
-``PPMA_CPU_CAPABILITY=default`` (``PPMA_CPU_CAPABILITY`` wins when both are set).
+on instructions the CPU lacks). :mod:`ppma.config` reads it at import (a value outside those three raises a
+``ValueError`` there), so set it in the environment of a fresh process.
 
 bf16: the fused ops take bf16 inputs (what they see under ``torch.autocast("cpu", dtype=torch.bfloat16)``) and
 accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the forward products of
@@ -20,34 +19,15 @@ instruction instead of converting them to float32 first (docs/ops.md says which 
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
 
-from ppma import _ext
+from ppma import _ext, config
 
 __all__ = ["CPU_CAPABILITIES", "cpu_capability", "cpu_capability_supported", "cpu_capabilities_available",
            "cpu_bf16_dot", "cpu_bf16_dot_supported"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
-CPU_CAPABILITIES: tuple[str, ...] = ("default", "avx2", "avx512")
-
-_WARNED_BASELINE = False
-
-
-def _check_env() -> None:
-    """Validate ``PPMA_CPU_CAPABILITY`` (raise ``ValueError`` naming the allowed values) and warn once about the
-    deprecated ``PPMA_CPU_BASELINE``."""
-    global _WARNED_BASELINE
-    value = os.environ.get("PPMA_CPU_CAPABILITY", "")
-    if value and value not in CPU_CAPABILITIES:
-        raise ValueError(f"ppma: environment variable PPMA_CPU_CAPABILITY must be one of {CPU_CAPABILITIES}, "
-                         f"got {value!r}")
-    if os.environ.get("PPMA_CPU_BASELINE", "") == "1" and not _WARNED_BASELINE:
-        _WARNED_BASELINE = True
-        warnings.warn("ppma: PPMA_CPU_BASELINE=1 is deprecated; use PPMA_CPU_CAPABILITY=default",
-                      DeprecationWarning, stacklevel=3)
+CPU_CAPABILITIES: tuple[str, ...] = config.CPU_CAPABILITIES
 
 
 def _require_ext() -> None:
@@ -60,12 +40,7 @@ def cpu_capability() -> str:
     """The SIMD path the CPU kernels run in this process: ``"default"`` (SSE2 on x86-64, NEON on arm64),
     ``"avx2"`` (AVX2 + FMA) or ``"avx512"`` (AVX-512 F/BW/VL/DQ): the best the CPU has, capped by
     ``PPMA_CPU_CAPABILITY``. Asked from the compiled library, so it is what the kernels actually use.
-
-    Raises:
-        ValueError: ``PPMA_CPU_CAPABILITY`` is set to something else than one of :data:`CPU_CAPABILITIES`.
-        RuntimeError: ``ppma._C`` is not built.
-    """
-    _check_env()
+    Raises ``RuntimeError`` when ``ppma._C`` is not built."""
     _require_ext()
     return torch.ops.ppma.cpu_capability()
 
@@ -90,7 +65,6 @@ def cpu_bf16_dot() -> bool:
     """Whether the CPU kernels multiply bf16 inputs with the AVX-512 BF16 dot-product instruction
     (``vdpbf16ps``, float32 accumulation): the ``"avx512"`` path is selected and the CPU has ``avx512_bf16``.
     Otherwise bf16 inputs are converted to float32 and take the float32 path (the same accumulation)."""
-    _check_env()
     _require_ext()
     return bool(torch.ops.ppma.cpu_bf16_dot())
 

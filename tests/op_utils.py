@@ -248,13 +248,10 @@ def cpu_paths() -> list[dict[str, str]]:
     (the best the CPU runs) first: every op's determinism and path tests run once per entry, in a fresh
     process (the kernels read the setting once).
 
-    With ``ppma.backends.cpu_capability()``: ``{}`` plus ``PPMA_CPU_CAPABILITY=c`` for each capability below the
-    one in use. Without it: ``{}`` and ``PPMA_CPU_BASELINE=1`` (the 4-lane baseline beside the AVX+FMA code,
-    README "Install")."""
-    try:
-        from ppma.backends import cpu_capability
-    except ImportError:
-        return [{}, {"PPMA_CPU_BASELINE": "1"}]
+    ``{}`` plus ``PPMA_CPU_CAPABILITY=c`` for each capability below the one in use
+    (``ppma.backends.cpu_capability()``)."""
+    from ppma.backends import cpu_capability
+
     best = str(cpu_capability()).lower()
     if best not in CPU_CAPABILITIES:
         raise AssertionError(f"ppma.backends.cpu_capability() returned {best!r}, not one of {CPU_CAPABILITIES}")

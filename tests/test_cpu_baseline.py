@@ -41,7 +41,7 @@ BEST = PATHS[-1] if PATHS else None
 
 def cpu_subprocess_env(capability: str | None) -> dict[str, str]:
     """The environment of a fresh process whose CPU kernels run ``capability`` (``None``: no cap)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PPMA_CPU_CAPABILITY", "PPMA_CPU_BASELINE")}
+    env = {k: v for k, v in os.environ.items() if k != "PPMA_CPU_CAPABILITY"}
     if capability is not None:
         env["PPMA_CPU_CAPABILITY"] = capability
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -67,7 +67,7 @@ def run_op_tests_on_path(capability: str) -> None:
 def test_capability_reported():
     assert PATHS[0] == "default" and set(PATHS) <= set(backends.CPU_CAPABILITIES)
     assert backends.cpu_capability_supported() == BEST
-    if not os.environ.get("PPMA_CPU_CAPABILITY") and os.environ.get("PPMA_CPU_BASELINE") != "1":
+    if not os.environ.get("PPMA_CPU_CAPABILITY"):
         assert backends.cpu_capability() == BEST
     assert isinstance(backends.cpu_bf16_dot(), bool)
     if backends.cpu_capability() != "avx512":
@@ -89,31 +89,14 @@ def test_cap_selects_path(capability):
 
 
 @needs_ext
-def test_baseline_alias_is_default():
-    env = cpu_subprocess_env(None)
-    env["PPMA_CPU_BASELINE"] = "1"
-    res = _python("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-                  "from ppma import backends\n"
-                  "try:\n    backends.cpu_capability()\nexcept DeprecationWarning as e:\n    print('warned', e)\n"
-                  "import torch; print(torch.ops.ppma.cpu_capability())", env)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "warned" in res.stdout and "PPMA_CPU_CAPABILITY=default" in res.stdout
-    assert res.stdout.split()[-1] == "default"
-
-
-@needs_ext
 def test_invalid_capability_is_an_error():
-    """Both the Python query and the kernels themselves reject an unknown value, naming the allowed ones."""
-    res = _python("import torch, ppma\nfrom ppma import backends\n"
-                  "try:\n    backends.cpu_capability()\nexcept ValueError as e:\n    print('py:', e)\n"
-                  "x = torch.randn(1, 3, 4, 1, 2); la = -torch.rand(1, 3, 4, 1)\n"
-                  "try:\n    torch.ops.ppma.polyline_scan(x, la, la, False)\nexcept (RuntimeError, ValueError) as e:\n"
-                  "    print('op:', e)\n", {**cpu_subprocess_env("avx3"), "PYTHONWARNINGS": "ignore"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("py:", "op:"))]
-    assert [ln[:3] for ln in lines] == ["py:", "op:"], res.stdout
-    for ln in lines:
-        assert "PPMA_CPU_CAPABILITY" in ln and "avx3" in ln and "avx512" in ln and "default" in ln
+    """ppma.config rejects an unknown value at import, naming the variable and the allowed values (the kernels
+    never read the environment themselves)."""
+    res = _python("import ppma", {**cpu_subprocess_env("avx3"), "PYTHONWARNINGS": "ignore"})
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError") and "PPMA_CPU_CAPABILITY" in last and "avx3" in last, res.stderr[-2000:]
+    assert "avx512" in last and "default" in last
 
 
 @needs_ext
@@ -122,7 +105,7 @@ def test_lower_path_matches_reference(capability):
     """The op tests' CPU reference comparisons on each path below the best one (the best is the default run)."""
     if capability is None:
         pytest.skip("this CPU has a single SIMD path")
-    if os.environ.get("PPMA_CPU_CAPABILITY") or os.environ.get("PPMA_CPU_BASELINE") == "1":
+    if os.environ.get("PPMA_CPU_CAPABILITY"):
         pytest.skip("already running under a capped path")
     run_op_tests_on_path(capability)
 

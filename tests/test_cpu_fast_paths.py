@@ -144,15 +144,3 @@ def test_inference_fast_paths_switch():
         assert not ppma.nn.inference_fast_paths_enabled()
     finally:
         ppma.nn.set_inference_fast_paths(True)
-
-
-@pytest.mark.parametrize("value, want", [("0", "False"), ("1", "True"), ("yes", "must be 0 or 1")])
-def test_inference_fast_paths_environment(value, want):
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PPMA_INFERENCE_FAST_PATHS=value)
-    res = subprocess.run([sys.executable, "-c", "import ppma.nn as n; print(n.inference_fast_paths_enabled())"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert want in res.stdout + res.stderr

@@ -7,15 +7,28 @@ through the emulator in ``tests/test_cuda_emulation.py``. Skipped without a GPU 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
+import ppma
 from op_utils import DEVICES, assert_close, make_attention_inputs, rel_err
 from ppma.ops import reference as ref
 
 pytestmark = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and the CUDA kernels of ppma._C")
 
 REFS = {"polyline_attention": ref.polyline_attention_ref, "criss_cross_attention": ref.criss_cross_attention_ref}
+
+
+@contextmanager
+def cuda_core_kernels():
+    """polyline_attention's CUDA-core kernels only, for the duration (the internal option cuda_tensor_cores)."""
+    old = ppma.config.set_internal_option("cuda_tensor_cores", 0)
+    try:
+        yield
+    finally:
+        ppma.config.set_internal_option("cuda_tensor_cores", old)
 
 
 def _inputs(shape, dtype, seed=0):
@@ -29,7 +42,7 @@ def _ref_grads(op, inputs, scale, grad_out):
     return out, torch.autograd.grad(out, ins, grad_out.double())
 
 
-def test_polyline_attention_tensor_cores_vs_cuda_cores(monkeypatch):
+def test_polyline_attention_tensor_cores_vs_cuda_cores():
     """The two CUDA paths on the same bf16 inputs agree up to the 16-bit rounding of P and dS."""
     q, k, v, la, lb = _inputs((2, 12, 12, 2, 32, 32), torch.bfloat16, seed=11)
     go = torch.randn(q.shape[:4] + (32,), device="cuda", dtype=torch.bfloat16)
@@ -39,8 +52,8 @@ def test_polyline_attention_tensor_cores_vs_cuda_cores(monkeypatch):
         return (*o, *torch.ops.ppma.polyline_attention_backward(go, q, k, v, la, lb, *o, 0.2))
 
     tc = run()
-    monkeypatch.setenv("PPMA_CUDA_TENSOR_CORES", "0")
-    core = run()
+    with cuda_core_kernels():
+        core = run()
     for name, a, b in zip(("out", "out_v2h", "lse", "dq", "dk", "dv", "dla", "dlb"), tc, core):
         err = rel_err(a, b)
         assert err < (1e-4 if name == "lse" else 2e-2), f"{name}: {err:.2e}"
@@ -67,10 +80,11 @@ def test_polyline_attention_fp16_small_and_large_gradients(grad_scale):
 
 
 @pytest.mark.parametrize("path", ["tensor_cores", "cuda_cores"])
-def test_polyline_attention_deterministic_large(path, monkeypatch):
+def test_polyline_attention_deterministic_large(path, request):
     """4096 tokens in bf16: right numbers, and two backward runs bitwise equal (no atomics anywhere)."""
     if path == "cuda_cores":
-        monkeypatch.setenv("PPMA_CUDA_TENSOR_CORES", "0")
+        old = ppma.config.set_internal_option("cuda_tensor_cores", 0)
+        request.addfinalizer(lambda: ppma.config.set_internal_option("cuda_tensor_cores", old))
     q, k, v, la, lb = _inputs((1, 64, 64, 2, 32, 32), torch.bfloat16, seed=7)
     out, ov, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.18)
     go = torch.randn_like(out)

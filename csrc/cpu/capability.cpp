@@ -1,7 +1,7 @@
 // What the CPU kernels' run-time dispatch chose (cpu/simd.h "The run-time dispatch"), as ops that take no tensor,
 // so that Python (ppma.backends) reports the path the kernels actually run rather than guessing it:
 //   ppma::cpu_capability() -> str            the path the kernels run: "default", "avx2" or "avx512"
-//                                             (the CPU's best, capped by PPMA_CPU_CAPABILITY / PPMA_CPU_BASELINE);
+//                                             (the CPU's best, capped by PPMA_CPU_CAPABILITY);
 //   ppma::cpu_capability_supported() -> str  the best path this CPU can run, whatever the environment says;
 //   ppma::cpu_bf16_dot() -> bool             whether bf16 inputs take the AVX-512 BF16 dot-product path
 //                                             (the avx512 path is selected and the CPU has avx512bf16);

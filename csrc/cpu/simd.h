@@ -9,8 +9,8 @@
 // function it is inlined into, and an 8-lane instance compiled on its own would be baseline code working on
 // pairs of 4-lane registers. So never form Lanes<8> or Lanes<16> outside with_lanes().
 // PPMA_CPU_CAPABILITY=default|avx2|avx512 caps the path (like ATEN_CPU_CAPABILITY: never above what the CPU
-// has), so that tests check every path the machine can run; PPMA_CPU_BASELINE=1 is a deprecated alias of
-// PPMA_CPU_CAPABILITY=default.
+// has), so that tests check every path the machine can run; ppma/config.py reads it and sets the option
+// cpu_capability (common/options.h).
 //
 // Vectors are GCC/Clang vector extensions. Everything here is torch-free.
 #pragma once
@@ -25,6 +25,8 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+#include "common/options.h"
 
 #if !defined(__GNUC__)
 #error "the ppma CPU kernels need the GCC/Clang vector extensions"
@@ -828,26 +830,21 @@ inline bool cpu_supports_avx512_bf16() {
 #endif
 }
 
-// The cap the environment puts on the path: PPMA_CPU_CAPABILITY (default, avx2 or avx512; unset or empty: no
-// cap), or PPMA_CPU_BASELINE=1 (deprecated alias of default; PPMA_CPU_CAPABILITY wins when both are set).
-// Throws std::invalid_argument naming the allowed values for anything else.
-inline Capability capability_cap_from_env() {
-  const char* v = std::getenv("PPMA_CPU_CAPABILITY");
-  if (v != nullptr && v[0] != '\0') {
-    for (Capability c : {Capability::kDefault, Capability::kAvx2, Capability::kAvx512})
-      if (std::strcmp(v, capability_name(c)) == 0) return c;
-    throw std::invalid_argument(std::string("ppma: PPMA_CPU_CAPABILITY must be one of default, avx2, avx512; got '") +
-                                v + "'");
+// The cap put on the path: the option cpu_capability (common/options.h), which ppma/config.py sets from
+// PPMA_CPU_CAPABILITY (default, avx2 or avx512) at import.
+inline Capability capability_cap() {
+  switch (get_option(Option::kCpuCapability)) {
+    case 0: return Capability::kDefault;
+    case 1: return Capability::kAvx2;
+    default: return Capability::kAvx512;
   }
-  const char* b = std::getenv("PPMA_CPU_BASELINE");
-  if (b != nullptr && b[0] == '1') return Capability::kDefault;
-  return Capability::kAvx512;
 }
 
-// The path the kernels run: what the CPU supports, capped by the environment (read once per process).
+// The path the kernels run: what the CPU supports, capped by the option (read once per process, at the first
+// kernel: ppma/config.py sets the option at import, before any kernel runs).
 inline Capability cpu_capability() {
   static const Capability selected = [] {
-    const Capability sup = cpu_supported_capability(), cap = capability_cap_from_env();
+    const Capability sup = cpu_supported_capability(), cap = capability_cap();
     return static_cast<int>(cap) < static_cast<int>(sup) ? cap : sup;
   }();
   return selected;

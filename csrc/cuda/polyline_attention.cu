@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "common/options.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -26,15 +28,14 @@ namespace {
 
 // The tensor-core polyline_attention kernels (sm_80+) take fp16 / bf16 with d, dv multiples of 8 up to 128 (and
 // H, W up to kTcMaxSide, as they pack positions in 16 bits).
-// Everything else runs on the CUDA-core kernels, and PPMA_CUDA_TENSOR_CORES=0 forces those (for comparisons);
+// Everything else runs on the CUDA-core kernels, and the option cuda_tensor_cores = 0 forces those (comparisons);
 // the two differ in rounding only (the tensor-core path rounds P and dS to 16 bits before its products).
 inline bool use_tensor_cores(const at::Tensor& q, const GridSizes& sz) {
   const auto st = q.scalar_type();
   if (st != at::kHalf && st != at::kBFloat16) return false;
   if (sz.d % 8 != 0 || sz.dv % 8 != 0 || sz.d > 128 || sz.dv > 128) return false;
   if (sz.H > kTcMaxSide || sz.W > kTcMaxSide) return false;
-  const char* env = std::getenv("PPMA_CUDA_TENSOR_CORES");
-  if (env != nullptr && std::string(env) == "0") return false;
+  if (get_option(Option::kCudaTensorCores) == 0) return false;
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
   return major >= 8;

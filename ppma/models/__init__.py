@@ -7,7 +7,7 @@ When timm is importable, importing this package also registers ``ppma_tiny/small
 """
 
 import importlib.util as _util
-import os as _os
+from ppma import config as _config
 
 from ppma.models.ppma import MODEL_CONFIGS, PPMA, PPMAConfig, PPMAStage, ppma_base, ppma_small, ppma_tiny
 from ppma.models.registry import create_model, list_models
@@ -51,7 +51,7 @@ __all__ = [
 register_flop_formulas()
 
 TIMM_REGISTERED = False
-if _os.environ.get("PPMA_NO_TIMM", "0") != "1" and _util.find_spec("timm") is not None:
+if _config.register_with_timm and _util.find_spec("timm") is not None:
     try:
         from ppma._compat import ensure_torchvision as _ensure_torchvision
 

@@ -14,7 +14,6 @@ from ppma.ops.cpu.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_g
 from ppma.ops.cpu.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 from ppma.ops.cpu.layer_norm import layer_norm as _layer_norm_op
 from ppma.ops import _dispatch
-from ppma.ops._dispatch import _env_flag
 from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerNorm", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead",
@@ -46,8 +45,8 @@ def _has_hooks(module: nn.Module) -> bool:
                 or _module._global_forward_pre_hooks)
 
 
-# Whether the CPU inference fast paths below may run (PPMA_INFERENCE_FAST_PATHS=0 in the environment: off at import).
-_fast_paths: bool = _env_flag("PPMA_INFERENCE_FAST_PATHS", default=True)
+# Whether the CPU inference fast paths below may run.
+_fast_paths: bool = True
 
 
 def set_inference_fast_paths(enabled: bool) -> None:
@@ -58,8 +57,7 @@ def set_inference_fast_paths(enabled: bool) -> None:
     ppma's kernels (:class:`LayerNorm`, :func:`ppma.ops.cpu.add_layer_norm_`). Off, every module runs its plain torch
     call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding), e.g. to
     compare with other code bit for bit, or the stand-in for the official code in
-    ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead.
-    ``PPMA_INFERENCE_FAST_PATHS=0`` in the environment switches them off at import."""
+    ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead."""
     global _fast_paths
     _fast_paths = bool(enabled)
 
