@@ -106,7 +106,14 @@ def _env_internal_options() -> dict[str, int]:
 
 
 # The switches, parsed once at import.
-_impl: str = _checked_impl(os.environ.get("PPMA_IMPL", "fused").strip() or "fused")
+def _env_impl() -> str:
+    value = os.environ.get("PPMA_IMPL", "").strip() or "fused"
+    if value not in IMPLS:
+        raise ValueError(f"ppma: environment variable PPMA_IMPL must be one of {IMPLS}, got {value!r}")
+    return value
+
+
+_impl: str = _env_impl()
 _cuda_kernels: bool = env_flag("PPMA_CUDA_KERNELS", default=CUDA_KERNELS_VERIFIED)
 _check_decays: bool = env_flag("PPMA_CHECK_DECAYS")
 _cpu_capability_cap: str | None = _env_cpu_capability()

@@ -99,7 +99,7 @@ def test_environment_variables():
                PPMA_IMPL="reference", PPMA_CHECK_DECAYS="1")
     assert res.returncode == 0 and res.stdout.split() == ["reference", "True"], res.stderr[-2000:]
     res = _run("import ppma.ops", PPMA_IMPL="cuda")
-    assert res.returncode != 0 and "impl must be one of" in res.stderr
+    assert res.returncode != 0 and "PPMA_IMPL must be one of" in res.stderr
 
 
 class _OnDevice:
@@ -117,7 +117,7 @@ def test_cuda_kernels_can_be_switched_off(monkeypatch):
 
     assert ppma.ops.CUDA_KERNELS_VERIFIED is True
     monkeypatch.setattr(_dispatch, "_FUSED_DEVICES", frozenset({"cpu", "meta", "cuda"}))
-    monkeypatch.setattr(_dispatch, "_cuda_kernels", False)
+    monkeypatch.setattr(ppma.config, "_cuda_kernels", False)
     monkeypatch.setattr(_dispatch, "_WARNED", set())
     cuda = _OnDevice("cuda")
     with pytest.warns(UserWarning, match=r"switched off.*unset PPMA_CUDA_KERNELS.*set_impl\(\"fused\", cuda_kernels=True\)"):
