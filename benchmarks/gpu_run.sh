@@ -23,11 +23,12 @@
 #   summary    every part's status and seconds, and the headline numbers -> summary.md (printed last)
 #
 # Every table names the GPU. Environment: PYTHON (default python3), MAX_JOBS, TORCH_CUDA_ARCH_LIST,
-# GPU_RUN_BUDGET_S, GPU_RUN_COMPILE_MODE, GPU_RUN_FORCE_BUILD=1 (build even when the library is current).
+# GPU_RUN_BUDGET_S, GPU_RUN_COMPILE_MODE, GPU_RUN_FORCE_BUILD=1 (build even when the library is current),
+# GPU_RUN_KEEP_CC=1 (build with the environment's CC / CXX instead of /usr/bin/gcc, g++).
 set -uo pipefail
 RUN_DIR=${1:-}
 if [ -z "$RUN_DIR" ] || [ "$RUN_DIR" = --smoke ]; then
-  sed -n '2,25p' "$0"
+  sed -n '2,27p' "$0"
   exit 2
 fi
 # the output folder relative to the caller's directory, then everything from the repository root
@@ -82,9 +83,23 @@ build() {
     TORCH_CUDA_ARCH_LIST=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || return 1
   fi
   export TORCH_CUDA_ARCH_LIST MAX_JOBS=${MAX_JOBS:-$(nproc)}
-  echo "build: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS"
+  # the system compiler (benchmarks/README.md: a CC / CXX wrapper that links libstdc++ statically makes the
+  # extension crash on its first C++ error); GPU_RUN_KEEP_CC=1 keeps the environment's
+  if [ "${GPU_RUN_KEEP_CC:-0}" != 1 ] && [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  fi
+  echo "build: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS CC=${CC:-} CXX=${CXX:-}"
   "$PY" setup.py build_ext --inplace || return 1
   has_cuda_build || { echo "build: ppma._C does not load with its CUDA kernels"; return 1; }
+  # C++ errors must reach Python as exceptions
+  "$PY" -c "
+import torch, ppma
+q = torch.randn(1, 2, 2, 1, 16)
+try:
+    torch.ops.ppma.polyline_attention(q, q, q, q[..., 0, :0], q[..., 0, :0], 0.1)
+except RuntimeError:
+    print('build: C++ errors reach Python')
+" || { echo "build: ppma._C crashed on a C++ error instead of raising it (the C++ runtime: set CC / CXX)"; return 1; }
 }
 
 compiled() {  # compiled <model>: the model table of one model under torch.compile
@@ -117,7 +132,7 @@ if [ "$SMOKE" = 1 ]; then
     --ops criss_cross_attention polyline_linear_attention --out "$RUN_DIR/ops"
   printf 'compiled\tskipped\t0\tsmoke run: compiling takes minutes on a CPU\n' >> "$RUN_DIR/parts.tsv"
 elif ! has_cuda_build; then
-  printf 'all\tskipped\t0\tno CUDA build of ppma._C: see build.log\n' >> "$RUN_DIR/parts.tsv"
+  printf 'all\tskipped\t0\tno CUDA build of ppma._C: see the build row and build.log\n' >> "$RUN_DIR/parts.tsv"
 else
   part check 75 20 "$PY" benchmarks/gpu_run.py check --out "$RUN_DIR"
   part graphs 75 20 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graphs.py -k "not compiled_model"

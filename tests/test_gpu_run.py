@@ -44,8 +44,9 @@ def test_smoke_run_of_the_script(tmp_path):
     assert all(r["deterministic"] and r["bitwise_equal_to_old"] for r in check["rows"])
     timing = json.loads((out / "time.json").read_text())
     assert {r["op"] for r in timing["rows"]} == set(gpu_run.OPS)
-    assert all(r["times"]["old fwd"]["median_ms"] > 0 and r["times"]["old bwd"]["median_ms"] > 0
-               for r in timing["rows"])
+    assert all(r["times"][f"{v} {p}"]["median_ms"] > 0 for r in timing["rows"] for v in ("old", "new")
+               for p in ("fwd", "bwd"))
+    assert all(r["kernels"]["new bwd"] for r in timing["rows"])
     ops_rows = json.loads((out / "ops.json").read_text())["rows"]
     assert "ppma fused, next kernel" in {r["impl"] for r in ops_rows}
     assert json.loads((out / "models_eager.json").read_text())["rows"][0]["infer_images_per_sec"] > 0
