@@ -17,6 +17,9 @@ tokens, 4 heads of 32, also against the softmax ``polyline_attention`` on the sa
     python3 benchmarks/bench_gpu.py                 # the whole table (a few minutes on an H100)
     python3 benchmarks/bench_gpu.py --quick         # one shape per op
     python3 benchmarks/bench_gpu.py --device cpu --quick --out /tmp/ops-smoke   # smoke run: tiny shapes, CPU clock
+
+``--next`` adds the rows "ppma fused, next kernel" for the ops whose CUDA launcher has a next kernel (the internal
+option ``cuda_next_<op>`` = 1, docs/configuration.md), ``--no-compile`` leaves out the compiled implementations.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 import platform
 import re
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -119,8 +123,32 @@ def _linear_ref(q, k, v, la, lb, scale):
     return ref.polyline_linear_attention_ref(q, k, v, la, lb)
 
 
-def impls(op: str, device: torch.device):
-    """name -> callable(q, k, v, la, lb, scale) for one op."""
+def _with_next_kernel(op: str, fn):
+    """fn run with the op's next CUDA kernel (the internal option ``cuda_next_<op>`` = 1 for the call)."""
+
+    def call(*a):
+        old = ppma.config.set_internal_option(f"cuda_next_{op}", 1)
+        try:
+            return fn(*a)
+        finally:
+            ppma.config.set_internal_option(f"cuda_next_{op}", old)
+
+    return call
+
+
+def next_kernel_present(op: str) -> bool:
+    """Whether the op's CUDA launcher has a next kernel (benchmarks/gpu_run.py, ``next_kernel_status``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from gpu_run import next_kernel_status
+    finally:
+        sys.path.pop(0)
+    return next_kernel_status(op)[0]
+
+
+def impls(op: str, device: torch.device, compiled: bool = True, next_kernel: bool = False):
+    """name -> callable(q, k, v, la, lb, scale) for one op; ``compiled=False`` leaves out the compiled
+    implementations (a smoke run), ``next_kernel`` adds "ppma fused, next kernel" (the option ``cuda_next_<op>``)."""
     if op == "polyline_attention":
         res = {
             "eager reference": ref.polyline_attention_ref,
@@ -134,24 +162,29 @@ def impls(op: str, device: torch.device):
                     return ops.polyline_attention(*a)
 
             res["ppma fused, CUDA cores"] = cuda_cores
-        return res
-    if op == "polyline_linear_attention":  # no scale; normalised, eps 1e-6
-        return {
+    elif op == "polyline_linear_attention":  # no scale; normalised, eps 1e-6
+        res = {
             "eager reference": _linear_ref,
             "compiled reference": torch.compile(_linear_ref),
             "ppma polyline_attention (softmax)": ops.polyline_attention,
             "ppma fused": lambda q, k, v, la, lb, scale: ops.polyline_linear_attention(q, k, v, la, lb),
         }
-    return {
-        "eager reference": ref.criss_cross_attention_ref,
-        "compiled reference": torch.compile(ref.criss_cross_attention_ref),
-        "ppma fused": ops.criss_cross_attention,
-    }
+    else:
+        res = {
+            "eager reference": ref.criss_cross_attention_ref,
+            "compiled reference": torch.compile(ref.criss_cross_attention_ref),
+            "ppma fused": ops.criss_cross_attention,
+        }
+    if next_kernel:
+        res["ppma fused, next kernel"] = _with_next_kernel(op, res["ppma fused"])
+    if not compiled:
+        res = {k: v for k, v in res.items() if not k.startswith("compiled")}
+    return res
 
 
-def run_case(op, shape, dtype, device, warmup, reps, rows):
+def run_case(op, shape, dtype, device, warmup, reps, rows, compiled=True, next_kernel=False):
     for mode in ("fwd", "fwd+bwd"):
-        for name, fn in impls(op, device).items():
+        for name, fn in impls(op, device, compiled, next_kernel).items():
             ins = make_inputs(shape, dtype, device, grad=mode != "fwd", nonneg_qk=op == "polyline_linear_attention")
             scale = shape[4] ** -0.5
             note = ""
@@ -263,6 +296,10 @@ def main(argv=None) -> int:
                     default=["polyline_attention", "criss_cross_attention", "polyline_linear_attention"])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-compile", action="store_true", help="leave out the compiled implementations")
+    ap.add_argument("--next", action="store_true",
+                    help="add the next CUDA kernel of each op that has one (internal option cuda_next_<op>; "
+                         "benchmarks/gpu_run.py); on the CPU the row is added anyway, for the code path")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -282,8 +319,11 @@ def main(argv=None) -> int:
     md = ""
     for op, shapes in (("polyline_attention", pa), ("criss_cross_attention", cc), ("polyline_linear_attention", la)):
         if op in args.ops:
+            nxt = args.next and (device.type != "cuda" or next_kernel_present(op))
+            if args.next and not nxt:
+                print(f"bench_gpu: {op} has no next CUDA kernel: no 'ppma fused, next kernel' row", flush=True)
             for shape in shapes:
-                run_case(op, shape, dtype, device, args.warmup, args.reps, rows)
+                run_case(op, shape, dtype, device, args.warmup, args.reps, rows, not args.no_compile, nxt)
                 # the tables so far, after every case: a run stopped early (a time limit) keeps what it measured
                 md = write_tables(out, env, rows, args)
     print(md)

@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_check.sh models [NAMES...]  # ppma-benchmark (default ppma_tiny ppma_small ppma_base), batch
 #                                             # 64, 224^2, AMP fp16, fused vs reference, inference and training
 #                                             # -> <results>/throughput_<gpu>_fp16_b64[_NAMES].{md,json}
+#   bash benchmarks/gpu_check.sh all          # benchmarks/gpu_run.sh: build, next kernels against the verified
+#                                             # ones, CUDA graphs, kernel times, model and op tables in <= 8 min
+#                                             # -> <results>/gpu_run_<gpu>_<date>/
 #
 # Options (environment variables):
 #   PPMA_RESULTS_DIR   where the tables and the step logs go (default: benchmarks/results; logs in <results>/logs/)
@@ -128,8 +131,13 @@ print('smoke ok', out.shape, out2.shape, out3.shape, *(float(o.float().abs().sum
     log models "$PY" -m ppma.train.cli.benchmark --model $names --amp fp16 --batch-size 64 --img-size 224 \
       --warmup 10 --iters 30 --output "$out"
     ;;
+  all)
+    tagname=$("$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.+-]+', '-', torch.cuda.get_device_name()))" \
+      2>/dev/null || echo gpu)
+    PYTHON="$PY" bash benchmarks/gpu_run.sh "$RESULTS/gpu_run_${tagname}_$(date -u +%Y%m%d-%H%M%S)"
+    ;;
   *)
-    sed -n '2,22p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
     ;;
 esac

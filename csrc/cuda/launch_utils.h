@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -40,6 +41,21 @@ struct CudaType<at::BFloat16> {
 template <typename T>
 inline typename CudaType<T>::type* cptr(const at::Tensor& t) {
   return reinterpret_cast<typename CudaType<T>::type*>(t.data_ptr<T>());
+}
+
+// The compute capability (major) of `device`, asked of the driver once per device and kept (a launcher asks on
+// every call; cudaDeviceGetAttribute per call would be a driver call each time). 0 marks "not asked yet"; two
+// threads asking at once both store the same value.
+constexpr int kMaxCachedDevices = 64;
+inline int compute_capability_major(int device) {
+  static std::atomic<int> majors[kMaxCachedDevices] = {};
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  int major = cached ? majors[device].load(std::memory_order_relaxed) : 0;
+  if (major == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (cached) majors[device].store(major, std::memory_order_relaxed);
+  }
+  return major;
 }
 
 // The first input of a CUDA launcher must be a CUDA tensor; common/checks.h then checks that every other

@@ -36,9 +36,7 @@ inline bool use_tensor_cores(const at::Tensor& q, const GridSizes& sz) {
   if (sz.d % 8 != 0 || sz.dv % 8 != 0 || sz.d > 128 || sz.dv > 128) return false;
   if (sz.H > kTcMaxSide || sz.W > kTcMaxSide) return false;
   if (get_option(Option::kCudaTensorCores) == 0) return false;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
-  return major >= 8;
+  return compute_capability_major(q.device().index()) >= 8;
 }
 
 // Padded head dim of the tensor-core kernels: 16, 32, 64 or 128.

@@ -8,7 +8,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <utility>
 
 #include "common/math.h"
@@ -170,11 +172,53 @@ inline bool grid_fits(int64_t blocks) { return blocks >= 1 && blocks <= kMaxGrid
   Type& name = *reinterpret_cast<Type*>(ppma_dynamic_smem)
 #endif
 
-// Allows a kernel more than the default 48 KiB of dynamic shared memory (no-op below that).
+#ifndef PPMA_EMULATE
+// The dynamic shared-memory limits already raised, per (kernel, device): the launchers ask on every launch, and
+// cudaFuncSetAttribute is a driver call, so each (kernel, device) is set once, and again only for a larger size.
+// A small table under a mutex (a launcher uses a handful of kernels; lookups are a few compares).
+class DynamicSmemLimits {
+ public:
+  static DynamicSmemLimits& instance() {
+    static DynamicSmemLimits limits;  // one per process (an inline function's static)
+    return limits;
+  }
+  // Raises the limit of `kernel` on the current device to at least `bytes` unless already done.
+  void raise(const void* kernel, size_t bytes) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return;  // the launch that follows reports the error
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int i = 0; i < count_; ++i)
+      if (entries_[i].kernel == kernel && entries_[i].device == device) {
+        if (entries_[i].bytes >= bytes) return;
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) == cudaSuccess)
+          entries_[i].bytes = bytes;
+        return;
+      }
+    // not cached when the call fails (the launch then fails and is reported) or the table is full (set each time)
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) == cudaSuccess &&
+        count_ < kMaxEntries)
+      entries_[count_++] = {kernel, device, bytes};
+  }
+
+ private:
+  struct Entry {
+    const void* kernel;
+    int device;
+    size_t bytes;
+  };
+  static constexpr int kMaxEntries = 1024;
+  std::mutex mutex_;
+  Entry entries_[kMaxEntries];
+  int count_ = 0;
+};
+#endif
+
+// Allows a kernel more than the default 48 KiB of dynamic shared memory (no-op below that), once per kernel,
+// device and size (DynamicSmemLimits).
 template <typename Kernel>
 inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
 #ifndef PPMA_EMULATE
-  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (bytes > 48 * 1024) DynamicSmemLimits::instance().raise(reinterpret_cast<const void*>(kernel), bytes);
 #else
   (void)kernel;
   (void)bytes;

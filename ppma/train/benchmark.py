@@ -2,8 +2,11 @@
 
 Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then about ``iters`` timed
 ones (:func:`ppma.timing.measure_time`, synchronised clocks); images/s = batch / mean time per iteration. Training: forward + backward + AdamW step on
-random labels. The ``ppma-benchmark`` command (:mod:`ppma.train.cli.benchmark`) runs this over models and
-attention implementations and writes the tables.
+random labels; on CUDA the AdamW step is torch's fused one (``fused=True``, as the trainer's, docs/training.md).
+``compile_mode`` measures ``torch.compile(model, mode=compile_mode)`` instead of the eager model, each phase compiled
+during its untimed warm-up; on CUDA, ``"reduce-overhead"`` runs the compiled graphs as CUDA graphs (the shapes are
+static), every call marked as a new step. The ``ppma-benchmark`` command (:mod:`ppma.train.cli.benchmark`) runs
+this over models and attention implementations and writes the tables.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import torch
 from ppma.timing import measure_time
 from ppma.train.engine import autocast, optimizer_step
 
-__all__ = ["measure", "current_rss_mib", "peak_rss_mib"]
+__all__ = ["measure", "current_rss_mib", "peak_rss_mib", "COMPILE_MODES", "compile_for_benchmark"]
+
+#: The modes of ``torch.compile`` that ``measure(compile_mode=...)`` takes.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def current_rss_mib() -> float | None:
@@ -88,13 +94,42 @@ class _PeakMemory:
         return None
 
 
+def compile_for_benchmark(model: torch.nn.Module, device: torch.device, mode: str):
+    """``model`` under ``torch.compile`` with ``mode`` (one of :data:`COMPILE_MODES`; ``"default"``: no mode
+    argument). The ppma ops are custom ops with fake kernels, opaque nodes in the compiled graph (docs/design.md §5).
+    Returns (the compiled callable, a function to call before each step: on CUDA with CUDA graphs it marks a new
+    step of the graph trees, so that a replay may reuse the previous step's outputs; elsewhere it does nothing)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"ppma-benchmark: compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    compiled = torch.compile(model, mode=None if mode == "default" else mode)
+    if device.type == "cuda":
+        return compiled, _cuda_graph_step_marker(mode)
+    return compiled, lambda: None
+
+
+def _cuda_graph_step_marker(mode: str):
+    """The per-step call of a CUDA-compiled model: ``torch.compiler.cudagraph_mark_step_begin`` for the modes
+    that run CUDA graphs (``reduce-overhead``, ``max-autotune``), else nothing."""
+    if mode in ("reduce-overhead", "max-autotune"):
+        return torch.compiler.cudagraph_mark_step_begin
+    return lambda: None
+
+
+def _optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """The AdamW of the training phase: torch's fused step on CUDA (one kernel launch per parameter group and
+    dtype instead of a multi-tensor loop; the same update up to float rounding), the default step elsewhere."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None)
+
+
 def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans: int, num_classes: int,
             device: torch.device, amp_dtype, warmup: int, iters: int, train: bool, channels_last: bool,
-            infer: bool = True) -> dict:
+            infer: bool = True, compile_mode: str | None = None) -> dict:
     """Inference (and optionally training) throughput of ``model`` on random ``[batch, in_chans, S, S]`` input:
     ``infer_images_per_sec``, ``infer_ms_median``, ``infer_peak_mem_mib`` and, with ``train``, the same three
     for ``train_*`` (``infer=False``: training only). Peak memory: CUDA's allocator peak; on the CPU the RSS high-water mark above the RSS at
-    the start of the phase (exact in a fresh process, see ``_PeakMemory``); None where it cannot be read."""
+    the start of the phase (exact in a fresh process, see ``_PeakMemory``); None where it cannot be read.
+    ``compile_mode`` (one of :data:`COMPILE_MODES`): measure the model under ``torch.compile``
+    (:func:`compile_for_benchmark`), compiled in the warm-up of each phase; None: eager."""
     model = model.to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -106,12 +141,16 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
     out = {}
 
     model.eval()
+    fwd, mark_step = model, lambda: None
+    if compile_mode is not None:
+        fwd, mark_step = compile_for_benchmark(model, device, compile_mode)
     peak = _PeakMemory(device)
     peak.start()
 
     def run_infer():
+        mark_step()
         with torch.inference_mode(), autocast(device, amp_dtype):
-            model(x)
+            fwd(x)
 
     if infer:
         t = measure_time(run_infer, repeat=iters, warmup=warmup, device=device)
@@ -121,16 +160,19 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
 
     if train:
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = _optimizer(model, device)
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
         peak.start()
 
         def step():
+            mark_step()
             with autocast(device, amp_dtype):
-                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                loss = torch.nn.functional.cross_entropy(fwd(x).float(), y)
             optimizer_step(loss, opt, scaler)
 
-        t = measure_time(step, repeat=iters, warmup=max(1, warmup // 2), device=device)
+        # a compiled model compiles its training graph in the first call and, with CUDA graphs, records the graph
+        # in a later one: three warm-up steps at least keep both out of the timed calls
+        t = measure_time(step, repeat=iters, warmup=max(3 if compile_mode else 1, warmup // 2), device=device)
         out["train_images_per_sec"] = batch_size / t.mean
         out["train_ms_median"] = t.median_ms
         out["train_peak_mem_mib"] = peak.stop()

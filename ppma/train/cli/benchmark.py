@@ -10,6 +10,10 @@ from there). Each attention implementation (``impl=fused`` and
 ``impl=reference``) is measured in the same process on the same inputs::
 
     ppma-benchmark --model ppma_tiny ppma_small ppma_base --amp fp16 --output benchmarks/results/throughput
+
+``--compile [MODE]`` measures the model under ``torch.compile`` (``MODE``: ``default`` when omitted,
+``reduce-overhead``: CUDA graphs on a GPU, the shapes being static; ``ppma.train.benchmark.compile_for_benchmark``),
+each phase compiled in its untimed warm-up; the tables say which mode ran.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-train", action="store_true", help="inference only")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="measure the model under torch.compile with this mode (default: 'default'; "
+                        "'reduce-overhead': CUDA graphs on a GPU) instead of eager")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="model override (YAML value), e.g. --override 'embed_dims=[8, 16, 16, 16]'")
     p.add_argument("--factory", help="'package.module:callable' instead of ppma.create_model")
@@ -68,6 +76,7 @@ def _markdown(result: dict) -> str:
         f"batch {s['batch_size']}, {s['img_size']}x{s['img_size']}, AMP {s['amp']}, {s['warmup']} warm-up + "
         f"about {s['iters']} timed iterations (ppma.timing); torch {e['torch']}, CUDA {e['cuda']}, ppma extension built: "
         f"{e['ppma_extension']}; {e['date']}"
+        + (f"; torch.compile, mode {s['compile']}" if s.get("compile") else "; eager")
         + (f"; CPU: {e['cpu_threads']} threads, kernels {e.get('cpu_capability') or 'n/a'}; peak memory is the RSS "
            "high-water mark above the RSS before the phase, each phase in a fresh process"
            if e["device"] == "cpu" else ""), "",
@@ -120,7 +129,7 @@ def _run_phase(args: argparse.Namespace, name: str, impl: str, phase: str | None
         r = measure(model, batch_size=args.batch_size, img_size=args.img_size, in_chans=args.in_chans,
                     num_classes=args.num_classes, device=device, amp_dtype=amp_dtype, warmup=args.warmup,
                     iters=args.iters, train=phase != "infer" and not args.no_train,
-                    channels_last=args.channels_last, infer=phase != "train")
+                    channels_last=args.channels_last, infer=phase != "train", compile_mode=args.compile)
     row.update({k: v for k, v in r.items() if v is not None or phase is None})
     return row
 
@@ -166,12 +175,21 @@ def main(argv=None) -> int:
                 row = _run_phase(args, name, impl, None)
             print(json.dumps(row), flush=True)
             rows.append(row)
+            # the tables so far after every row: a run stopped by a time limit keeps what it measured
+            md = _write_tables(args, device, raw_overrides, rows)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    md = _write_tables(args, device, raw_overrides, rows)
+    print(md)
+    return 0
+
+
+def _write_tables(args: argparse.Namespace, device: torch.device, raw_overrides: dict, rows: list) -> str:
+    """Write ``<output>.json`` and ``<output>.md`` for the rows measured so far; returns the markdown."""
     result = {"env": _env(device),
               "settings": {"batch_size": args.batch_size, "img_size": args.img_size, "amp": args.amp,
                            "warmup": args.warmup, "iters": args.iters, "overrides": raw_overrides,
-                           "channels_last": args.channels_last},
+                           "channels_last": args.channels_last, "compile": args.compile},
               "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.output)) or ".", exist_ok=True)
     with open(args.output + ".json", "w") as f:
@@ -179,8 +197,7 @@ def main(argv=None) -> int:
     md = _markdown(result)
     with open(args.output + ".md", "w") as f:
         f.write(md)
-    print(md)
-    return 0
+    return md
 
 
 if __name__ == "__main__":
