@@ -37,7 +37,8 @@ TC_DT="__half __nv_bfloat16"
 TC_DP="16 32 64 128"
 # kernels that must not spill (ptxas -v), and the spills that are known and accepted (kernel-name regex)
 NO_SPILL='polyline_attention_tc_|criss_cross_pack_|polyline_linear_attention_'
-SPILL_OK='polyline_attention_tc_dkdv_kernel<[_a-z0-9]+, 128>'  # 20 bytes: dK and dV accumulators of 16 x 128
+# 20-36 bytes: dK and dV accumulators of 16 x 128 (the verified dkdv kernel and the row-uniform one)
+SPILL_OK='polyline_attention_tc_(ru_)?dkdv_kernel<[_a-z0-9]+, 128>'
 gen() {  # gen <header> -> instantiation TU on stdout
   local h=$1
   echo "#include \"$h\""
@@ -64,6 +65,10 @@ gen() {  # gen <header> -> instantiation TU on stdout
       for t in $TC_DT; do for d in $TC_DP; do
         echo "template void launch_polyline_attention_tc_fwd<$t, $d>(const PolylineAttnParams<$t, float>&, cudaStream_t);"
         echo "template void launch_polyline_attention_tc_bwd<$t, $d>(const PolylineAttnParams<$t, float>&, cudaStream_t);"
+      done; done ;;
+    polyline_attention_tc_bwd2.cuh)  # the row-uniform backward (cuda_next_polyline_attention)
+      for t in $TC_DT; do for d in $TC_DP; do
+        echo "template void launch_polyline_attention_tc_bwd_next<$t, $d>(const PolylineAttnParams<$t, float>&, cudaStream_t);"
       done; done ;;
     warp_mma.h)
       echo "static_assert(sizeof(uint32_t) == 4, \"\");" ;;

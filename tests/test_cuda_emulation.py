@@ -202,6 +202,53 @@ def test_polyline_attention_tensor_cores(runner, shape, dtype, layout):
     check_lse(res, ins, scale)
 
 
+# The row-uniform backward (csrc/kernels/polyline_attention_tc_bwd2.cuh, path 2 = the option
+# cuda_next_polyline_attention): maps whose 64-token tiles keep every warp in one map row (W a multiple of 16, or
+# W > 32: several rows per tile, one partial row per tile, row segments and their groups), and narrow maps, which
+# keep the verified kernels (W = 7, 20).
+NEXT_CASES = [
+    ((1, 4, 16, 2, 32, 32), torch.bfloat16, 0),  # 4 rows per tile, one per warp
+    ((2, 3, 32, 1, 16, 16), torch.float16, 1),   # 2 rows per tile, odd H, strided q and k
+    ((1, 3, 40, 1, 64, 64), torch.bfloat16, 0),  # one partial row per tile (W % 8 != 0)
+    ((1, 2, 70, 1, 24, 40), torch.float16, 0),   # row segments of 64 + 6, d != dv
+    ((1, 2, 48, 1, 128, 128), torch.bfloat16, 0),  # DPAD = 128
+    ((1, 5, 7, 1, 32, 32), torch.bfloat16, 0),   # general path
+]
+if FULL:
+    NEXT_CASES += [
+        ((1, 1, 300, 1, 16, 16), torch.bfloat16, 0),  # 5 segments: backward CTAs own 2 and 1 segments
+        ((1, 3, 130, 1, 64, 64), torch.float16, 0),
+        ((2, 4, 56, 2, 32, 32), torch.bfloat16, 1),
+        ((1, 5, 20, 1, 32, 32), torch.float16, 0),   # general path (a warp across two rows)
+        ((1, 9, 64, 1, 8, 8), torch.bfloat16, 0),     # DPAD = 16, one full row per tile
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,layout", NEXT_CASES)
+def test_polyline_attention_tensor_cores_next(runner, shape, dtype, layout):
+    ins = _inputs(shape, dtype, seed=sum(shape) + 7)
+    scale = shape[4] ** -0.5
+    res = emulate(runner, 0, 2, dtype, shape, scale, ins, layout=layout)
+    check_against_reference(res, ref.polyline_attention_ref, ins, scale, dtype)
+    check_lse(res, ins, scale)
+
+
+def test_polyline_attention_tensor_cores_next_matches_verified(runner):
+    """The row-uniform backward against the verified tensor-core backward on the same inputs (wide map: row
+    segments): the same forward bit for bit, gradients equal up to summation order, and bitwise-equal reruns."""
+    shape = (1, 2, 70, 1, 32, 32)
+    ins = _inputs(shape, torch.bfloat16, seed=11)
+    a = emulate(runner, 0, 2, torch.bfloat16, shape, 0.2, ins)
+    b = emulate(runner, 0, 1, torch.bfloat16, shape, 0.2, ins)
+    for name in ("out", "out_v2h", "lse"):
+        assert torch.equal(a[name], b[name]), name
+    for name in ("q", "k", "v", "log_alpha", "log_beta"):
+        assert rel_err(a[name], b[name]) < 1e-4, name
+    again = emulate(runner, 0, 2, torch.bfloat16, shape, 0.2, ins)
+    for name in a:
+        assert torch.equal(a[name], again[name]), f"{name}: a rerun differs"
+
+
 CORE_CASES = [
     ((1, 4, 8, 2, 32, 32), torch.float32, 0),
     ((2, 3, 5, 1, 16, 24), torch.float64, 1),

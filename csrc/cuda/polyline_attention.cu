@@ -1,7 +1,10 @@
 // CUDA launchers of ppma::polyline_attention and its backward (docs/ops.md "polyline_attention"): argument checks, device
 // guard, current stream, dtype and head-dim dispatch, Params, checked launches. Kernels:
 // csrc/kernels/polyline_attention_tc.cuh (tensor cores: fp16 / bf16, d and dv multiples of 8 up to 128, sm_80+;
-// see use_tensor_cores) and csrc/kernels/polyline_attention_{fwd,bwd}.cuh (CUDA cores: every other case).
+// see use_tensor_cores) and csrc/kernels/polyline_attention_{fwd,bwd}.cuh (CUDA cores: every other case). With the
+// internal option cuda_next_polyline_attention = 1 (read on every call, so it can be toggled between calls) the
+// tensor-core backward takes the row-uniform kernels of csrc/kernels/polyline_attention_tc_bwd2.cuh where they apply
+// (W a multiple of 16, or 32 < W <= 2048; docs/design.md §4.3), not yet verified on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
@@ -21,6 +24,7 @@
 #include "kernels/polyline_attention_bwd.cuh"
 #include "kernels/polyline_attention_fwd.cuh"
 #include "kernels/polyline_attention_tc.cuh"
+#include "kernels/polyline_attention_tc_bwd2.cuh"
 
 namespace ppma {
 namespace cuda {
@@ -167,6 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
   at::Tensor tabs = at::zeros({4, BG, int64_t(tl.num_ctas) * tl.table}, fopt);
   const at::Tensor qk = tc ? aligned_rows(q) : q, kk = tc ? aligned_rows(k) : k, vk = tc ? aligned_rows(v) : v;
   const at::Tensor dk_out = tc ? aligned_rows(dout) : dout;
+  const bool next = tc && get_option(Option::kCudaNextPolylineAttention) != 0;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "polyline_attention_backward_cuda", [&] {
     using T = typename CudaType<scalar_t>::type;
@@ -192,7 +197,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     p.x2_cr = t + 2 * ts;
     p.x2_cc = t + 3 * ts;
     with_path<T>(
-        tc, dpad, [&](auto D) { launch_polyline_attention_tc_bwd<T, decltype(D)::value>(p, stream); },
+        tc, dpad,
+        [&](auto D) {
+          if (next)  // same buffers and table layout (RowTiling of TcTraits<DPAD>::BM) as the verified kernels
+            launch_polyline_attention_tc_bwd_next<T, decltype(D)::value>(p, stream);
+          else
+            launch_polyline_attention_tc_bwd<T, decltype(D)::value>(p, stream);
+        },
         [&](auto D) { launch_polyline_attention_bwd<T, decltype(D)::value>(p, stream); });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

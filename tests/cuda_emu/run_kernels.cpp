@@ -5,7 +5,8 @@
 //
 //   run_kernels IN OUT
 // IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention, 2 polyline_linear_attention), path
-//     (op 0: 0 CUDA cores, 1 tensor cores; op 2: normalize 0/1), dtype (0 float32, 1 float64, 2 float16,
+//     (op 0: 0 CUDA cores, 1 tensor cores, 2 tensor cores with the next backward (polyline_attention_tc_bwd2.cuh,
+//     the option cuda_next_polyline_attention); op 2: normalize 0/1), dtype (0 float32, 1 float64, 2 float16,
 //     3 bfloat16), B, H, W, heads, d, dv, backward (0/1), layout of q and k (0 contiguous [B, H, W, heads, d],
 //     1 stored as [B, W, H, heads, d] and passed with the strides of that permutation), op 2: channel slice width
 //     (0: the launcher's choice) else 0}, float64 scale (op 2: eps), then float64 arrays q, k [B*H*W*heads*d],
@@ -18,9 +19,11 @@
 #include "criss_cross_attention.cuh"
 #include "polyline_attention_fwd.cuh"
 #include "polyline_attention_tc.cuh"
+#include "polyline_attention_tc_bwd2.cuh"
 #include "polyline_linear_attention.cuh"
 // clang-format on
 
+#include <algorithm>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -169,6 +172,19 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   put(out, glb);
 }
 
+// polyline_attention path 2: the launcher's backward under cuda_next_polyline_attention = 1. The row-uniform
+// kernels write every entry of the cross-term tables, so there the tables start poisoned (NaN) instead of zeroed:
+// an entry they missed shows up in the decay gradients.
+template <typename T, typename A>
+void run_tc_bwd_next(PolylineAttnParams<T, A>& p, int dp, std::vector<A>& tabs) {
+  if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
+    if (polyline_attention_tc_row_uniform(p.sz.W)) std::fill(tabs.begin(), tabs.end(), A(NAN));
+    tc_switch(dp, [&](auto D) { launch_polyline_attention_tc_bwd_next<T, D()>(p, nullptr); });
+  } else {
+    throw std::runtime_error("the tensor-core path takes float16 / bfloat16");
+  }
+}
+
 template <typename T>
 void run(const Case& c, std::FILE* out) {
   using A = typename AccType<T>::type;
@@ -216,7 +232,7 @@ void run(const Case& c, std::FILE* out) {
     p.out_v2h = ov.data();
     p.lse = lse.data();
     int tile = 0;
-    if (c.path == 1) {
+    if (c.path == 1 || c.path == 2) {
       if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
         tc_switch(dp, [&](auto D) {
           launch_polyline_attention_tc_fwd<T, D()>(p, nullptr);
@@ -256,7 +272,9 @@ void run(const Case& c, std::FILE* out) {
     p.x2_cc = tabs.data() + 3 * ts;
     p.g_log_alpha = gla.data();
     p.g_log_beta = glb.data();
-    if (c.path == 1) {
+    if (c.path == 2) {
+      run_tc_bwd_next(p, dp, tabs);
+    } else if (c.path == 1) {
       if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value)
         tc_switch(dp, [&](auto D) { launch_polyline_attention_tc_bwd<T, D()>(p, nullptr); });
     } else {
