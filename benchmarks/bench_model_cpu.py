@@ -1,10 +1,11 @@
 """Whole-model CPU benchmark: PPMA-T with the fused ops (fp32 and bf16 autocast, eager and ``torch.compile``)
 beside the official formulation (the same model and weights with ``ppma.ops.use_impl("reference")``, i.e. the
-dense-mask reference ops; "plain modules": also without ppma's model-side inference fast paths,
-``ppma.nn.use_inference_fast_paths(False)``, i.e. torch's modules as the official code runs them) and timm's
-Swin-T, ConvNeXt-T and ResNet-50 (``pretrained=False``), all measured in ONE run on the same machine:
+dense-mask reference ops; "plain modules": also without the deployment step ``ppma.nn.fuse_for_inference``, i.e.
+torch's modules as the official code runs them) and timm's Swin-T, ConvNeXt-T and ResNet-50 (``pretrained=False``),
+all measured in ONE run on the same machine:
 
-* batch 8 at 224²: inference (``eval()``, ``torch.inference_mode()``) and training (forward, cross-entropy,
+* batch 8 at 224²: inference (``eval()``, ``torch.inference_mode()``; eager PPMA-T entries other than the plain
+  modules after ``ppma.nn.fuse_for_inference``, compiled ones without it) and training (forward, cross-entropy,
   backward, AdamW step);
 * batch 1 at 512²: the same two, with peak memory.
 
@@ -40,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START, END = "<!-- cpu-model:start -->", "<!-- cpu-model:end -->"
 
 # label -> (model name, impl, amp, compile). "timm:<name>" builds timm's model; impl "reference-plain": the reference
-# ops with the model's inference fast paths off (torch's modules, as the official code runs them).
+# ops on the unfused model (torch's modules, as the official code runs them).
 ENTRIES = {
     "PPMA-T fused fp32": ("ppma_tiny", "fused", None, False),
     "PPMA-T fused bf16": ("ppma_tiny", "fused", "bf16", False),
@@ -107,6 +108,8 @@ def run_child(spec: dict) -> dict:
         model = ppma.create_model(name)
     train = spec["phase"] == "train"
     model.train(train)
+    if not (train or compiled or name.startswith("timm:") or impl.endswith("-plain")):
+        ppma.nn.fuse_for_inference(model)  # the deployment step for CPU inference (docs/design.md)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, size, size, generator=g)
     y = torch.randint(0, 1000, (batch,), generator=g)
@@ -117,8 +120,7 @@ def run_child(spec: dict) -> dict:
     def step():
         import contextlib
 
-        with ppma.ops.use_impl(impl.split("-")[0]), ppma.nn.use_inference_fast_paths(not impl.endswith("-plain")), \
-                (amp_ctx() if amp_ctx else contextlib.nullcontext()):
+        with ppma.ops.use_impl(impl.split("-")[0]), (amp_ctx() if amp_ctx else contextlib.nullcontext()):
             if train:
                 loss = torch.nn.functional.cross_entropy(fwd(x).float(), y)
             else:

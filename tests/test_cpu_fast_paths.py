@@ -1,7 +1,8 @@
-"""The model-side CPU fast paths (docs/ops.md "rope"; README "CPU speed"): the identity folded into the
-residual depthwise convolutions, bf16 autocast reaching the fused ops with fp32 log-decays, the logits under
-bf16 autocast, Inductor compiling the whole model with static shapes and no graph break, and the switch that
-turns the inference fast paths off (``ppma.nn.set_inference_fast_paths``)."""
+"""The model's CPU paths (docs/design.md §2.9): the identity folded into the residual
+depthwise convolutions, bf16 autocast reaching the fused ops with fp32 log-decays, the logits under bf16 autocast,
+Inductor compiling the whole (unfused) model with static shapes and no graph break, and the deployment step
+``ppma.nn.fuse_for_inference``: its fused ops, its numbers against the plain modules, idempotence, the errors of a
+fused model used outside CPU inference, its state_dict."""
 
 from __future__ import annotations
 
@@ -52,10 +53,13 @@ def test_dwconv_residual_under_autocast_adds_after():
 
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
 @pytest.mark.parametrize("criss_cross", [(True, True, False, False)])
-def test_bf16_autocast_reaches_ops_and_logits_close(criss_cross):
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_autocast_reaches_ops_and_logits_close(criss_cross, fused):
     """Under ``torch.autocast("cpu", bfloat16)`` the attention ops receive bf16 q, k, v and fp32 log-decays,
-    and the logits of a small PPMA stay within 2e-2 (relative norm) of fp32."""
+    and the logits of a small PPMA stay within 2e-2 (relative norm) of fp32, unfused and fused."""
     model = small_model(criss_cross=criss_cross).eval()
+    if fused:
+        ppma.nn.fuse_for_inference(model)
     seen = []
 
     def hook(mod, args):
@@ -116,31 +120,115 @@ def _op_names(model, x):
     return y, {e.name for e in prof.events()}
 
 
+FUSED_OPS = ("mkldnn::_linear_pointwise", "mkldnn::_convolution_pointwise", "mkldnn::_convolution_pointwise_",
+             "ppma::depthwise_conv2d_residual_", "ppma::rope_", "ppma::layer_norm", "ppma::add_layer_norm_")
+
+
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
-def test_inference_fast_paths_switch():
-    """On (the default), CPU inference runs oneDNN's fused ops, the in-place FFN and RoPE kernels and ppma's
-    LayerNorms; off, the plain modules run, and with the reference ops the logits equal the training graph's bit
-    for bit. The context manager restores the previous choice; the logits of the two agree up to rounding."""
+@pytest.mark.parametrize("amp", [False, True])
+def test_fused_model_runs_the_fused_ops_plain_model_none(amp):
+    """After ``fuse_for_inference`` CPU inference runs oneDNN's fused linear and convolution ops and ppma's in-place
+    kernels (fp32, and bf16 under autocast); the unfused model runs none of them (with the reference ops its
+    inference logits equal the training graph's bit for bit). The logits agree up to rounding."""
     model = small_model(criss_cross=(True, True, False, False)).eval()
+    plain = small_model(criss_cross=(True, True, False, False)).eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    assert ppma.nn.inference_fast_paths_enabled()
-    y_fast, names = _op_names(model, x)
-    inplace_ops = ("ppma::depthwise_conv2d_residual_", "ppma::rope_", "ppma::layer_norm", "ppma::add_layer_norm_")
-    assert {"mkldnn::_linear_pointwise", *inplace_ops} <= names, sorted(names)
-    with ppma.nn.use_inference_fast_paths(False):
-        assert not ppma.nn.inference_fast_paths_enabled()
-        y_plain, names = _op_names(model, x)
-        assert not any(n.startswith("mkldnn::") or n in inplace_ops
-                       for n in names), sorted(n for n in names if n.startswith(("mkldnn::", "ppma::")))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        y_plain, names = _op_names(plain, x)
+        assert not any(n.startswith("mkldnn::") or n in FUSED_OPS for n in names), sorted(
+            n for n in names if n.startswith(("mkldnn::", "ppma::")))
+        assert ppma.nn.fuse_for_inference(model) is model and ppma.nn.is_fused(model)
+        assert not ppma.nn.is_fused(plain)
+        y_fused, names = _op_names(model, x)
+        # bf16 norms: the ops' reference (their kernels are float32)
+        want = set(FUSED_OPS) - ({"ppma::layer_norm", "ppma::add_layer_norm_"} if amp else set())
+        assert want <= names, sorted(want - names)
+    tol = 2e-2 if amp else 1e-4
+    torch.testing.assert_close(y_fused.float(), y_plain.float(), rtol=tol, atol=tol)
+    if not amp:
         with ppma.ops.use_impl("reference"):
             with torch.inference_mode():
-                y_ref = model(x)
-            y_graph = model(x)  # gradients recorded: the training graph's modules
-    assert ppma.nn.inference_fast_paths_enabled()
-    assert torch.equal(y_ref, y_graph.detach())
-    torch.testing.assert_close(y_fast, y_plain, rtol=1e-4, atol=1e-4)
-    ppma.nn.set_inference_fast_paths(False)
-    try:
-        assert not ppma.nn.inference_fast_paths_enabled()
-    finally:
-        ppma.nn.set_inference_fast_paths(True)
+                y_ref = plain(x)
+            y_graph = plain(x)  # gradients recorded: the training graph's modules
+        assert torch.equal(y_ref, y_graph.detach())
+
+
+def test_fuse_is_idempotent_and_keeps_the_state_dict():
+    """A second ``fuse_for_inference`` changes no output bit; the state_dict keeps its keys and values and loads
+    into an unfused model, which then gives the unfused logits; loading weights into a fused model folds them
+    again (the logits of a model fused after loading them)."""
+    model = small_model().eval()
+    sd0 = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(1, 3, 48, 40, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y_plain = model(x)
+    ppma.nn.fuse_for_inference(model)
+    with torch.no_grad():
+        y1 = model(x)
+        ppma.nn.fuse_for_inference(model)
+        y2 = model(x)
+    assert torch.equal(y1, y2)
+    torch.testing.assert_close(y1, y_plain, rtol=1e-4, atol=1e-5)
+    sd = model.state_dict()
+    assert list(sd) == list(sd0) and all(torch.equal(sd[k], sd0[k]) for k in sd)
+    fresh = small_model().eval()
+    fresh.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), y_plain)
+    # other weights (BatchNorm statistics included) loaded into the fused model: folded again
+    other = small_model().eval()
+    with torch.no_grad():
+        for name, t in other.state_dict().items():
+            if t.is_floating_point():
+                t.mul_(1.1).add_(0.01)
+        want = ppma.nn.fuse_for_inference(small_model().eval())
+        want.load_state_dict(other.state_dict())
+        ppma.nn.fuse_for_inference(want)
+        model.load_state_dict(other.state_dict())
+        assert torch.equal(model(x), want(x))
+
+
+def test_fused_model_raises_outside_cpu_inference():
+    """A fused model raises a clear error (never falls back) in training mode, on an input that records a gradient,
+    under fp16 autocast, on another device, and when traced; the step refuses a model that is not float32."""
+    import torch.fx
+
+    from ppma.nn.layers import FUSED_FOR_INFERENCE
+
+    model = ppma.nn.fuse_for_inference(small_model())
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert model(x).shape == (1, 10)
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    assert model(x).grad_fn is None  # grad mode on, nothing requires grad: inference
+    with pytest.raises(RuntimeError, match="training mode") as e:
+        model.train()(x)
+    assert FUSED_FOR_INFERENCE in str(e.value)
+    model.eval()
+    with pytest.raises(RuntimeError, match="requires grad"):
+        model(x.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match=FUSED_FOR_INFERENCE), torch.no_grad(), \
+            torch.autocast("cpu", dtype=torch.float16):
+        model(x)
+    with pytest.raises(RuntimeError, match="on meta"), torch.no_grad():
+        model.to("meta")(x.to("meta"))
+    with pytest.raises(RuntimeError, match="traced or compiled"):
+        torch.fx.symbolic_trace(ppma.nn.fuse_for_inference(small_model()))
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        ppma.nn.fuse_for_inference(small_model().double())
+
+
+def test_fuse_inside_another_module_and_unfusable_pieces():
+    """The step fuses the ppma modules inside any module (here an ``nn.Sequential`` around the model) and leaves
+    a module whose pieces were replaced unfused: it runs its plain torch calls, the rest stays fused."""
+    model = small_model().eval()
+    model.stages[0].blocks[0].mlp.act = torch.nn.GELU(approximate="tanh")
+    wrapper = torch.nn.Sequential(model)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        want = wrapper(x)
+    ppma.nn.fuse_for_inference(wrapper)
+    assert not model.stages[0].blocks[0].mlp.fused and model.stages[0].blocks[0].attn.fused
+    assert model.stem.fused and model.stages[1].blocks[0].mlp.fused
+    with torch.no_grad():
+        torch.testing.assert_close(wrapper(x), want, rtol=1e-4, atol=1e-5)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ppma
+import ppma.nn  # noqa: F401
 from op_utils import assert_close, needs_ext
 from ppma import backends
 from ppma.nn.layers import DWConv2d
@@ -373,8 +374,8 @@ def test_residual_kernel_bad_arguments_named():
 
 
 def test_ffn_writes_its_hidden_map_in_place_in_inference_only(monkeypatch):
-    """ConvFFN runs the in-place kernel on fc1's output in CPU inference (same output as the training graph up to
-    rounding) and never in training."""
+    """ConvFFN fused for CPU inference (``ppma.nn.fuse_for_inference``) runs the in-place kernel on fc1's output (same
+    output as the training graph up to rounding); unfused, never."""
     torch.manual_seed(9)
     ffn = ConvFFN(16, 48)
     x = torch.randn(2, 6, 5, 16)
@@ -390,23 +391,31 @@ def test_ffn_writes_its_hidden_map_in_place_in_inference_only(monkeypatch):
     want = ffn(x)  # parameters require grad: the training graph, no in-place kernel
     assert calls == []
     with torch.inference_mode():
+        ffn(x)
+    assert calls == []  # unfused inference: the plain modules
+    ppma.nn.fuse_for_inference(ffn)
+    with torch.inference_mode():
         got = ffn(x)
     assert calls == [(2, 6, 5, 48)]
-    assert_close(got, want, torch.float32, "ffn")
+    assert_close(got, want.detach(), torch.float32, "ffn")
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         got16 = ffn(x)  # fc1's bf16 output, written over in place
     assert calls == [(2, 6, 5, 48)] * 2
-    assert ((got16.float() - want).norm() / want.norm()).item() < 2e-2
+    assert ((got16.float() - want.detach()).norm() / want.detach().norm()).item() < 2e-2
 
 
 def test_dwconv2d_add_in_place_in_inference():
-    """DWConv2d(x, add=a, inplace=True) is a + conv(x); in CPU inference (float32, bf16 autocast) oneDNN writes it
-    over a; with inplace=False, or when a gradient is recorded, a is left alone."""
+    """DWConv2d(x, add=a, inplace=True) is a + conv(x); fused for CPU inference (float32, bf16 autocast) oneDNN
+    writes it over a; with inplace=False, or unfused, a is left alone."""
     torch.manual_seed(10)
     m = DWConv2d(24, 5)
     x, a = torch.randn(2, 7, 6, 24), torch.randn(2, 7, 6, 24)
-    want = a + m(x)
+    want = (a + m(x)).detach()
     a0 = a.clone()
+    with torch.no_grad():
+        got = m(x, add=a0, inplace=True)
+    assert got is not a0 and torch.equal(a0, a)  # unfused: nothing overwritten
+    ppma.nn.fuse_for_inference(m)
     got = m(x, add=a0, inplace=False)
     assert got is not a0 and torch.equal(a0, a)
     assert_close(got, want, torch.float32, "add")

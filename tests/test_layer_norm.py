@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ppma.nn  # noqa: F401
 import ppma
 from op_utils import needs_ext
 from ppma import backends
@@ -186,23 +187,25 @@ def test_every_simd_path(capability):
 
 @needs_ext
 def test_layer_norm_module():
-    """``ppma.nn.LayerNorm``: nn.LayerNorm's parameters and state dict; in eager CPU inference its forward is the
-    kernel (bit for bit ``ppma.ops.cpu.layer_norm``, and ``add_layer_norm_`` with its parameters is bit for bit the
-    module on the sum); with a gradient recorded or fast paths off it is nn.LayerNorm's forward exactly."""
+    """``ppma.nn.LayerNorm``: nn.LayerNorm's parameters and state dict, and nn.LayerNorm's forward exactly unless
+    fused; fused (``ppma.nn.fuse_for_inference``) its forward is the kernel (bit for bit ``ppma.ops.cpu.layer_norm``,
+    and ``add_layer_norm_`` with its parameters is bit for bit the module on the sum)."""
     ref = torch.nn.LayerNorm(32, eps=1e-6)
     torch.nn.init.normal_(ref.weight), torch.nn.init.normal_(ref.bias)
     mod = ppma.nn.LayerNorm(32, eps=1e-6)
     mod.load_state_dict(ref.state_dict())
     assert list(mod.state_dict()) == list(ref.state_dict()) and isinstance(mod, torch.nn.LayerNorm)
     x, _, _, r = _inputs((2, 5, 6, 32))
+    assert torch.equal(mod(x), ref(x))
     with torch.inference_mode():
-        assert mod.fast_path(x)
+        assert torch.equal(mod(x), ref(x))
+        ppma.nn.fuse_for_inference(mod)
+        assert mod.fused
         y = mod(x)
         assert torch.equal(y, ppma.ops.cpu.layer_norm(x, mod.weight, mod.bias, 1e-6))
         _close(y, ref(x))
         xi = x.clone()
         assert torch.equal(ppma.ops.cpu.add_layer_norm_(xi, r, mod.weight, mod.bias, 1e-6), mod(x + r))
-        with ppma.nn.use_inference_fast_paths(False):
-            assert not mod.fast_path(x) and torch.equal(mod(x), ref(x))
-    assert not mod.fast_path(x)  # parameters that require grad, grad mode on
-    assert torch.equal(mod(x), ref(x))
+    assert list(mod.state_dict()) == list(ref.state_dict())
+    two = ppma.nn.fuse_for_inference(ppma.nn.LayerNorm((5, 32)))  # over two dimensions: stays unfused
+    assert not two.fused

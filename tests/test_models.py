@@ -280,9 +280,12 @@ def test_amp_bf16_cpu():
     assert torch.isfinite(y16).all()
     err = (y16.float() - y32).norm() / y32.norm()
     assert err < 5e-2, err
-    # inference (oneDNN's bf16 linears and folded convolutions, the statistics-free attention ops): within 2e-2
+    # fused inference (oneDNN's bf16 linears and folded convolutions, the statistics-free attention ops): within 2e-2
+    import copy
+
+    fused = ppma.nn.fuse_for_inference(copy.deepcopy(model))
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        y16i = model(x)
+        y16i = fused(x)
     err = (y16i.float() - y32).norm() / y32.norm()
     assert err < 2e-2, err
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -435,3 +438,52 @@ def test_config_files_use_the_current_names_and_old_files_still_build():
             old = build_model(cfg.model, num_classes=10, in_chans=1)
         assert old.cfg == new.cfg
         assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# every mixer with every mask it takes (the masks belong to the softmax attentions; the others ignore them)
+SWEEP = [(mixer, mask) for mixer in MIXERS
+         for mask in (ppma.nn.MASKS if mixer in ppma.nn.SOFTMAX_MIXERS else ("polyline",))]
+
+
+@pytest.mark.parametrize("mixer,mask", SWEEP)
+def test_mixers_masks_dtypes_train_eval(mixer, mask):
+    """One small model per mixer x mask, in fp32 and bf16 (CPU autocast), training and eval, plain and fused:
+    training runs forward and backward with a finite gradient for every parameter (under bf16 autocast too; its
+    logits are not compared: the head's training-mode BatchNorm over a batch of two 1x1 maps amplifies rounding),
+    its fp32 logits and gradients agree between the fused and the reference ops; in eval the fused model (``ppma.nn.fuse_for_inference``) equals
+    the plain one up to float32 rounding, and both stay within bf16 rounding of it under autocast."""
+    import copy
+
+    model = small_model(embed_dims=(16, 16, 32, 32), depths=(1, 1, 1, 1), num_heads=(2, 2, 2, 2),
+                        mixer=(mixer,) * 4, mask=mask, head_hidden_dim=32, drop_path_rate=0.0)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    grads = {}
+    for impl, amp in (("fused", False), ("reference", False), ("fused", True)):
+        with ppma.ops.use_impl(impl), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            y = model(x)
+        assert y.dtype == (torch.bfloat16 if amp else torch.float32) and torch.isfinite(y).all()
+        g = torch.autograd.grad(y.float().square().mean(), params, allow_unused=True)
+        assert all(t is not None and torch.isfinite(t).all() for t in g), (impl, amp)
+        grads[impl, amp] = (y.detach(), g)
+    (y, g), (y_ref, g_ref) = grads["fused", False], grads["reference", False]
+    assert _rel(y, y_ref) < 1e-3  # the head's training-mode BatchNorm over two samples amplifies rounding
+    # every gradient against the largest one (a bias before a training-mode BatchNorm gets rounding noise around 0)
+    gmax = max(float(b.abs().max()) for b in g_ref)
+    assert _rel(torch.cat([a.flatten() for a in g]), torch.cat([b.flatten() for b in g_ref])) < 1e-3
+    for a, b in zip(g, g_ref):
+        assert float((a - b).abs().max()) < 1e-3 * gmax
+    model.eval()
+    fused = ppma.nn.fuse_for_inference(copy.deepcopy(model))
+    with torch.no_grad():
+        want = model(x)
+        assert _rel(fused(x), want) < 1e-4
+        for m in (model, fused):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y16 = m(x)
+            assert y16.dtype == torch.bfloat16 and _rel(y16, want) < 3e-2, (m is fused, _rel(y16, want))

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import official_like  # noqa: E402
 from conftest import FULL  # noqa: E402
 
+import ppma.nn  # noqa: E402
 import ppma.ops  # noqa: E402
 from ppma.models import PPMA, MODEL_CONFIGS, convert_official_state_dict  # noqa: E402
 
@@ -157,3 +158,38 @@ def test_small_base_logits_and_grads(name):
     _check(MODEL_CONFIGS[name], (64, 96), torch.float64, "fused", grads=True, tol=1e-10)
     if FULL:
         _check(MODEL_CONFIGS[name], (224, 224), torch.float32, "fused", grads=True, tol=1e-4)
+
+
+def _check_fused(cfg, size, tol, amp=False):
+    """fp32 inference of the model after ``ppma.nn.fuse_for_inference`` (the path of every CPU deployment) against
+    the re-statement's fp32 logits; with ``amp`` under bf16 autocast (oneDNN's bf16 kernels)."""
+    official, ours = _pair(cfg, torch.float32)
+    x = torch.randn(1, cfg.in_chans, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y_ref = official(x)
+    ppma.nn.fuse_for_inference(ours)
+    assert ppma.nn.is_fused(ours) and ours.stem.fused
+    assert all(b.fused and b.attn.fused and b.mlp.fused for s in ours.stages for b in s.blocks)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        y = ours(x)
+    assert y.shape == y_ref.shape and y.dtype == (torch.bfloat16 if amp else torch.float32)
+    err = _rel_err(y.float(), y_ref)
+    assert err < tol, f"fused logits differ: rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("name", ["ppma_tiny", "ppma_small", "ppma_base"])
+def test_fused_inference_fp32(name):
+    """PPMA-T/S/B after the deployment step, fp32 inference, against the re-statement."""
+    _check_fused(MODEL_CONFIGS[name], (64, 64), 1e-4)
+
+
+@pytest.mark.parametrize("size", [(64, 64), (45, 83)])
+def test_fused_inference_all_features(size):
+    """The small all-features model after the deployment step, fp32 inference, against the re-statement."""
+    _check_fused(SMALL_ALL, size, 1e-4)
+
+
+def test_fused_inference_bf16_autocast():
+    """The small all-features model after the deployment step under bf16 autocast, within bf16 rounding of the
+    re-statement's fp32 logits."""
+    _check_fused(SMALL_ALL, (64, 64), 3e-2, amp=True)

@@ -118,11 +118,10 @@ def test_block_residual_structure():
 
 
 @pytest.mark.parametrize("mixer", ["criss_cross", "full"])
-def test_block_inference_in_place(mixer):
-    """In CPU inference the block adds its two residual sums into its own CPE output (the first one inside
-    ppma.ops.cpu.add_layer_norm_, with norm2) and the attention rotates its own q and k in place: the out-of-place
-    formula's output up to rounding, the input left alone; a hook on a norm (which could keep the map it sees) or
-    on the q/k layers (their outputs) switches that off."""
+def test_fused_block_in_place(mixer):
+    """A fused block adds its two residual sums into its own CPE output (the first one inside
+    ppma.ops.cpu.add_layer_norm_, with norm2) and its attention rotates its own q and k in place: the unfused
+    block's output up to rounding (oneDNN's linears), the input left alone; the unfused block overwrites nothing."""
     torch.manual_seed(0)
     blk = PPMABlock(16, 2, mlp_ratio=2.0, mixer=mixer).eval()
     x = torch.randn(2, 5, 6, 16)
@@ -133,8 +132,11 @@ def test_block_inference_in_place(mixer):
         y = y + blk.attn(blk.norm1(y))
         return y + blk.mlp(blk.norm2(y))
 
-    with ppma.nn.use_inference_fast_paths(False), torch.no_grad():
+    with torch.no_grad():
         want = formula(x)
+        assert torch.equal(blk(x), want)  # unfused: the formula, bit for bit
+    ppma.nn.fuse_for_inference(blk)
+    assert blk.fused and blk.attn.fused and blk.mlp.fused and blk.norm1.fused and blk.cpe.fused
     cpe_out = []
     cpe_forward = blk.cpe.forward
     blk.cpe.forward = lambda *a, **k: cpe_out.append(cpe_forward(*a, **k)) or cpe_out[-1]  # no hook: notes it
@@ -143,128 +145,89 @@ def test_block_inference_in_place(mixer):
     del blk.cpe.forward
     assert got is cpe_out[0]  # the sums went into the CPE's output
     assert torch.equal(x, x0)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # oneDNN's linears: rounding
-    seen = []
-    handle = blk.norm1.register_forward_hook(lambda m, i, o: seen.append((i[0], i[0].clone())))
-    with torch.inference_mode():
-        hooked = blk(x)  # torch's LayerNorms (the hook must see norm1's call): equal up to rounding
-    handle.remove()
-    torch.testing.assert_close(hooked, got, rtol=1e-5, atol=1e-5)
-    assert torch.equal(seen[0][0], seen[0][1])  # the map the hook kept was not written over
-    outs = []
-    handle = blk.attn.q.register_forward_hook(lambda m, i, o: outs.append((o, o.clone())))
-    with torch.inference_mode():
-        assert torch.equal(blk(x), got)  # the norms' kernels still run (no hook on them)
-    handle.remove()
-    assert torch.equal(outs[0][0], outs[0][1])  # q as the layer returned it, not rotated in place
-    with torch.inference_mode():
-        assert torch.equal(blk(x), got)  # hooks gone: the in-place path again
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_inference_path():
-    """``ppma.nn.layers.linear``: the layer's own output (bit for bit) whenever autograd records it; oneDNN's fused
-    bias (+ GELU) for CPU float32 inference where torch has it, equal up to float32 rounding, and for bf16 inference
-    under CPU autocast where oneDNN has bf16 kernels, equal to autocast's own linear up to bf16 rounding."""
+def test_fused_linear_and_conv_pieces():
+    """The fused pieces against torch's modules: oneDNN's linear (+ GELU) equals ``F.linear`` up to float32 rounding,
+    and under bf16 autocast autocast's own linear up to bf16 rounding (another summation order; where GELU rounds);
+    the BatchNorm folded into a convolution (oneDNN, GELU fused) equals ``bn(conv(x))`` in eval mode up to rounding,
+    in float32 and bf16 autocast, for NCHW and channels-last inputs, strides 1 and 2."""
     from ppma.nn import layers
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 40)
     x = torch.randn(2, 5, 7, 48)
-    want, want_gelu = lin(x), F.gelu(lin(x))
-    assert torch.equal(layers.linear(x, lin), want) and torch.equal(layers.linear(x, lin, gelu=True), want_gelu)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(layers.linear(x, lin), lin(x)), "training under autocast: the layer's own bf16 result"
-        with torch.no_grad():
-            bf16 = layers._onednn_inference_dtype(x, lin) == torch.bfloat16
-            assert bf16 == layers._ONEDNN_BF16
-            for gelu in (False, True):
-                got = layers.linear(x, lin, gelu=gelu)
-                ref = F.gelu(lin(x).float()) if gelu else lin(x).float()
-                assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    with torch.no_grad():
+        for gelu in (False, True):
+            want = F.gelu(lin(x)) if gelu else lin(x)
+            got = layers._fused_linear(x, lin, torch.float32, gelu=gelu)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            if layers._ONEDNN_BF16:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    got = layers._fused_linear(x, lin, torch.bfloat16, gelu=gelu)
+                    ref = F.gelu(lin(x).float()) if gelu else lin(x).float()
+                assert got.dtype == torch.bfloat16
                 torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
-                if bf16:  # oneDNN's bf16 linear and autocast's differ in summation order and in where GELU rounds
-                    assert not torch.equal(got, lin(x))
-    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
-        assert torch.equal(layers.linear(x, lin), lin(x)), "fp16 autocast keeps the plain path"
-    for ctx in (torch.no_grad(), torch.inference_mode()):
-        with ctx:
-            for gelu, ref in ((False, want), (True, want_gelu)):
-                got = layers.linear(x, lin, gelu=gelu)
-                assert got.shape == ref.shape and got.dtype == torch.float32
-                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    with torch.no_grad():  # float64 and non-Linear modules keep the plain path
-        assert torch.equal(layers.linear(x.double(), lin.double(), gelu=True), F.gelu(lin(x.double())))
-        lin.float()
-        ident = torch.nn.Identity()
-        assert torch.equal(layers.linear(x, ident), x)
-        seen = []
-        handle = lin.register_forward_hook(lambda mod, inp, out: seen.append(out))
-        assert torch.equal(layers.linear(x, lin), want) and len(seen) == 1, "a hooked layer must be called"
-        handle.remove()
-
-
-def test_conv_bn_inference_path():
-    """``ppma.nn.layers.conv_bn``: ``bn(conv(x))`` (+ GELU), the modules' own result (bit for bit) in training; in CPU
-    inference the BatchNorm folded into the convolution (oneDNN, GELU fused), equal up to rounding, in float32 and
-    bf16 autocast, for NCHW and channels-last inputs, strides 1 and 2; an eval BN without running statistics
-    (``track_running_stats=False``) and a hooked module keep the plain path."""
-    from ppma.nn import layers
-
-    torch.manual_seed(0)
+        ident = torch.nn.Identity()  # another layer: its own forward
+        assert torch.equal(layers._fused_linear(x, ident, torch.float32), x)
     for stride in (1, 2):
         conv = torch.nn.Conv2d(6, 10, 3, stride, 1)
-        bn = torch.nn.BatchNorm2d(10)
+        bn = torch.nn.BatchNorm2d(10).eval()
         with torch.no_grad():  # non-trivial statistics and affine parameters
             bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
             bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
+        assert layers._foldable(conv, bn)
+        assert not layers._foldable(conv, torch.nn.BatchNorm2d(10, track_running_stats=False))
+        layers._fold_into(conv, bn)
+        assert "folded_weight" not in conv.state_dict()  # non-persistent: the state_dict keeps its keys
         x = torch.randn(2, 6, 9, 11)
-        train_out = layers.conv_bn(x, conv, bn, gelu=True)  # training mode: batch statistics, graph recorded
-        assert torch.equal(train_out, F.gelu(bn(conv(x))))
-        bn.eval()
         for gelu in (False, True):
-            want = bn(conv(x))
-            want = F.gelu(want) if gelu else want
-            for xin in (x, x.contiguous(memory_format=torch.channels_last)):
-                with torch.no_grad():
-                    got = layers.conv_bn(xin, conv, bn, gelu=gelu)
-                assert got.shape == want.shape and got.dtype == torch.float32
-                torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
-                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                    got16 = layers.conv_bn(xin, conv, bn, gelu=gelu)
-                assert got16.dtype == torch.bfloat16
-                torch.testing.assert_close(got16.float(), want.detach(), rtol=3e-2, atol=3e-2)
-        with torch.no_grad():
-            want = bn(conv(x))
-            seen = []
-            handle = bn.register_forward_hook(lambda mod, inp, out: seen.append(out))
-            assert torch.equal(layers.conv_bn(x, conv, bn), want) and len(seen) == 1, "a hooked BN must be called"
-            handle.remove()
-            free = torch.nn.BatchNorm2d(10, track_running_stats=False).eval()
-            assert torch.equal(layers.conv_bn(x, conv, free), free(conv(x)))
+            with torch.no_grad():
+                want = F.gelu(bn(conv(x))) if gelu else bn(conv(x))
+                for xin in (x, x.contiguous(memory_format=torch.channels_last)):
+                    got = layers._fused_conv(xin, conv, torch.float32, gelu=gelu)
+                    assert got.shape == want.shape and got.dtype == torch.float32
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    if layers._ONEDNN_BF16:
+                        got16 = layers._fused_conv(xin, conv, torch.bfloat16, gelu=gelu)
+                        assert got16.dtype == torch.bfloat16
+                        torch.testing.assert_close(got16.float(), want, rtol=3e-2, atol=3e-2)
 
 
-def test_dwconv_residual_bf16_inference():
-    """``DWConv2d(..., residual=True)`` on bf16 input under CPU autocast inference (the FFN's hidden map): ``x +
-    conv(x)`` with the addition inside oneDNN's convolution, within bf16 rounding of the float32 result; with a
-    gradient recorded it is autocast's conv plus ``x`` (bit for bit)."""
+@pytest.mark.parametrize("amp", [False, True])
+def test_fused_dwconv_calls(amp):
+    """A fused ``DWConv2d`` in its four calls (plain, ``residual=True`` out of place and in place, ``add`` in place
+    and out of place) equals the unfused module up to rounding, float32 and bf16 under autocast; in place it
+    returns the overwritten map, out of place it leaves its inputs alone."""
     from ppma.nn.layers import DWConv2d
 
     torch.manual_seed(0)
-    m = DWConv2d(24, 3).eval()
-    x = torch.randn(2, 6, 7, 24).bfloat16()
-    want = x.float() + m.conv(x.float().permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain = m(x, residual=True)
-        assert torch.equal(plain, x + m.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
-        with torch.no_grad():
-            got = m(x, residual=True)
-    assert got.dtype == torch.bfloat16 and got.shape == x.shape and got.is_contiguous()
-    torch.testing.assert_close(got.float(), want.detach(), rtol=2e-2, atol=3e-2)
-    torch.testing.assert_close(plain.float(), want.detach(), rtol=2e-2, atol=6e-2)
+    m = DWConv2d(24, 5).eval()
+    dt = torch.bfloat16 if amp else torch.float32
+    tol = dict(rtol=2e-2, atol=6e-2) if amp else dict(rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 6, 7, 24).to(dt)
+    add = torch.randn(2, 6, 7, 24).to(dt)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        want = {"plain": m(x), "residual": m(x, residual=True), "add": m(x, add=add)}
+        ppma.nn.fuse_for_inference(m)
+        x0, add0 = x.clone(), add.clone()
+        got = {"plain": m(x), "residual": m(x, residual=True), "add": m(x, add=add)}
+        assert torch.equal(x, x0) and torch.equal(add, add0)
+        for k in want:
+            assert got[k].dtype == dt and got[k].is_contiguous(), k
+            torch.testing.assert_close(got[k].float(), want[k].float(), **tol, msg=k)
+        out = m(x, add=add, inplace=True)
+        assert out is add
+        torch.testing.assert_close(out.float(), want["add"].float(), **tol)
+        out = m(x, residual=True, inplace=True)
+        assert out.data_ptr() == x.data_ptr()
+        torch.testing.assert_close(out.float(), want["residual"].float(), **tol)
 
 
-def test_stem_and_merging_inference_paths():
-    """ConvStem and PatchMerging in CPU inference (folded BN, fused GELU, channels-last) equal their training-graph
+def test_fused_stem_and_merging():
+    """ConvStem and PatchMerging fused (BatchNorms folded once, fused GELU, channels-last) equal their unfused
     forward in eval mode up to float32 rounding."""
     from ppma.nn.layers import ConvStem, PatchMerging
 
@@ -275,18 +238,17 @@ def test_stem_and_merging_inference_paths():
             if isinstance(mod, torch.nn.BatchNorm2d):
                 with torch.no_grad():
                     mod.running_mean.uniform_(-0.5, 0.5), mod.running_var.uniform_(0.5, 2)
-    x = torch.randn(2, 3, 30, 26)
-    want = stem(x)  # graph recorded: the modules' own path
+    x, y = torch.randn(2, 3, 30, 26), torch.randn(2, 7, 9, 16)
+    with torch.no_grad():
+        want_stem, want_merge = stem(x), merge(y)
+    ppma.nn.fuse_for_inference(stem), ppma.nn.fuse_for_inference(merge)
+    assert stem.fused and merge.fused
     with torch.inference_mode():
-        got = stem(x)
-    assert got.is_contiguous() and got.shape == want.shape == (2, 8, 7, 16)
-    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
-    y = torch.randn(2, 7, 9, 16)
-    want = merge(y)
-    with torch.inference_mode():
-        got = merge(y)
-    assert got.is_contiguous() and got.shape == want.shape == (2, 4, 5, 24)
-    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+        got_stem, got_merge = stem(x), merge(y)
+    assert got_stem.is_contiguous() and got_stem.shape == want_stem.shape == (2, 8, 7, 16)
+    torch.testing.assert_close(got_stem, want_stem, rtol=1e-4, atol=1e-5)
+    assert got_merge.is_contiguous() and got_merge.shape == want_merge.shape == (2, 4, 5, 24)
+    torch.testing.assert_close(got_merge, want_merge, rtol=1e-4, atol=1e-5)
 
 
 def test_stem_and_merging_channels_last_training():
@@ -328,14 +290,18 @@ def test_stem_and_merging_channels_last_training():
 
 
 def test_model_inference_matches_training_path():
-    """PPMA-T's logits under ``inference_mode`` (oneDNN linears, the statistics-free attention op) equal those of the
-    graph-recording forward up to float32 rounding."""
+    """PPMA-T's logits unfused under ``inference_mode`` equal those of the graph-recording forward up to float32
+    rounding (the attention ops' statistics-free inference), and so do the fused model's (oneDNN's linears)."""
     import ppma
 
     torch.manual_seed(0)
     model = ppma.create_model("ppma_tiny", num_classes=10).eval()
     x = torch.randn(1, 3, 64, 64)
     want = model(x)
+    with torch.inference_mode():
+        got = model(x)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    ppma.nn.fuse_for_inference(model)
     with torch.inference_mode():
         got = model(x)
     torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)

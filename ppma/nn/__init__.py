@@ -1,4 +1,5 @@
-"""PPMA modules: path decays, rotary embedding, attention, block and layers (docs/model.md §1.4, §3, §4)."""
+"""PPMA modules: path decays, rotary embedding, attention, block and layers (docs/model.md §1.4, §3, §4), and the
+deployment step for CPU inference, :func:`fuse_for_inference` (docs/design.md §2.9)."""
 
 from ppma.nn.layers import (
     MLPS,
@@ -10,9 +11,6 @@ from ppma.nn.layers import (
     LayerNorm,
     LayerScale,
     PatchMerging,
-    inference_fast_paths_enabled,
-    set_inference_fast_paths,
-    use_inference_fast_paths,
 )
 from ppma.nn.monarch import MonarchLinear
 from ppma.nn.surrogate import SurrogateAttention, surrogate_mixing
@@ -21,6 +19,7 @@ from ppma.nn.rope import RotaryEmbedding2D, apply_rotary, rotate_every_two
 from ppma.nn.attention import ATTENTION_MIXERS, MASKS, SOFTMAX_MIXERS, MaskedAttentionOp, PPMAAttention
 from ppma.nn.block import MIXER_FACTORIES, MIXERS, PPMABlock
 from ppma.nn.attention_3d import PathDecay3D, PPMAAttention3D
+from ppma.nn.fuse import fuse_for_inference, is_fused
 
 __all__ = [
     "PathDecay",
@@ -48,8 +47,7 @@ __all__ = [
     "LayerScale",
     "apply_rotary",
     "rotate_every_two",
-    "set_inference_fast_paths",
-    "inference_fast_paths_enabled",
-    "use_inference_fast_paths",
+    "fuse_for_inference",
+    "is_fused",
     "LayerNorm",
 ]

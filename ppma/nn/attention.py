@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import DWConv2d, _eager_inference, autocast_enabled, linear, linears
+from ppma.nn.layers import DWConv2d, _fused_dtype, _fused_linear, autocast_enabled, linears
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
 
@@ -96,6 +96,8 @@ class PPMAAttention(nn.Module):
         gamma: ``(initial_value, heads_range)`` of RMT's fixed decays, used by ``mask="manhattan"`` only.
     """
 
+    fused = False  # set by ppma.nn.fuse_for_inference (docs/design.md §2.9)
+
     def __init__(
         self,
         dim: int,
@@ -145,24 +147,35 @@ class PPMAAttention(nn.Module):
         if autocast_enabled(dev) and x.dtype == torch.float32:
             # cast once for the four projections below, which autocast would each cast on their own
             x = x.to(torch.get_autocast_dtype(dev))
-        q, k, v = linears(x, self.q, self.k, self.v)  # in CPU training one node (ppma.nn.layers.linears)
         shape = (B, H, W, self.num_heads, self.head_dim)
+        fused = self.fused
+        if fused:
+            # oneDNN's linear for the projections; RoPE over the module's own fresh q and k in place
+            # (ppma.ops.cpu.rope_, the same values), no second map of their size
+            dt = _fused_dtype(self, x)
+            q, k, v = _fused_linear(x, self.q, dt), _fused_linear(x, self.k, dt), _fused_linear(x, self.v, dt)
+            rope_fn = ops.cpu.rope_
+        else:
+            q, k, v = linears(x, self.q, self.k, self.v)  # in CPU training one node (ppma.nn.layers.linears)
+            rope_fn = ops.cpu.rope
         # RoPE on q and on the scaled k (the official code scales k, not the logits), one pass each
         # (ppma.ops.cpu.rope). The result keeps q's dtype: under autocast, bf16/fp16 q and k reach the attention
-        # op as they reach the official q k^T matmul, while the sin/cos tables stay fp32. In CPU inference q and k
-        # are this module's own fresh projections (no hooks on the layers): rotated in place (ppma.ops.cpu.rope_,
-        # the same values), no second map of their size.
-        rope_fn = ops.cpu.rope_ if _eager_inference(x, self.q, self.k) else ops.cpu.rope
+        # op as they reach the official q k^T matmul, while the sin/cos tables stay fp32.
         q = rope_fn(q.reshape(shape), sin, cos)
         k = rope_fn(k.reshape(shape), sin, cos, self.scale)
         log_alpha, log_beta = self.decay(x)
         out = self.attn_op(q, k, v.reshape(shape), log_alpha, log_beta).reshape(B, H, W, C).to(v.dtype)
         del x, q, k, log_alpha, log_beta  # freed before the LePE and the projection (peak memory)
-        # out + LePE(v); in CPU inference oneDNN adds the LePE into out in place, so that no map is held for it
-        # while the attention runs (DWConv2d, inplace=True)
-        out = self.lepe(v, add=out, inplace=True)
+        # out + LePE(v); fused, oneDNN adds the LePE into out in place, so that no map is held for it while the
+        # attention runs (DWConv2d, inplace=True)
+        out = self.lepe(v, add=out, inplace=fused)
         del v
-        return linear(out, self.proj)
+        return _fused_linear(out, self.proj, dt) if fused else self.proj(out)
+
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference` (after its children; the LePE must be a fused
+        :class:`DWConv2d`)."""
+        self.fused = type(self.lepe) is DWConv2d and self.lepe.fused
 
     def extra_repr(self) -> str:
         extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"

@@ -9,7 +9,7 @@ import ppma.ops as ops
 from ppma.nn.attention import PPMAAttention
 from ppma.nn.masks import RMT_GAMMA
 from ppma.nn.padre import PADReMixer
-from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerNorm, LayerScale, _eager_inference
+from ppma.nn.layers import MLPS, ConvFFN, DropPath, DWConv2d, LayerNorm, LayerScale, _fused_dtype
 from ppma.nn.surrogate import SurrogateAttention
 
 __all__ = ["PPMABlock", "MIXERS", "MIXER_FACTORIES"]
@@ -92,20 +92,33 @@ class PPMABlock(nn.Module):
         self.ls2 = LayerScale(dim, layer_init_values) if layerscale else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
+    fused = False  # set by ppma.nn.fuse_for_inference (docs/design.md §2.9)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x: [B, H, W, C]``, ``rope``: optional ``(sin, cos)`` ``[H, W, head_dim]`` -> ``[B, H, W, C]``."""
+        if self.fused:
+            return self._forward_fused(x, rope)
         y = self.cpe(x, residual=True)  # x + cpe(x)
-        # CPU inference: y is the block's own new map (no hooks see it): the two residual sums are added into it in
-        # place (the same values), no new map of the block's size for each; where norm2 runs ppma's kernel, the first
-        # sum and norm2 are one pass over y (ppma.ops.cpu.add_layer_norm_: bit for bit norm2(y + a))
-        inplace = y is not x and _eager_inference(y, self.cpe, self.norm1, self.norm2)
+        y = y + self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
+        return y + self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
+
+    def _forward_fused(self, x: torch.Tensor, rope) -> torch.Tensor:
+        # y is the fused CPE's new map: the two residual sums are added into it in place (the same values), no new
+        # map of the block's size for each; with a fused norm2 the first sum and norm2 are one pass over y
+        # (ppma.ops.cpu.add_layer_norm_: bit for bit norm2(y + a))
+        _fused_dtype(self, x)
+        y = self.cpe(x, residual=True)
         a = self.drop_path1(self.ls1(self.attn(self.norm1(y), rope)))
         n2 = self.norm2
-        if inplace and type(n2) is LayerNorm and n2.fast_path(y) and a.shape == y.shape and a.dtype == y.dtype:
+        if n2.fused and a.dtype == y.dtype:  # a dtype choice: a mixer's output under autocast may be float32
             h = ops.cpu.add_layer_norm_(y, a, n2.weight, n2.bias, n2.eps)
         else:
-            y = y.add_(a) if inplace else y + a
-            h = n2(y)
+            h = n2(y.add_(a))
         del a  # not held while the FFN's hidden map lives (peak memory)
-        m = self.drop_path2(self.ls2(self.mlp(h)))
-        return y.add_(m) if inplace else y + m
+        return y.add_(self.drop_path2(self.ls2(self.mlp(h))))
+
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference` (after its children): the in-place residual sums need the
+        CPE's fresh map (a fused :class:`DWConv2d`) and norm2 a :class:`LayerNorm`; a block with other pieces stays
+        unfused."""
+        self.fused = type(self.cpe) is DWConv2d and self.cpe.fused and isinstance(self.norm2, LayerNorm)

@@ -1,4 +1,10 @@
-"""Building blocks of the PPMA backbone (docs/model.md §4): depthwise convs, FFN, stem, patch merging, head."""
+"""Building blocks of the PPMA backbone (docs/model.md §4): depthwise convs, FFN, stem, patch merging, head.
+
+Every module here runs its plain torch calls (the official model's) unless :func:`ppma.nn.fuse_for_inference` fused
+it for CPU inference: then its ``fused`` attribute is True and its forward runs the fused pieces (oneDNN's linear and
+convolution with the bias and GELU inside, BatchNorm folded into the convolutions once, ppma's in-place kernels of
+``ppma.ops.cpu``) without deciding anything per call; a cheap guard raises where those pieces do not apply
+(docs/design.md §2.9)."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as _module
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ppma.nn.monarch import MonarchLinear
 from ppma.ops.cpu.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
@@ -14,11 +21,9 @@ from ppma.ops.cpu.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_g
 from ppma.ops.cpu.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 from ppma.ops.cpu.layer_norm import layer_norm as _layer_norm_op
 from ppma.ops import _dispatch
-from ppma.ops._validate import records_grad
 
 __all__ = ["DWConv2d", "DropPath", "LayerNorm", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead",
-           "MLPS", "linear", "linears", "conv_bn", "set_inference_fast_paths", "inference_fast_paths_enabled",
-           "use_inference_fast_paths"]
+           "MLPS", "linears", "fold_batch_norm", "FUSED_FOR_INFERENCE"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
@@ -39,99 +44,44 @@ _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_
            and hasattr(torch.ops.mkldnn, "_convolution_pointwise"))
 _ONEDNN_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
+# The first words of every error of a fused module's guard (:func:`_fused_dtype`).
+FUSED_FOR_INFERENCE = "this model was fused for CPU inference by ppma.nn.fuse_for_inference"
+
 
 def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
                 or _module._global_forward_pre_hooks)
 
 
-# Whether the CPU inference fast paths below may run.
-_fast_paths: bool = True
+# ------------------------------------------------------------------------------------------- the fused pieces
+def _fused_error(module: nn.Module, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{type(module).__name__}: {FUSED_FOR_INFERENCE}, which runs it in eval mode, without gradients, on "
+        f"CPU tensors, in float32 or under torch.autocast('cpu', dtype=torch.bfloat16); got {what}. Train, trace, "
+        "compile, export or move the model as it was before the step (build or load it again; a fused model's "
+        "state_dict loads into an unfused one)")
 
 
-def set_inference_fast_paths(enabled: bool) -> None:
-    """Switch the model's CPU inference fast paths on (the default) or off: oneDNN's fused linear and convolution
-    ops (:func:`linear`, :func:`conv_bn`, the stem on channels-last data), the FFN's in-place ``h + dwconv(h)``,
-    the LePE added in place (:class:`DWConv2d`), RoPE on the attention's own q and k in place
-    (:func:`ppma.ops.cpu.rope_`), the block's residual sums added into its own CPE output and its LayerNorms on
-    ppma's kernels (:class:`LayerNorm`, :func:`ppma.ops.cpu.add_layer_norm_`). Off, every module runs its plain torch
-    call, as in training: the numbers of the plain modules (the fast paths agree with them up to rounding), e.g. to
-    compare with other code bit for bit, or the stand-in for the official code in
-    ``benchmarks/bench_model_cpu.py``. The attention ops are chosen by ``ppma.ops.set_impl`` instead."""
-    global _fast_paths
-    _fast_paths = bool(enabled)
-
-
-def inference_fast_paths_enabled() -> bool:
-    """Whether the CPU inference fast paths may run (:func:`set_inference_fast_paths`)."""
-    return _fast_paths
-
-
-class use_inference_fast_paths:
-    """Context manager: :func:`set_inference_fast_paths` inside the ``with`` block, the previous choice restored
-    on exit. ``with ppma.nn.use_inference_fast_paths(False): y = model(x)``."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = bool(enabled)
-        self._prev: list[bool] = []
-
-    def __enter__(self) -> "use_inference_fast_paths":
-        global _fast_paths
-        self._prev.append(_fast_paths)
-        _fast_paths = self.enabled
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _fast_paths
-        _fast_paths = self._prev.pop()
-
-
-def _eager_inference(x: torch.Tensor, *modules: nn.Module) -> bool:
-    """Whether the inference fast paths of this module (oneDNN's fused ops, in-place kernels) may replace the calls
-    of ``modules`` on ``x``: switched on (:func:`set_inference_fast_paths`), eager CPU float32 parameters with no
-    gradient recorded (not training), and not under ``torch.compile`` (which fuses on its own), tracing or export,
-    with no forward hooks on a module (they must see its call) and no active dispatch mode (observers such as FLOP
-    counters see the aten ops)."""
-    return (
-        _fast_paths
-        and type(x) is torch.Tensor  # not a tracer's stand-in (FX proxies, fake tensors)
-        and x.device.type == "cpu"
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-        and not torch._C._len_torch_dispatch_stack()
-        and not any(_has_hooks(m) for m in modules)
-        and _own_params_float32_no_grad(x, modules)
-    )
-
-
-def _own_params_float32_no_grad(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> bool:
-    """The modules' own parameters are float32 and autograd records nothing on them or ``x``. Reads
-    ``_parameters`` directly: ``parameters(recurse=False)`` builds a generator and a set of seen tensors per call,
-    which cost more than the checks themselves at ~150 calls a forward."""
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        return False
-    for m in modules:
-        for p in m._parameters.values():
-            if p is not None and (p.dtype != torch.float32 or (grad and p.requires_grad)):
-                return False
-    return True
-
-
-def _onednn_inference_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype | None:
-    """The dtype in which :func:`linear`, :func:`conv_bn` and :class:`DWConv2d` may run oneDNN's fused inference
-    ops on ``x`` through ``modules``, or None where they must run the modules themselves.
-
-    float32 for CPU float32 inference; bfloat16 under ``torch.autocast("cpu", dtype=torch.bfloat16)``, which runs
-    linear layers and convolutions in bf16 anyway, where oneDNN has bf16 kernels. None where
-    :func:`_eager_inference` says no (training, ``torch.compile``, tracing and export, hooks, dispatch modes,
-    other devices, weights that are not float32)."""
-    if not (_ONEDNN and _eager_inference(x, *modules)):
-        return None
-    if autocast_enabled("cpu"):
-        bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16 and _ONEDNN_BF16
-        return torch.bfloat16 if bf16 and x.dtype in (torch.float32, torch.bfloat16) else None
-    return torch.float32 if x.dtype == torch.float32 else None
+def _fused_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
+    """The guard of a fused module's forward, and the dtype its oneDNN ops run in: float32, or bfloat16 under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)`` (which runs linear layers and convolutions in bf16 anyway), read
+    from the autocast state of this call. Raises (never falls back) for a module in training mode, an input that
+    records a gradient, a tensor that is not a plain CPU tensor (tracers' stand-ins, torch.compile's fake tensors,
+    other devices), and other autocast dtypes or a CPU without oneDNN's bf16 kernels."""
+    if module.training:
+        raise _fused_error(module, "a module in training mode")
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        raise _fused_error(module, f"a traced or compiled call ({type(x).__name__})")
+    if x.device.type != "cpu":
+        raise _fused_error(module, f"an input on {x.device}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise _fused_error(module, "an input that requires grad, with grad mode on")
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32
+    if torch.get_autocast_dtype("cpu") != torch.bfloat16 or not _ONEDNN_BF16:
+        raise _fused_error(module, f"CPU autocast to {torch.get_autocast_dtype('cpu')}"
+                           + ("" if _ONEDNN_BF16 else " on a CPU without oneDNN's bf16 kernels"))
+    return torch.bfloat16
 
 
 def _attr(gelu: bool) -> tuple[str, list, str]:
@@ -139,28 +89,69 @@ def _attr(gelu: bool) -> tuple[str, list, str]:
     return ("gelu", [], "none") if gelu else ("none", [], "")
 
 
-def linear(x: torch.Tensor, layer: nn.Module, gelu: bool = False) -> torch.Tensor:
-    """``layer(x)``, followed by the exact (erf) GELU when ``gelu``: the projections of :class:`ConvFFN` and
-    ``PPMAAttention``.
-
-    For CPU inference of an ``nn.Linear`` in float32, or in bf16 under CPU autocast, it runs oneDNN's linear,
-    which adds the bias (and applies the GELU, in float32 before any rounding to bf16) inside the product; ATen's
-    ``addmm`` first copies the bias into the output and GELU is one more pass. The products then sum in another
-    order: the result equals ``F.linear`` up to rounding (bf16 under autocast, as autocast's own linear). Everywhere
-    else (training, ``torch.compile``, tracing and export, forward hooks, dispatch modes, other devices and dtypes;
-    see :func:`_onednn_inference_dtype`) it is ``layer(x)`` and ``F.gelu``.
-    """
-    dt = _onednn_inference_dtype(x, layer) if type(layer) is nn.Linear else None
-    if dt is not None:
-        w = layer.weight if dt == torch.float32 else layer.weight.to(dt)  # the bias stays float32
-        return torch.ops.mkldnn._linear_pointwise(x.to(dt), w, layer.bias, *_attr(gelu))
-    y = layer(x)
-    return F.gelu(y) if gelu else y
+def _fused_linear(x: torch.Tensor, layer: nn.Module, dt: torch.dtype, gelu: bool = False) -> torch.Tensor:
+    """``layer(x)`` (+ the exact GELU) in a fused module: oneDNN's linear for an ``nn.Linear``, which adds the bias
+    (and applies the GELU, in float32 before any rounding to bf16) inside the product, in ``dt`` (the weight rounded
+    to bf16 as autocast's linear rounds it, the bias float32); the products sum in another order than ATen's
+    ``addmm``, so the result equals ``F.linear``'s up to rounding. Another layer (``MonarchLinear``) runs its forward."""
+    if type(layer) is not nn.Linear:
+        y = layer(x)
+        return F.gelu(y) if gelu else y
+    return torch.ops.mkldnn._linear_pointwise(x.to(dt), layer.weight.to(dt), layer.bias, *_attr(gelu))
 
 
+def fold_batch_norm(conv: nn.Conv2d, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight (channels-last order) and bias of one convolution equal to ``bn(conv(x))`` with the BatchNorm
+    ``bn`` in eval mode on its running statistics, computed in float32: ``w * s``, ``(b - mean) * s + beta`` with
+    ``s = gamma / sqrt(var + eps)``. Channels-last because oneDNN reorders the weight into its blocked layout on
+    every call, which costs up to ~2 ms from OIHW for PPMA-T's last merging (256 -> 512 channels) on small maps and
+    ~0.2 ms from OHWI."""
+    with torch.no_grad():
+        scale = torch.rsqrt(bn.running_var + bn.eps)
+        shift = -bn.running_mean * scale
+        if bn.affine:
+            scale, shift = scale * bn.weight, shift * bn.weight + bn.bias
+        weight = (conv.weight * scale[:, None, None, None]).contiguous(memory_format=torch.channels_last)
+        bias = shift if conv.bias is None else conv.bias * scale + shift
+    return weight.detach(), bias.detach()
+
+
+def _foldable(conv: nn.Module, bn: nn.Module) -> bool:
+    """Whether :func:`fold_batch_norm` applies: a zero-padded ``nn.Conv2d`` and a BatchNorm with running statistics."""
+    return (type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+            and isinstance(bn, _BatchNorm) and bn.running_mean is not None and bn.running_var is not None)
+
+
+def _fold_into(conv: nn.Conv2d, bn: nn.Module) -> None:
+    # the folded weight and bias as non-persistent buffers of the convolution: they follow .to() and stay out of
+    # the state_dict, whose keys are the unfused model's
+    weight, bias = fold_batch_norm(conv, bn)
+    conv.register_buffer("folded_weight", weight, persistent=False)
+    conv.register_buffer("folded_bias", bias, persistent=False)
+
+
+def _fused_conv(x: torch.Tensor, conv: nn.Conv2d, dt: torch.dtype, gelu: bool = False) -> torch.Tensor:
+    """``bn(conv(x))`` (+ the exact GELU) with the BatchNorm folded into ``conv`` (:func:`_fold_into`): oneDNN's
+    convolution with the GELU fused, one pass instead of three, in ``dt`` (the bias float32)."""
+    return torch.ops.mkldnn._convolution_pointwise(x.to(dt), conv.folded_weight.to(dt), conv.folded_bias,
+                                                   conv.padding, conv.stride, conv.dilation, conv.groups, *_attr(gelu))
+
+
+def _refuse(module: nn.Module, incompatible_keys) -> None:
+    """load_state_dict post-hook of the modules with folded pieces: a fused module folds the loaded weights again."""
+    if module.fused:
+        module._fuse()
+
+
+def _exact_gelu(act: nn.Module) -> bool:
+    return type(act) is nn.GELU and act.approximate == "none"
+
+
+# --------------------------------------------------------------------------------- training choices of "fused"
 def _fused_eager_cpu(x: torch.Tensor) -> bool:
-    """The "fused" implementation on an eager CPU tensor (not a tracer's stand-in, not under torch.compile or
-    tracing): the condition every model-side training path below starts from."""
+    """The gate of the model-side training choices of the "fused" implementation (:func:`linears`,
+    :class:`ConvStem`, :class:`PatchMerging`): the "fused" implementation (``ppma.ops.set_impl``) on an eager CPU
+    tensor (not a tracer's stand-in, not under torch.compile or tracing, which see the plain modules)."""
     return (
         _dispatch.get_impl() == "fused"
         and type(x) is torch.Tensor
@@ -170,45 +161,19 @@ def _fused_eager_cpu(x: torch.Tensor) -> bool:
     )
 
 
-def _shared_input_training(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> bool:
-    """Whether :func:`linears` runs its one autograd node: CPU training of float32/float64 ``nn.Linear`` layers with
-    biases in ``x``'s dtype and the "fused" implementation, a gradient to compute, no autocast, torch.compile,
-    tracing, dispatch mode or forward hooks (all of which see the separate layers)."""
-    return (
-        _fused_eager_cpu(x)
-        and x.dtype in (torch.float32, torch.float64)
-        and all(type(m) is nn.Linear and m.bias is not None and m.weight.dtype == x.dtype and m.bias.dtype == x.dtype
-                for m in layers)
-        and records_grad(x, *(p for m in layers for p in (m.weight, m.bias)))
-        and not autocast_enabled("cpu")
-        and not torch._C._len_torch_dispatch_stack()
-        and not any(_has_hooks(m) for m in layers)
-    )
-
-
-def _channels_last_convs(x: torch.Tensor) -> bool:
-    """Whether :class:`ConvStem` and :class:`PatchMerging` run their convolutions and BatchNorms on channels-last
-    maps outside the inference fast paths (in training above all): CPU, the "fused" implementation, eager (not
-    under torch.compile or tracing). oneDNN's CPU convolutions run faster on channels-last data than on NCHW (8x for
-    the stem's first, 3-input-channel convolution), and the maps these modules return are channels-last anyway, so
-    the permute copies vanish too: 1.5-3 % of a PPMA-T training step (README, "Whole model on the CPU"). PatchMerging
-    does so only where its input map has at least as many elements as its convolution's weight, which every call
-    converts to channels-last. The same modules and calls, so the numbers equal the NCHW path's up to oneDNN's
-    rounding. With the "reference" implementation they run on NCHW maps, as the official code does."""
-    return _fused_eager_cpu(x)
-
-
 def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
-    """``tuple(linear(x, m) for m in layers)``: several projections of one input (the attention's q, k and v).
+    """``tuple(m(x) for m in layers)``: several projections of one input (the attention's q, k and v).
 
-    In CPU training with the "fused" implementation (float32/float64 ``nn.Linear`` layers with biases; see
-    :func:`_shared_input_training`) they are one autograd node: the forward is the layers' own ``addmm`` (the same
-    bits as calling them), and the backward sums the input's gradient inside the products (``addmm`` into the first
-    product's result) instead of autograd adding one map of ``x``'s size per layer: one pass over ``x``'s gradient
-    per layer fewer. The gradients equal the separate layers' up to float rounding (the sum's order). Everywhere
-    else it calls :func:`linear` for each layer."""
-    if not _shared_input_training(x, layers):
-        return tuple(linear(x, m) for m in layers)
+    In CPU training with the "fused" implementation (one gate: :func:`_fused_eager_cpu`, grad mode on, float32 or
+    float64 input, no CPU autocast, ``nn.Linear`` layers with biases and no hooks) they are one autograd node: the forward is
+    the layers' own ``addmm`` (the same bits as calling them), and the backward sums the input's gradient inside the
+    products (``addmm`` into the first product's result) instead of autograd adding one map of ``x``'s size per
+    layer: one pass over ``x``'s gradient per layer fewer. The gradients equal the separate layers' up to float
+    rounding (the sum's order). Layers with forward hooks keep their calls."""
+    if not (torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and not autocast_enabled("cpu")
+            and _fused_eager_cpu(x)
+            and all(type(m) is nn.Linear and m.bias is not None and not _has_hooks(m) for m in layers)):
+        return tuple(m(x) for m in layers)
     return _SharedInputLinears.apply(x, *(p for m in layers for p in (m.weight, m.bias)))
 
 
@@ -239,49 +204,18 @@ class _SharedInputLinears(torch.autograd.Function):
         return (None if gx is None else gx.view(ctx.x_shape), *res)
 
 
-def conv_bn(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, gelu: bool = False) -> torch.Tensor:
-    """``bn(conv(x))``, followed by the exact (erf) GELU when ``gelu``: the stem and the patch merging.
-
-    For CPU inference (float32, or bf16 under CPU autocast; :func:`_onednn_inference_dtype`) with the BatchNorm in
-    eval mode on its running statistics, the BatchNorm is folded into the convolution's weight and bias (in
-    float32) and oneDNN runs the convolution with the GELU fused: one pass instead of three. Equal to the modules'
-    result up to rounding. Everywhere else it calls ``conv``, ``bn`` and ``F.gelu``.
-    """
-    dt = _onednn_inference_dtype(x, conv, bn)
-    if (
-        dt is not None
-        and type(conv) is nn.Conv2d
-        and type(bn) is nn.BatchNorm2d
-        and conv.padding_mode == "zeros"
-        and not isinstance(conv.padding, str)
-        and not bn.training
-        and bn.running_mean is not None
-        and bn.running_var is not None
-    ):
-        scale = torch.rsqrt(bn.running_var + bn.eps)
-        shift = -bn.running_mean * scale
-        if bn.affine:
-            scale, shift = scale * bn.weight, shift * bn.weight + bn.bias
-        # the folded weight in channels-last order: oneDNN reorders it into its blocked layout on every call, which
-        # on small maps costs up to ~2 ms from OIHW for the last merging's 256 -> 512 weight, ~0.2 ms from OHWI
-        # (4 x 4 maps; no difference measured at PPMA-T's 224² and 512² maps)
-        weight = (conv.weight.contiguous(memory_format=torch.channels_last) * scale[:, None, None, None]).to(dt)
-        bias = shift if conv.bias is None else conv.bias * scale + shift
-        return torch.ops.mkldnn._convolution_pointwise(x.to(dt), weight, bias, conv.padding, conv.stride,
-                                                       conv.dilation, conv.groups, *_attr(gelu))
-    y = bn(conv(x))
-    return F.gelu(y) if gelu else y
-
-
 class DWConv2d(nn.Module):
     """Depthwise ``k x k`` convolution (stride 1, same padding, with bias) on channels-last maps.
 
     ``[B, H, W, C] -> [B, H, W, C]`` (the official ``DWConv2d``; used for CPE, LePE and the FFN).
     """
 
+    fused = False  # set by ppma.nn.fuse_for_inference (docs/design.md §2.9)
+
     def __init__(self, dim: int, kernel_size: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
+        self.register_load_state_dict_post_hook(_refuse)
 
     def forward(
         self, x: torch.Tensor, residual: bool = False, add: torch.Tensor | None = None, inplace: bool = False
@@ -295,41 +229,26 @@ class DWConv2d(nn.Module):
         addition, when the convolution runs in fp32/fp64; in low precision (a bf16/fp16 model or autocast)
         it adds ``x`` afterwards, because ``1 + w`` would round ``w`` to a few bits.
 
-        ``inplace=True`` lets eager CPU inference (:func:`_eager_inference`) write the result over the caller's
-        own map instead of allocating one more: over ``x`` with ``residual=True``
-        (``ppma.ops.cpu.depthwise_conv2d_residual_``, the FFN's hidden map: float32 without autocast, or bf16 under
-        bf16 autocast, computed in float32 and rounded once), over ``add`` otherwise (oneDNN adds the
-        convolution's output to ``add`` in place, float32 or bf16 under autocast, rounded once). The caller must
-        use the returned tensor and must not need the overwritten map's values afterwards. Everywhere else (and
-        with ``inplace=False``) nothing is overwritten; the numbers agree up to rounding.
+        ``inplace=True`` lets a fused module (:func:`ppma.nn.fuse_for_inference`) write the result over the
+        caller's own map instead of allocating one more: over ``x`` with ``residual=True``
+        (``ppma.ops.cpu.depthwise_conv2d_residual_``, the FFN's hidden map), over ``add`` otherwise (oneDNN adds the
+        convolution's output to ``add`` in place); float32, or bf16 under bf16 autocast, rounded once. The caller
+        must use the returned tensor and must not need the overwritten map's values afterwards. Unfused modules
+        overwrite nothing; the numbers agree up to rounding.
         """
-        conv = self.conv
         if add is not None:
             if residual:
                 raise ValueError("DWConv2d: pass either residual=True or add, not both")
             if tuple(add.shape) != tuple(x.shape):
                 raise ValueError(f"DWConv2d: add must have x's shape {tuple(x.shape)}, got {tuple(add.shape)}")
-            dt = _onednn_inference_dtype(x, conv, self) if inplace else None
-            if dt is not None and x.dtype == dt and add.dtype == dt and add.is_contiguous():
-                # add += conv(x) inside oneDNN's convolution (one pass, no map for conv(x))
-                b = None if conv.bias is None else conv.bias.to(dt)
-                torch.ops.mkldnn._convolution_pointwise_.binary(
-                    add.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), conv.weight.to(dt), b, conv.padding,
-                    conv.stride, conv.dilation, conv.groups, "add", None, None, [], None)
-                return add
+        if self.fused:
+            return self._forward_fused(x, residual, add, inplace)
+        conv = self.conv
+        if add is not None:
             return add + self.forward(x)
         if depthwise_conv2d_uses_kernel(x, conv.weight):
             # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
-        if inplace and residual and _eager_inference(x, conv, self):
-            # x <- x + conv(x) in place (a new tensor where the kernel does not apply): float32, or the bf16 map of
-            # CPU autocast with the weights rounded to bf16 as autocast's convolution rounds them
-            if x.dtype == torch.float32 and not autocast_enabled("cpu"):
-                return depthwise_conv2d_residual_(x, conv.weight, conv.bias)
-            if (x.dtype == torch.bfloat16 and autocast_enabled("cpu")
-                    and torch.get_autocast_dtype("cpu") == torch.bfloat16):
-                b = None if conv.bias is None else conv.bias.to(x.dtype)
-                return depthwise_conv2d_residual_(x, conv.weight.to(x.dtype), b)
         xc = x.permute(0, 3, 1, 2)
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
@@ -344,25 +263,59 @@ class DWConv2d(nn.Module):
         y = y.permute(0, 2, 3, 1).contiguous()
         return x + y if residual else y
 
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference`: the residual weight ``w + δ`` (the identity in the centre tap)
+        computed once, for the fused ``residual=True`` calls that may not overwrite ``x`` (the block's CPE)."""
+        conv = self.conv
+        with torch.no_grad():
+            weight = conv.weight.detach().clone()
+            weight[:, :, conv.kernel_size[0] // 2, conv.kernel_size[1] // 2] += 1.0
+        self.register_buffer("residual_weight", weight, persistent=False)
+        self.fused = True
+
+    def _forward_fused(self, x, residual, add, inplace) -> torch.Tensor:
+        dt = _fused_dtype(self, x)
+        conv = self.conv
+        weight, bias = conv.weight.to(dt), None if conv.bias is None else conv.bias.to(dt)
+        if add is not None:
+            # add + conv(x) inside oneDNN's convolution (one pass, no map for conv(x)), over add itself with inplace
+            out = add.to(dt).contiguous()
+            if not inplace and out is add:
+                out = out.clone()
+            torch.ops.mkldnn._convolution_pointwise_.binary(
+                out.permute(0, 3, 1, 2), x.to(dt).contiguous().permute(0, 3, 1, 2), weight, bias, conv.padding,
+                conv.stride, conv.dilation, conv.groups, "add", None, None, [], None)
+            return out
+        if residual and inplace:
+            # x <- x + conv(x) in place: computed in float32, rounded once (ppma.ops.cpu.depthwise_conv2d_residual_)
+            return depthwise_conv2d_residual_(x.to(dt), weight, bias)
+        x = x.to(dt)
+        xc = x.permute(0, 3, 1, 2)
+        if residual and dt == torch.float32:
+            y = F.conv2d(xc, self.residual_weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+            return y.permute(0, 2, 3, 1).contiguous()
+        y = F.conv2d(xc, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups).permute(0, 2, 3, 1)
+        return x + y if residual else y.contiguous()  # bf16: 1 + w would round w to a few bits
+
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (the same parameters, state dict and numbers up to rounding) whose eager CPU inference runs
-    ppma's kernel, :func:`ppma.ops.cpu.layer_norm` (float32; 2x torch's at PPMA-T's widths, docs/ops.md "layer_norm"):
-    over the last dimension, with a weight and a bias, fast paths on (:func:`set_inference_fast_paths`), no
-    gradient recorded, no hooks, outside torch.compile, tracing and export. Everywhere else ``nn.LayerNorm``'s
-    forward. PPMABlock's ``norm1`` and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes
-    its norms as the eager one does."""
+    """``nn.LayerNorm`` (the same parameters and state dict). Fused (:func:`ppma.nn.fuse_for_inference`; over the
+    last dimension, with a weight and a bias) it runs ppma's kernel, :func:`ppma.ops.cpu.layer_norm` (float32; 2x
+    torch's at PPMA-T's widths, docs/ops.md "layer_norm"), the same numbers up to rounding. PPMABlock's ``norm1``
+    and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes its norms as the eager one does."""
+
+    fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_path(x):
+        if self.fused:
+            _fused_dtype(self, x)
             return _layer_norm_op(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
-    def fast_path(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward` runs ppma's kernel on ``x`` (and so whether ``ppma.ops.cpu.add_layer_norm_`` with
-        this module's parameters gives its numbers for a sum)."""
-        return (len(self.normalized_shape) == 1 and self.weight is not None and self.bias is not None
-                and _eager_inference(x, self))
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference` (a norm over more than one dimension, or without affine
+        parameters, stays unfused)."""
+        self.fused = len(self.normalized_shape) == 1 and self.weight is not None and self.bias is not None
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -414,6 +367,8 @@ class ConvFFN(nn.Module):
     Matrix", §4.2, Eq. 5; the depthwise conv between them is kept).
     """
 
+    fused = False
+
     def __init__(self, dim: int, hidden_dim: int, mlp: str = "standard") -> None:
         super().__init__()
         if mlp not in MLPS:
@@ -425,19 +380,25 @@ class ConvFFN(nn.Module):
         self.fc2 = linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.act) is nn.GELU and self.act.approximate == "none":
-            conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
-            if (conv is not None and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))
-                    and uses_gelu_kernel(x, conv.weight, conv.bias)):
-                # CPU training: GELU and h + dwconv(h) as one op that keeps fc1's output only, one ppma kernel each
-                # way (ppma.ops.cpu.gelu_depthwise_conv2d_residual; output and gradients equal to the modules' up to
-                # rounding)
-                return self.fc2(gelu_depthwise_conv2d_residual(self.fc1(x), conv.weight, conv.bias))
-            x = linear(x, self.fc1, gelu=True)
-        else:
-            x = self.act(self.fc1(x))
-        # x + dwconv(x), over fc1's output (ours alone) in CPU inference
-        return linear(self.dwconv(x, residual=True, inplace=True), self.fc2)
+        if self.fused:
+            # oneDNN's fc1 with the GELU inside, h + dwconv(h) over fc1's output (ours alone), oneDNN's fc2
+            dt = _fused_dtype(self, x)
+            return _fused_linear(self.dwconv(_fused_linear(x, self.fc1, dt, gelu=True), residual=True, inplace=True),
+                                 self.fc2, dt)
+        h = self.fc1(x)
+        conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
+        if (conv is not None and _exact_gelu(self.act) and uses_gelu_kernel(h, conv.weight, conv.bias)
+                and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))):
+            # CPU training (the op's gate): GELU and h + dwconv(h) as one op that keeps fc1's output only, one ppma
+            # kernel each way (ppma.ops.cpu.gelu_depthwise_conv2d_residual; output and gradients equal to the
+            # modules' up to rounding); hooks on the replaced modules must see their calls
+            return self.fc2(gelu_depthwise_conv2d_residual(h, conv.weight, conv.bias))
+        return self.fc2(self.dwconv(self.act(h), residual=True))
+
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference` (an FFN whose ``act`` is not the exact GELU or whose
+        ``dwconv`` is not a :class:`DWConv2d` stays unfused)."""
+        self.fused = _exact_gelu(self.act) and type(self.dwconv) is DWConv2d and self.dwconv.fused
 
 
 class ConvStem(nn.Module):
@@ -445,6 +406,8 @@ class ConvStem(nn.Module):
 
     ``[B, in_chans, H, W] -> [B, ceil(H/4), ceil(W/4), out_dim]`` (channels last).
     """
+
+    fused = False
 
     def __init__(self, in_chans: int, out_dim: int) -> None:
         super().__init__()
@@ -458,16 +421,20 @@ class ConvStem(nn.Module):
         self.conv4 = nn.Conv2d(out_dim, out_dim, 3, 1, 1)
         self.bn4 = nn.BatchNorm2d(out_dim)
         self.act = nn.GELU()
+        self.register_load_state_dict_post_hook(_refuse)
+
+    def _pairs(self):
+        return ((self.conv1, self.bn1), (self.conv2, self.bn2), (self.conv3, self.bn3), (self.conv4, self.bn4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gelu = type(self.act) is nn.GELU and self.act.approximate == "none" and not _has_hooks(self.act)
-        if gelu and _onednn_inference_dtype(x, self.conv1) is not None:
-            # CPU inference: BN folded, GELU fused (conv_bn), on a channels-last map, where oneDNN's convolutions
-            # run 2-3x faster than on NCHW (the output is wanted channels-last anyway)
-            x = x.contiguous(memory_format=torch.channels_last)
-            for conv, bn in ((self.conv1, self.bn1), (self.conv2, self.bn2), (self.conv3, self.bn3)):
-                x = conv_bn(x, conv, bn, gelu=True)
-            x = conv_bn(x, self.conv4, self.bn4)
+        if self.fused:
+            # BatchNorms folded once, GELU fused (oneDNN), on a channels-last map, where oneDNN's convolutions run
+            # 2-3x faster than on NCHW (the output is wanted channels-last anyway)
+            dt = _fused_dtype(self, x)
+            x = x.to(dt).contiguous(memory_format=torch.channels_last)
+            for conv in (self.conv1, self.conv2, self.conv3):
+                x = _fused_conv(x, conv, dt, gelu=True)
+            x = _fused_conv(x, self.conv4, dt)
         else:
             if _channels_last_convs(x):
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -477,19 +444,30 @@ class ConvStem(nn.Module):
             x = self.bn4(self.conv4(x))
         return x.permute(0, 2, 3, 1).contiguous()  # see DWConv2d
 
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference`: each BatchNorm folded into its convolution
+        (:func:`fold_batch_norm`; a stem with other pieces in place stays unfused)."""
+        if _exact_gelu(self.act) and all(_foldable(c, b) for c, b in self._pairs()):
+            for conv, bn in self._pairs():
+                _fold_into(conv, bn)
+            self.fused = True
+
 
 class PatchMerging(nn.Module):
     """3x3 stride-2 conv + BatchNorm: ``[B, H, W, C_in] -> [B, ceil(H/2), ceil(W/2), C_out]``."""
+
+    fused = False
 
     def __init__(self, dim: int, out_dim: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(dim, out_dim, 3, 2, 1)
         self.norm = nn.BatchNorm2d(out_dim)
+        self.register_load_state_dict_post_hook(_refuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _onednn_inference_dtype(x, self.conv) is not None:
-            # CPU inference: BN folded (conv_bn) on the channels-last view, no copies
-            x = conv_bn(x.permute(0, 3, 1, 2), self.conv, self.norm)
+        if self.fused:
+            # the BatchNorm folded once (oneDNN's convolution on the channels-last view, no copies)
+            x = _fused_conv(x.permute(0, 3, 1, 2), self.conv, _fused_dtype(self, x))
         elif _channels_last_convs(x) and x.numel() >= self.conv.weight.numel():
             # the channels-last view as it is: no copy in, and the output's permute below is contiguous already.
             # Only where the map outweighs the weight, which each call converts to channels-last (a copy): at
@@ -501,6 +479,24 @@ class PatchMerging(nn.Module):
             # channels-last input (torch 2.13); the copy is one stage output, three times per forward
             x = self.norm(self.conv(x.permute(0, 3, 1, 2).contiguous()))
         return x.permute(0, 2, 3, 1).contiguous()
+
+    def _fuse(self) -> None:
+        """Part of :func:`ppma.nn.fuse_for_inference`: the BatchNorm folded into the convolution."""
+        if _foldable(self.conv, self.norm):
+            _fold_into(self.conv, self.norm)
+            self.fused = True
+
+
+def _channels_last_convs(x: torch.Tensor) -> bool:
+    """Whether the unfused :class:`ConvStem` and :class:`PatchMerging` run their convolutions and BatchNorms on
+    channels-last maps (in training above all): one gate, :func:`_fused_eager_cpu`. oneDNN's CPU convolutions run
+    faster on channels-last data than on NCHW (8x for the stem's first, 3-input-channel convolution), and the maps
+    these modules return are channels-last anyway, so the permute copies vanish too: 1.5-3 % of a PPMA-T training
+    step (README, "Whole model on the CPU"). PatchMerging does so only where its input map has at least as many elements as its
+    convolution's weight, which every call converts to channels-last. The same modules and calls, so the numbers
+    equal the NCHW path's up to oneDNN's rounding. With the "reference" implementation they run on NCHW maps, as the
+    official code does."""
+    return _fused_eager_cpu(x)
 
 
 GLOBAL_POOLS = ("avg", "")

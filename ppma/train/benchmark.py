@@ -1,7 +1,8 @@
 """Model throughput by the paper's protocol (docs/model.md §7.5), plus training speed and peak memory.
 
-Inference: ``model.eval()``, ``torch.inference_mode()``, ``warmup`` untimed iterations, then about ``iters`` timed
-ones (:func:`ppma.timing.measure_time`, synchronised clocks); images/s = batch / mean time per iteration. Training: forward + backward + AdamW step on
+Inference: ``model.eval()``, ``torch.inference_mode()`` (eager on the CPU: a copy of the model after the deployment
+step ``ppma.nn.fuse_for_inference``, in float32 or under bf16 autocast), ``warmup`` untimed iterations, then about
+``iters`` timed ones (:func:`ppma.timing.measure_time`, synchronised clocks); images/s = batch / mean time per iteration. Training: forward + backward + AdamW step on
 random labels; on CUDA the AdamW step is torch's fused one (``fused=True``, as the trainer's, docs/training.md).
 ``compile_mode`` measures ``torch.compile(model, mode=compile_mode)`` instead of the eager model, each phase compiled
 during its untimed warm-up; on CUDA, ``"reduce-overhead"`` runs the compiled graphs as CUDA graphs (the shapes are
@@ -142,21 +143,30 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
 
     model.eval()
     fwd, mark_step = model, lambda: None
+    infer_fwd = fwd
     if compile_mode is not None:
         fwd, mark_step = compile_for_benchmark(model, device, compile_mode)
+        infer_fwd = fwd
+    elif infer and device.type == "cpu" and amp_dtype in (None, torch.bfloat16):
+        import copy
+
+        from ppma.nn import fuse_for_inference
+
+        infer_fwd = fuse_for_inference(copy.deepcopy(model))  # CPU inference's deployment step (docs/design.md §2.9)
     peak = _PeakMemory(device)
     peak.start()
 
     def run_infer():
         mark_step()
         with torch.inference_mode(), autocast(device, amp_dtype):
-            fwd(x)
+            infer_fwd(x)
 
     if infer:
         t = measure_time(run_infer, repeat=iters, warmup=warmup, device=device)
         out["infer_images_per_sec"] = batch_size / t.mean
         out["infer_ms_median"] = t.median_ms
         out["infer_peak_mem_mib"] = peak.stop()
+    del infer_fwd
 
     if train:
         model.train()

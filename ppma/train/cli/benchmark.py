@@ -1,6 +1,8 @@
 """``ppma-benchmark``: model throughput by the paper's protocol (docs/model.md §7.5) plus training speed and memory.
 
-Inference: batch 64, 224x224, ``model.eval()``, ``torch.inference_mode()``, ``--warmup`` untimed iterations,
+Inference: batch 64, 224x224, ``model.eval()``, ``torch.inference_mode()`` (on the CPU after the deployment step
+``ppma.nn.fuse_for_inference``, applied to a copy of the model; see :func:`ppma.train.benchmark.measure`),
+``--warmup`` untimed iterations,
 then about ``--iters`` timed ones (:func:`ppma.timing.measure_time`: ``torch.utils.benchmark``, synchronised
 clocks); images/s = batch / mean time per iteration. AMP is stated in the
 output (the paper does not say which precision it used). Training: forward + backward + AdamW step on

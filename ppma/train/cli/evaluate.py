@@ -12,7 +12,8 @@ names; a checkpoint of another variant than ``--model`` raises, naming the keys 
     ppma-eval --checkpoint PPMA_T_202502251000/best.pth --model ppma_tiny --data /path/to/imagenet
 
 ``--data`` is an ImageFolder root: its ``val/`` folder when there is one, else the root itself.
-By default the EMA weights are evaluated when the checkpoint has them (the paper reports EMA accuracy).
+By default the EMA weights are evaluated when the checkpoint has them (the paper reports EMA accuracy). On the CPU
+(float32 or ``--amp bf16``) the model is evaluated after the deployment step ``ppma.nn.fuse_for_inference``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     from ppma.train.config import DataConfig
     from ppma.train.data import build_digits, build_eval_transform
     from ppma.train.engine import evaluate
+    import torch
+
+    import ppma.nn
     import ppma.ops
 
     device = resolve_device(args.device)
@@ -75,6 +79,9 @@ def main(argv=None) -> int:
                                   d.mean, d.std)
         dataset = ImageFolder(root, tf)
     amp = amp_dtype(args.amp, device)
+    if device.type == "cpu" and amp in (None, torch.bfloat16):
+        # CPU inference runs the deployment step (fp32, or bf16 autocast; docs/design.md §2.9)
+        ppma.nn.fuse_for_inference(model)
     with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
         res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp,
                        num_workers=args.num_workers, progress=True)
