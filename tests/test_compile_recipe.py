@@ -45,6 +45,7 @@ def test_inference_fp32_equals_eager_and_packs_weights():
     assert config.freezing is False
 
 
+@pytest.mark.full  # one more Inductor compile of the model (minutes on a shared 2-core machine)
 def test_inference_bf16_autocast_within_2e2_of_fp32():
     torch._dynamo.reset()
     model = _model().eval()
@@ -59,6 +60,7 @@ def test_inference_bf16_autocast_within_2e2_of_fp32():
     torch.testing.assert_close(got, eager_bf16, rtol=0, atol=2e-2)
 
 
+@pytest.mark.full  # Inductor's forward and backward graphs of the model (the slowest compile here)
 def test_training_step_equals_eager():
     torch._dynamo.reset()
     model, twin = _model().train(), _model().train()
