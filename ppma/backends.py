@@ -15,16 +15,30 @@ bf16: the fused ops take bf16 inputs (what they see under ``torch.autocast("cpu"
 accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the forward products of
 ``polyline_attention`` and ``criss_cross_attention`` multiply bf16 values with the CPU's ``vdpbf16ps``
 instruction instead of converting them to float32 first (docs/ops.md says which intermediates are rounded).
+
+The matrix unit: under bf16 autocast the model's linear layers and convolutions run oneDNN's bf16 kernels, whose speed
+depends on the unit the CPU has for bf16 products: Intel's AMX tiles, the AVX-512 BF16 dot products (AMD Zen 4,
+Intel Cooper Lake), or an emulation on plain AVX-512 (bf16 widened to float32, the float32 rate)::
+
+    ppma.backends.cpu_name()                # e.g. "Intel(R) Xeon(R) Processor @ 2.80GHz (family 6, model 106)"
+    ppma.backends.cpu_matrix_unit()         # "amx", "avx512_bf16", "avx512", "avx2" or "none"
+    ppma.backends.cpu_matrix_units()        # the flags behind it, and what ppma's own kernels use for bf16
+    ppma.backends.cpu_summary()             # one line of all that: ppma-benchmark --device cpu prints it
 """
 
 from __future__ import annotations
+
+import functools
+import os
+import platform
 
 import torch
 
 from ppma import _ext, config
 
-__all__ = ["CPU_CAPABILITIES", "cpu_capability", "cpu_capability_supported", "cpu_capabilities_available",
-           "cpu_bf16_dot", "cpu_bf16_dot_supported"]
+__all__ = ["CPU_CAPABILITIES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
+           "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_name", "cpu_matrix_unit",
+           "cpu_matrix_units", "cpu_summary"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
 CPU_CAPABILITIES: tuple[str, ...] = config.CPU_CAPABILITIES
@@ -74,3 +88,168 @@ def cpu_bf16_dot_supported() -> bool:
     ``PPMA_CPU_CAPABILITY`` says: :func:`cpu_bf16_dot` is true under the avx512 path exactly then."""
     _require_ext()
     return bool(torch.ops.ppma.cpu_bf16_dot_supported())
+
+
+#: The units bf16 matrix products can run on, fastest first (see :func:`cpu_matrix_unit`).
+MATRIX_UNITS: tuple[str, ...] = ("amx", "avx512_bf16", "avx512", "avx2", "none")
+
+# oneDNN's names for the instruction-set caps of ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA in older releases), lowest
+# first, and the matrix unit each cap leaves to bf16 products (oneDNN's documentation, "CPU dispatcher control").
+_ONEDNN_ISA_CAPS: tuple[tuple[str, str], ...] = (
+    ("SSE41", "none"), ("AVX", "none"), ("AVX2", "avx2"), ("AVX2_VNNI", "avx2"), ("AVX2_VNNI_2", "avx2"),
+    ("AVX512_CORE", "avx512"), ("AVX512_CORE_VNNI", "avx512"), ("AVX512_CORE_BF16", "avx512_bf16"),
+    ("AVX10_1_512", "avx512_bf16"), ("AVX512_CORE_FP16", "avx512_bf16"), ("AVX10_1_512_AMX", "amx"),
+    ("AVX512_CORE_AMX", "amx"), ("AVX10_1_512_AMX_FP16", "amx"), ("AVX512_CORE_AMX_FP16", "amx"),
+)
+
+
+@functools.lru_cache(None)
+def cpu_name() -> str:
+    """The CPU's model name as the OS reports it (``/proc/cpuinfo`` on Linux, with the x86 family and model
+    numbers, e.g. ``"Intel(R) Xeon(R) Processor @ 2.80GHz (family 6, model 106)"``), else the name torch's cpuinfo
+    gives (``torch.cpu.get_capabilities()``) or ``platform.processor()``. For naming the CPU beside a measurement."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or _torch_capabilities().get("cpu_name") or platform.processor() or "unknown CPU"
+    if fields.get("cpu family") and fields.get("model"):
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return str(name)
+
+
+def _torch_capabilities() -> dict:
+    """torch's cpuinfo flags (``torch.cpu.get_capabilities()``, torch >= 2.9), ``{}`` on older releases."""
+    fn = getattr(torch.cpu, "get_capabilities", None)
+    return dict(fn()) if fn is not None else {}
+
+
+def _cpu_flags() -> dict[str, bool]:
+    """The CPU flags that decide the matrix unit: torch's cpuinfo where it has them, else ``/proc/cpuinfo``'s
+    ``flags`` line (same names), else none."""
+    names = ("amx_tile", "amx_bf16", "amx_fp16", "amx_int8", "avx512_bf16", "avx512_fp16", "avx512_vnni",
+             "avx512_core", "avx2")
+    caps = _torch_capabilities()
+    if caps:
+        flags = {n: bool(caps.get(n, False)) for n in names}
+        flags["avx512_core"] = all(caps.get(n, False) for n in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"))
+        return flags
+    found: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    found = set(line.partition(":")[2].split())
+                    break
+    except OSError:
+        pass
+    flags = {n: n in found for n in names}
+    flags["avx512_core"] = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= found
+    return flags
+
+
+def _onednn_isa_cap() -> str | None:
+    """The matrix unit ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) caps oneDNN to, None when it is unset,
+    ``ALL``/``DEFAULT`` or a name this table does not know (then oneDNN's own choice is reported)."""
+    value = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return dict(_ONEDNN_ISA_CAPS).get(value)
+
+
+@functools.lru_cache(None)
+def _amx_usable() -> bool:
+    """The CPU has AMX bf16 tiles and the OS lets this process use them (Linux hands the tile state out on request;
+    ``torch.cpu._init_amx`` asks, as oneDNN does before its first AMX kernel)."""
+    flags = _cpu_flags()
+    if not (flags["amx_tile"] and flags["amx_bf16"]):
+        return False
+    init = getattr(torch.cpu, "_init_amx", None)
+    return bool(init()) if init is not None else True
+
+
+def cpu_matrix_unit() -> str:
+    """The unit that bf16 matrix products run on in this process: oneDNN's bf16 linear layers, convolutions and
+    matmuls, i.e. what the model's linear layers use under ``torch.autocast("cpu", dtype=torch.bfloat16)``. One of
+    :data:`MATRIX_UNITS`:
+
+    - ``"amx"``: Intel AMX tiles (the CPU has ``amx_tile`` and ``amx_bf16`` and the OS grants the tile state);
+    - ``"avx512_bf16"``: the AVX-512 BF16 dot products (``vdpbf16ps``: AMD Zen 4, Intel Cooper Lake);
+    - ``"avx512"``: plain AVX-512, bf16 widened to float32 (oneDNN's emulation: about the float32 rate);
+    - ``"avx2"``: AVX2 only; ``"none"``: oneDNN has no bf16 kernels here (``torch.backends.mkldnn`` off, or an
+      older CPU) and ATen's own bf16 GEMM runs.
+
+    A cap in ``ONEDNN_MAX_CPU_ISA`` (oneDNN's variable, e.g. ``AVX512_CORE_BF16``) lowers the answer as it lowers
+    oneDNN's choice. ppma's own attention kernels do not use AMX; :func:`cpu_bf16_dot` says whether they use the
+    AVX-512 BF16 dot products."""
+    flags = _cpu_flags()
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "none"
+    if _amx_usable():
+        unit = "amx"
+    elif flags["avx512_bf16"]:
+        unit = "avx512_bf16"
+    elif flags["avx512_core"]:
+        unit = "avx512"
+    elif flags["avx2"]:
+        unit = "avx2"
+    else:
+        unit = "none"
+    cap = _onednn_isa_cap()
+    if cap is not None and MATRIX_UNITS.index(cap) > MATRIX_UNITS.index(unit):
+        unit = cap
+    return unit
+
+
+def cpu_matrix_units() -> dict:
+    """What this CPU has for low-precision matrix products and what runs on it, as a dict: ``cpu`` (:func:`cpu_name`),
+    ``matrix_unit`` (:func:`cpu_matrix_unit`), the flags ``amx_bf16``, ``amx_fp16``, ``amx_usable`` (AMX bf16 tiles
+    granted by the OS), ``avx512_bf16``, ``avx512_fp16``, ``avx512_vnni``; ``onednn_bf16`` and ``onednn_fp16``
+    (whether torch's oneDNN has bf16 / fp16 kernels on this CPU); and, where ``ppma._C`` is built,
+    ``ppma_kernels`` (:func:`cpu_capability`) and ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`), else None."""
+    flags = _cpu_flags()
+    mkldnn = torch.backends.mkldnn.is_available()
+    info = {
+        "cpu": cpu_name(),
+        "matrix_unit": cpu_matrix_unit(),
+        "amx_bf16": flags["amx_bf16"],
+        "amx_fp16": flags["amx_fp16"],
+        "amx_usable": _amx_usable(),
+        "avx512_bf16": flags["avx512_bf16"],
+        "avx512_fp16": flags["avx512_fp16"],
+        "avx512_vnni": flags["avx512_vnni"],
+        "onednn_bf16": bool(mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "onednn_fp16": bool(mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+        "ppma_kernels": None,
+        "ppma_bf16_dot": None,
+    }
+    if _ext.has_ext():
+        info["ppma_kernels"] = cpu_capability()
+        info["ppma_bf16_dot"] = cpu_bf16_dot()
+    return info
+
+
+_UNIT_WORDS = {
+    "amx": "AMX tiles",
+    "avx512_bf16": "AVX-512 BF16 dot products (no AMX)",
+    "avx512": "AVX-512, bf16 emulated in float32 (no AMX, no AVX-512 BF16)",
+    "avx2": "AVX2, bf16 emulated in float32 (no AMX, no AVX-512)",
+    "none": "ATen's bf16 GEMM (oneDNN has no bf16 kernels here)",
+}
+
+
+def cpu_summary() -> str:
+    """One line naming the CPU and its matrix unit, e.g. ``"CPU: Intel(R) Xeon(R) ... (family 6, model 106);
+    bf16 products (oneDNN): AVX-512, bf16 emulated in float32 (no AMX, no AVX-512 BF16); ppma kernels: avx512,
+    bf16 via float32"``: what ``ppma-benchmark --device cpu`` prints beside its figures."""
+    info = cpu_matrix_units()
+    line = f"CPU: {info['cpu']}; bf16 products (oneDNN): {_UNIT_WORDS[info['matrix_unit']]}"
+    if info["ppma_kernels"] is not None:
+        dot = "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32"
+        line += f"; ppma kernels: {info['ppma_kernels']}, bf16 via {dot}"
+    return line

@@ -68,7 +68,19 @@ def _env(device: torch.device) -> dict:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        env.update(cpu_info())
     return env
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and the unit its bf16 products run on (``ppma.backends.cpu_name`` and
+    ``cpu_matrix_unit``, with ``cpu_summary``'s one line), ``{}`` when this build of ppma does not report them."""
+    from ppma import backends
+
+    if not hasattr(backends, "cpu_matrix_unit"):
+        return {}
+    return {"cpu": backends.cpu_name(), "matrix_unit": backends.cpu_matrix_unit(), "cpu_summary": backends.cpu_summary()}
 
 
 def _markdown(result: dict) -> str:
@@ -164,6 +176,8 @@ def main(argv=None) -> int:
         torch.backends.cudnn.benchmark = True
 
     raw_overrides = dict(parse_assignment(item, "--override") for item in args.override)
+    if device.type == "cpu" and cpu_info().get("cpu_summary"):
+        print(cpu_info()["cpu_summary"], flush=True)  # the CPU and its bf16 matrix unit, beside every figure
     rows = []
     for name in args.model:
         for impl in args.impl:
