@@ -1123,6 +1123,33 @@ class Op3DTests:
             assert g is None or (g.shape == t.shape and not g.any())
 
     @needs_ext
+    @pytest.mark.parametrize("skip_nan_outputs", [True, False], ids=["finite-loss", "nan-loss"])
+    @pytest.mark.parametrize("axis", [0, 1, 2], ids=["alpha", "beta", "gamma"])
+    def test_nan_decays_match_reference(self, axis, skip_nan_outputs):
+        """NaN log-decays (docs/ops.md "Edges"): the output and every gradient equal the reference's entry by
+        entry, NaN where it has NaN and close elsewhere (fp64; the V2H and H2V halves of the mask keep their
+        NaNs apart in the backward as in the reference)."""
+        for seed in range(4):
+            shape = ((1, 2, 2, 2, 1, 2, 2), (2, 2, 3, 2, 2, 3, 3), (1, 3, 1, 4, 2, 2, 3), (1, 2, 4, 1, 1, 3, 2))[seed]
+            inputs = [t.detach() for t in self.inputs(shape, torch.float64, decay_scale=2.0, seed=seed)]
+            flat = inputs[self.nd + axis].view(-1)
+            g = torch.Generator().manual_seed(100 + seed)
+            flat[torch.randint(0, flat.numel(), (1 + seed % 2,), generator=g)] = float("nan")
+            results = []
+            for f in (self.fn, self.ref):
+                leaves = [t.clone().requires_grad_() for t in inputs]
+                out = f(*leaves, *self.extra())
+                w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+                loss = ((out.nan_to_num(0.0) if skip_nan_outputs else out) * w).sum()
+                results.append([out.detach(), *torch.autograd.grad(loss, leaves)])
+            for name, a, b in zip(("out", *self.grad_names), *results):
+                assert torch.equal(a.isnan(), b.isnan()), (
+                    f"{self.op} seed {seed}: {name} is NaN at {int(a.isnan().sum())} entries, the reference's at "
+                    f"{int(b.isnan().sum())}")
+                torch.testing.assert_close(a.nan_to_num(0.0), b.nan_to_num(0.0), rtol=1e-9, atol=1e-9,
+                                           msg=lambda m: f"{self.op} seed {seed}, {name}: {m}")
+
+    @needs_ext
     def test_meta_inputs(self, recwarn):
         shape = (2, 2, 3, 4, 2, 8, 6)
         inputs = self.inputs(shape, torch.float32, device="meta")
