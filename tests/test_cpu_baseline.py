@@ -24,17 +24,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def op_test_files() -> list[str]:
-    """The test files that subclass the shared op tests (``class TestX(...OpTests)``), so ops added later are
-    included."""
-    pattern = re.compile(r"^class \w+\((\w*OpTests)\):", re.M)
+def op_test_files(three_d: bool = False) -> list[str]:
+    """The test files that subclass the shared op tests (``class TestX(...OpTests)``; with ``three_d``, the 3-D
+    ones, ``class TestX(Op3DTests)``), so ops added later are included."""
+    pattern = re.compile(r"^class \w+\((Op3DTests)\):" if three_d else r"^class \w+\((\w*OpTests)\):", re.M)
     files = [f for f in sorted(glob.glob(os.path.join(HERE, "test_*.py"))) if pattern.search(open(f).read())]
-    assert len(files) >= 4, files  # the four 2-D ops at least
+    assert len(files) >= (3 if three_d else 4), files  # the three 3-D ops, the four 2-D ops at least
     return files
 
 
-# The CPU cases that compare with the reference or check determinism.
+# The CPU cases that compare with the reference or check determinism (the 3-D tests have no device parameter:
+# they run on the CPU only).
 OP_FILTER = "cpu and (matches_reference or low_precision or gradcheck or deterministic or thread_count)"
+OP_FILTER_3D = "matches_reference or low_precision or gradcheck or deterministic or nan_decays or t1_equals"
 PATHS = backends.cpu_capabilities_available()
 BEST = PATHS[-1] if PATHS else None
 
@@ -53,10 +55,11 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def run_op_tests_on_path(capability: str) -> None:
-    """Run the CPU reference comparisons of every op in a fresh process capped at ``capability``."""
+def run_op_tests_on_path(capability: str, three_d: bool = False) -> None:
+    """Run the CPU reference comparisons of every op (``three_d``: of every 3-D op) in a fresh process capped at
+    ``capability``."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-           *op_test_files(), "-k", OP_FILTER]
+           *op_test_files(three_d), "-k", OP_FILTER_3D if three_d else OP_FILTER]
     res = subprocess.run(cmd, env=cpu_subprocess_env(capability), cwd=ROOT, capture_output=True, text=True,
                          timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -108,6 +111,19 @@ def test_lower_path_matches_reference(capability):
     if os.environ.get("PPMA_CPU_CAPABILITY"):
         pytest.skip("already running under a capped path")
     run_op_tests_on_path(capability)
+
+
+@needs_ext
+@pytest.mark.parametrize("capability", [p for p in PATHS if p != BEST] or [None])
+def test_lower_path_matches_reference_3d(capability):
+    """The same for the 3-D ops (polyline_attention_3d, polyline_scan_3d, polyline_linear_attention_3d), whose
+    kernels share the SIMD helpers of the 2-D ones (csrc/cpu/simd.h): reference comparisons in fp64, fp32 and
+    16-bit, gradcheck, NaN decays, T = 1 against the 2-D op, determinism, on each path below the best one."""
+    if capability is None:
+        pytest.skip("this CPU has a single SIMD path")
+    if os.environ.get("PPMA_CPU_CAPABILITY"):
+        pytest.skip("already running under a capped path")
+    run_op_tests_on_path(capability, three_d=True)
 
 
 _BF16_CHECK = """

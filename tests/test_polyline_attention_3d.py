@@ -1,13 +1,13 @@
 """``ppma.ops.polyline_attention_3d`` (softmax attention under the 3-D polyline mask, paper appendix C.2): the fused
 op against its dense reference, every gradient, ``T = 1`` against ``polyline_attention``, and the 3-D op contract
-(op_utils_3d)."""
+(op_utils)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from op_utils_3d import Op3DTests, make_inputs_3d
+from op_utils import Op3DTests, make_inputs_3d
 from ppma.ops import polyline_attention, polyline_attention_3d
 from ppma.ops.reference_3d import polyline_attention_3d_ref
 

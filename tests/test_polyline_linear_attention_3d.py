@@ -1,14 +1,13 @@
 """``ppma.ops.polyline_linear_attention_3d`` (3-D PPMLA, paper appendix C.2 with §4 Theorem 3), with and without
 normalisation: the fused op against its dense reference, every gradient, ``T = 1`` against
-``polyline_linear_attention``, the scan form against ``polyline_scan_3d``, and the 3-D op contract (op_utils_3d)."""
+``polyline_linear_attention``, the scan form against ``polyline_scan_3d``, and the 3-D op contract (op_utils)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from op_utils import check_against_reference, needs_ext
-from op_utils_3d import SHAPES_3D, Op3DTests, make_inputs_3d, sid
+from op_utils import SHAPES_3D, Op3DTests, check_against_reference, make_inputs_3d, needs_ext, shape_id
 from ppma.ops import polyline_linear_attention, polyline_linear_attention_3d, polyline_scan_3d
 from ppma.ops.reference_3d import polyline_linear_attention_3d_ref
 
@@ -33,7 +32,7 @@ class TestPolylineLinearAttention3D(Op3DTests):
 
     @needs_ext
     @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-    @pytest.mark.parametrize("shape", SHAPES_3D, ids=sid)
+    @pytest.mark.parametrize("shape", SHAPES_3D, ids=shape_id)
     def test_matches_reference(self, shape, dtype, variant):
         """As in Op3DTests, except that with normalisation a one-token clip has dq, dk that cancel to ~eps (the
         output is v whatever q and k are): measured against their size without the cancellation (as the 2-D test)."""

@@ -1,5 +1,5 @@
 """``ppma.ops.polyline_scan_3d`` (the 3-D Algorithm 1, paper appendix C.2): the fused op against its dense reference,
-every gradient, ``T = 1`` against ``polyline_scan``, and the 3-D op contract (op_utils_3d); the reference's mask
+every gradient, ``T = 1`` against ``polyline_scan``, and the 3-D op contract (op_utils); the reference's mask
 against a literal pair-by-pair construction of the definition."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from op_utils_3d import Op3DTests, literal_mask_3d, make_inputs_3d
+from op_utils import Op3DTests, literal_mask_3d, make_inputs_3d
 from ppma.ops import polyline_scan, polyline_scan_3d
 from ppma.ops.reference import polyline_log_mask
 from ppma.ops.reference_3d import polyline_log_mask_3d, polyline_scan_3d_ref

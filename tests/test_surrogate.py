@@ -252,3 +252,21 @@ def test_flop_counting_of_monarch_and_fft():
     assert counter.get_total_flops() == 3 * 2.5 * 32 * 5 * 3
     model = PPMA(**SMALL)
     assert count_macs(PPMA(**SMALL, mixer="sab", mlp="monarch"), (1, 3, 64, 64)) < count_macs(model, (1, 3, 64, 64))
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 4), (0, 3, 2, 4), (2, 5, 0), (2, 3, 2, 0)])
+def test_empty_batch_or_channels_give_an_empty_result(shape):
+    """torch.fft refuses zero-sized transforms: the mixing returns the empty result with a working graph."""
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    out = surrogate_mixing(q, k, v)
+    assert out.shape == shape
+    out.sum().backward()
+    assert q.grad.shape == k.grad.shape == v.grad.shape == shape
+
+
+@pytest.mark.parametrize("mixer", ["sab", "criss_cross"])
+def test_model_on_an_empty_batch(mixer):
+    """mixer="sab" on an empty batch returns an empty result, as the default model does."""
+    model = PPMA(**SMALL, mixer=mixer).eval()
+    with torch.no_grad():
+        assert model(torch.randn(0, 3, 32, 32)).shape == (0, 3)

@@ -198,3 +198,48 @@ def test_fx_traces_the_input_check_as_one_call():
     assert [n.target for n in graph.nodes if n.op == "call_function"][0] is _check_input
     with pytest.raises(ValueError, match=r"x must be \[B, 3, H, W\]"):
         _fx_model(model, train=False)(torch.randn(1, 1, 32, 32))
+
+
+# every model ppma registers with timm, and the ones the checks above cover
+ALL_REGISTERED = ("ppma_tiny", "ppma_small", "ppma_base")
+
+
+def _ppma_registered() -> set[str]:
+    """The timm model names whose entry point lives in ppma (whatever ppma registers, now or later)."""
+    from timm.models import model_entrypoint
+
+    return {n for n in timm.list_models() if model_entrypoint(n).__module__.split(".")[0] == "ppma"}
+
+
+def test_every_registered_model_is_covered():
+    """A model ppma registers with timm meets timm's contract or is not registered there: the registered set is
+    the covered one (the video model, ppma_video_tiny, is built by ppma.create_model only; docs/video.md)."""
+    assert _ppma_registered() == set(ALL_REGISTERED)
+
+
+@pytest.mark.parametrize("name", ALL_REGISTERED)
+def test_contract_of_every_registered_model(name):
+    """Each registered model at its own widths (a small input): pretrained_cfg, num_features and
+    head_hidden_size agree with forward_features / forward_head, features_only and forward_intermediates give
+    the feature_info channels and reductions."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=5).eval()
+    cfg = model.pretrained_cfg
+    assert cfg["input_size"][0] == 3 and len(cfg["input_size"]) == 3 and len(cfg["pool_size"]) == 2
+    assert cfg["classifier"] + ".weight" in model.state_dict() and cfg["first_conv"] + ".weight" in model.state_dict()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape == (1, model.num_features, 2, 2)
+        assert model.forward_head(feats, pre_logits=True).shape == (1, model.head_hidden_size)
+        torch.testing.assert_close(model.forward_head(feats), model(x))
+        final, inter = model.forward_intermediates(x)
+        torch.testing.assert_close(final, feats)
+        info = model.feature_info
+        assert [t.shape[1] for t in inter] == [f["num_chs"] for f in info]
+        assert [64 // t.shape[-1] for t in inter] == [f["reduction"] for f in info]
+    fo = timm.create_model(name, pretrained=False, features_only=True).eval()
+    with torch.no_grad():
+        outs = fo(x)
+    assert [o.shape[1] for o in outs] == fo.feature_info.channels()
+    assert [64 // o.shape[-1] for o in outs] == fo.feature_info.reduction()

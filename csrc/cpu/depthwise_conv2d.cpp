@@ -32,6 +32,7 @@
 
 #include "common/checks.h"
 #include "cpu/simd.h"
+#include "cpu/overlap.h"
 #include "cpu/utils.h"
 
 namespace ppma {
@@ -596,6 +597,8 @@ void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, cons
                 ": bias must be a float32 tensor on x's device, got ", bias->scalar_type(), " on ", bias->device());
     bc = bias->contiguous();
   }
+  check_no_overlap(kResidualOp, "x", x, "weight", weight);
+  if (bc.defined()) check_no_overlap(kResidualOp, "x", x, "bias", *bias);
   if (x.numel() == 0) return;
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {

@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "cpu/simd.h"
+#include "cpu/overlap.h"
 
 namespace ppma {
 namespace cpu {
@@ -108,6 +109,9 @@ at::Tensor add_layer_norm_inplace_cpu(const at::Tensor& x, const at::Tensor& res
   TORCH_CHECK(residual.scalar_type() == at::kFloat, op, ": residual must be float32, got ", residual.scalar_type());
   TORCH_CHECK(residual.device() == x.device(), op, ": residual is on ", residual.device(), " but x is on ",
               x.device());
+  check_no_overlap(op, "x", x, "residual", residual, /*allow_full=*/true);  // x += x reads each element first
+  check_no_overlap(op, "x", x, "weight", weight);
+  check_no_overlap(op, "x", x, "bias", bias);
   const at::Tensor rc = residual.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   norm_rows(x, rc.data_ptr<float>(), weight, bias, eps, y);

@@ -9,7 +9,7 @@
 // with seg(c; a, b) = c[max(a, b)] - c[min(a, b)], written as sign(a, b) * (c[a] - c[b]) (common/math.h line_bias).
 // No N x N tensor exists, in forward or backward.
 //
-// Backward (flash-style, from lse / out / out_v2h): each task owns a fixed range of query tiles of one (batch, head)
+// Backward (flash-style, from lse and out_v2h; the V2H half's D term from out_v2h, the H2V half's from the maps): each task owns a fixed range of query tiles of one (batch, head)
 // and writes dq directly; dk, dv and the three prefix-sum gradients go to the task's own partial buffer, reduced
 // afterwards in a fixed order. The number of partial buffers depends on the shapes only: deterministic and
 // independent of the thread count.
@@ -254,20 +254,22 @@ void backward_kernel(const PA3<T>& D, const T* go, const T* out, const T* out_v2
           gemm(dpm, gom, vm.t(), 0.5, 0.0);  // DP = 0.5 dO v^T
           for (int64_t a = 0; a < tq; ++a) {
             const int64_t o = row0 + a * G;
-            T D1 = 0, D2 = 0;
-            for (int64_t e = 0; e < dv; ++e) {
-              D1 += go[o * dv + e] * out_v2h[o * dv + e];
-              D2 += go[o * dv + e] * (T(2) * out[o * dv + e] - out_v2h[o * dv + e]);
-            }
+            // D1 = 0.5 <dO, out_v2h> = 0.5 <dO, P1 v>. D2 = 0.5 <dO, P2 v> comes from the maps, sum_s P2[s] DP[s],
+            // not from 2 out - out_v2h: out is the average of both halves, so a NaN row of P1 (a NaN log-decay on
+            // one line of M) would reach D2 through it, and the reference keeps the halves apart (docs/ops.md
+            // "Edges").
+            T D1 = 0;
+            for (int64_t e = 0; e < dv; ++e) D1 += go[o * dv + e] * out_v2h[o * dv + e];
             D1 *= T(0.5);
-            D2 *= T(0.5);
             T* x1 = X1 + a * N;
             T* x2 = X2 + a * N;
             T* dp = DP + a * N;
             T* g1 = G1 + a * N;
+            T D2 = 0;
             with_lanes([&](auto ln) {
               exp_shift(ln, N, x1, lse[o * 2 + 0]);  // P1
               exp_shift(ln, N, x2, lse[o * 2 + 1]);  // P2
+              D2 = dot_lanes(ln, N, x2, dp);
             });
 #pragma omp simd
             for (int64_t c = 0; c < N; ++c) {

@@ -15,6 +15,7 @@
 
 #include "common/checks.h"
 #include "cpu/simd.h"
+#include "cpu/overlap.h"
 
 #include <cstdint>
 #include <cstring>
@@ -205,6 +206,8 @@ void rope_inplace_cpu(const at::Tensor& x, const at::Tensor& sin, const at::Tens
   constexpr const char* op = "ppma::rope_";
   check_rope_args(op, x, sin, cos);
   TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous (it is written in place)");
+  check_no_overlap(op, "x", x, "sin", sin);
+  check_no_overlap(op, "x", x, "cos", cos);
   rope_into(x, sin, cos, scale, transpose, x);
 }
 

@@ -56,10 +56,7 @@ if _config.register_with_timm and _util.find_spec("timm") is not None:
         from ppma._compat import ensure_torchvision as _ensure_torchvision
 
         _ensure_torchvision()  # timm imports torchvision, whose PyPI build may not load beside a CPU torch
-        from ppma.models import timm as _timm  # noqa: F401
-        from ppma.models.video import register_timm as _register_video_timm
-
-        _register_video_timm()
+        from ppma.models import timm as _timm  # noqa: F401  (the image models; the video model is not registered)
 
         TIMM_REGISTERED = True
     except Exception as _exc:  # timm (or its torchvision) fails to import: ppma works without it

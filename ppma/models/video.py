@@ -1,8 +1,8 @@
 """PPMA video backbone with 3-D polyline path masked attention (paper appendix C.2; ``ppma.nn.attention_3d``).
 
-``ppma.create_model("ppma_video_tiny")`` (and timm's ``timm.create_model("ppma_video_tiny")`` when timm is
-installed): clips ``[B, C, T, H, W]`` -> logits. A 3-D patch embedding (tubelets of ``tubelet = (2, 4, 4)``: a
-temporal stride of 2, a spatial stride of 4), four stages of :class:`VideoBlock` with spatial ``2 x 2`` patch merging
+``ppma.create_model("ppma_video_tiny")`` (not registered with timm; docs/video.md): clips ``[B, C, T, H, W]`` ->
+logits. A 3-D patch embedding (tubelets of ``tubelet = (2, 4, 4)``: a temporal stride of 2, a spatial stride of 4;
+``T, H, W`` must be multiples of it), four stages of :class:`VideoBlock` with spatial ``2 x 2`` patch merging
 between them (time is kept), and a LayerNorm + mean-pool + linear head. Each stage runs the 3-D attention in
 ``"axial"`` (``O(N (T + H + W))``, for the large early maps) or ``"full"`` mode; ``mask="none"`` is the ablation
 without the polyline mask, ``frame_wise=True`` the 2-D baseline that attends within each frame only (the 2-D
@@ -97,7 +97,9 @@ class _Downsample(nn.Module):
 
 class PPMAVideo(nn.Module):
     """The video backbone (module docstring). ``forward(x)``: ``[B, in_chans, T, H, W]`` -> ``[B, num_classes]``;
-    ``T`` must be divisible by ``tubelet[0]`` and ``H, W`` by ``tubelet[1:]``."""
+    ``T`` must be divisible by ``tubelet[0]`` and ``H, W`` by ``tubelet[1:]`` (else ``ValueError``: nothing is
+    dropped silently). Not registered with timm, whose model contract (image-shaped ``pretrained_cfg``,
+    ``features_only``, ``forward_intermediates``) a clip model does not meet (docs/video.md)."""
 
     def __init__(self, cfg: VideoConfig | None = None, **kwargs) -> None:
         super().__init__()
@@ -143,6 +145,13 @@ class PPMAVideo(nn.Module):
         """``[B, C, T, H, W]`` -> the last stage's map ``[B, T', H', W', C']``."""
         if x.dim() != 5 or x.shape[1] != self.cfg.in_chans:
             raise ValueError(f"PPMAVideo: x must be [B, {self.cfg.in_chans}, T, H, W], got shape {tuple(x.shape)}")
+        # the tubelet embedding is a strided convolution: it would drop the frames and pixels past the last whole
+        # tubelet without a word, so a clip that does not tile is refused (docs/video.md)
+        if any(n % t for n, t in zip(x.shape[2:], self.cfg.tubelet)):
+            raise ValueError(
+                f"PPMAVideo: T, H, W = {tuple(x.shape[2:])} must be multiples of the tubelet {tuple(self.cfg.tubelet)} "
+                "(a remainder would be dropped); crop or pad the clip first"
+            )
         x = self.embed_norm(self.patch_embed(x).permute(0, 2, 3, 4, 1))
         for stage, down in zip(self.stages, self.downsamples):
             x = down(stage(x))
@@ -171,22 +180,4 @@ def create_video_model(name: str, pretrained: bool = False, num_classes: int = 4
     if drop_path_rate is not None:
         cfg = dataclasses.replace(cfg, drop_path_rate=drop_path_rate)
     return PPMAVideo(cfg)
-
-
-def register_timm() -> None:
-    """Register ``ppma_video_tiny`` with timm (called by ``ppma.models`` when timm imports)."""
-    from timm.models import register_model
-    from timm.models._registry import _model_entrypoints
-
-    if "ppma_video_tiny" in _model_entrypoints:
-        return
-
-    def ppma_video_tiny(pretrained: bool = False, **kwargs) -> PPMAVideo:
-        """PPMA video tiny (3-D polyline attention; no pretrained weights)."""
-        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's loader arguments
-            kwargs.pop(key, None)
-        return create_video_model("ppma_video_tiny", pretrained, **kwargs)
-
-    ppma_video_tiny.__module__ = __name__
-    register_model(ppma_video_tiny)
 

@@ -46,7 +46,8 @@ def surrogate_mixing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     """The token mixing of the SAB (module docstring): ``V ⊙ (K ⊛ Q) / N``, per channel.
 
     Args:
-        q, k, v: ``[B, N, C]`` sequences or ``[B, H, W, C]`` maps of one shape (any ``N, H, W >= 1``).
+        q, k, v: ``[B, N, C]`` sequences or ``[B, H, W, C]`` maps of one shape (any ``N, H, W >= 1``; ``B`` or
+            ``C`` may be 0, giving an empty result).
         causal: sequences only: the causal linear convolution (token ``n`` sees tokens ``<= n``) instead of the
             circular one.
 
@@ -64,6 +65,10 @@ def surrogate_mixing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     if causal and q.dim() != 3:
         raise ValueError(f"surrogate_mixing: causal=True needs [B, N, C] sequences, got shape {tuple(q.shape)}")
     ct = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    if q.numel() == 0:
+        # an empty batch or no channels: nothing to mix, and torch.fft refuses zero-sized transforms (MKL's
+        # "inconsistent configuration"); the same elementwise product of empty tensors keeps the autograd graph
+        return (q.to(ct) * k.to(ct)).to(v.dtype) * v
     # channels first, so that every transform runs over contiguous memory
     qc, kc = (t.to(ct).movedim(-1, 1).contiguous() for t in (q, k))  # [B, C, *sizes]
     n = 1

@@ -142,13 +142,75 @@ def resolve_scale(op: str, scale, head_dim: int) -> float:
     raise TypeError(f"{op}: scale must be a real number or None, got {type(scale).__name__} {scale!r}")
 
 
-def check_same_device(op: str, **tensors: torch.Tensor) -> None:
-    """All ``tensors`` on the device of the first one. The fake (meta) kernels call this: a call of the
-    registered op with one input on ``meta`` dispatches to them, and they must not return empty CPU memory."""
-    (first, ref), *rest = tensors.items()
-    for name, t in rest:
-        if t.device != ref.device:
+def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    """All ``tensors`` (None entries skipped) floating (float32, float64, float16 or bfloat16) and on the device of
+    the first one. The fake (meta) kernels call this: a call of the registered op with one input on ``meta``
+    dispatches to them, and they must not return empty CPU memory, nor accept an integer tensor the kernel refuses."""
+    ref = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ppma::{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATING:
+            raise RuntimeError(f"ppma::{op}: {name} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+        if ref is None:
+            first, ref = name, t
+        elif t.device != ref.device:
             raise RuntimeError(f"ppma::{op}: {name} is on {t.device} but {first} is on {ref.device}")
+
+
+def check_floating_on_one_device(op: str, **tensors) -> None:
+    """Every tensor in ``tensors`` (None entries skipped) a floating tensor (float32, float64, float16 or bfloat16)
+    on the device of the first one: the argument check of the CPU helper ops (``ppma.ops.cpu``), whose errors name
+    the argument. A meta tensor beside CPU tensors is refused here, before a kernel or a torch op sees it."""
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        _check_floating(op, name, t)
+        if first is None:
+            first = (name, t)
+        elif t.device != first[1].device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first[0]} is on {first[1].device}")
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` bytes of a non-empty tensor's elements (its strides are >= 0)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def check_no_overlap(op: str, out_name: str, out: torch.Tensor, allow_full: tuple[str, ...] = (), **inputs) -> None:
+    """The in-place ops' aliasing rule, as torch's in-place ops: no input in ``inputs`` (None entries skipped) shares
+    memory with ``out``, the tensor the op writes, except the inputs named in ``allow_full`` when they are ``out``
+    itself (the same start, shape and strides: every element is read before it is written). A partial overlap would
+    make the result depend on the order of the writes (docs/ops.md "Edges"). Where one of the two is contiguous,
+    overlapping memory ranges count as overlap (exact unless the other's elements straddle the contiguous one); where
+    neither is, the pair is left to the op (the kernels write contiguous tensors only, and torch's ``add_`` checks its
+    own operands)."""
+    if out.numel() == 0:
+        return
+    for name, t in inputs.items():
+        if t is None or t.numel() == 0 or t.device != out.device or t.device.type == "meta":
+            continue
+        if not (out.is_contiguous() or t.is_contiguous()):
+            continue
+        if out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            continue
+        (a0, a1), (b0, b1) = _byte_range(out), _byte_range(t)
+        if a1 <= b0 or b1 <= a0:
+            continue
+        if name in allow_full and _same_view(out, t):
+            continue
+        raise ValueError(
+            f"{op}: {name} shares memory with {out_name}, which the op writes in place; pass a {name} that does not "
+            f"overlap {out_name} (e.g. {name}.clone())"
+        )
 
 
 def is_empty(*tensors: torch.Tensor) -> bool:

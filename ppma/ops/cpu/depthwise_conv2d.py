@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from ppma import _ext
 from ppma.ops import _dispatch
-from ppma.ops._validate import records_grad
+from ppma.ops._validate import check_floating_on_one_device, check_no_overlap, check_same_device, records_grad
 
 __all__ = [
     "depthwise_conv2d",
@@ -44,18 +44,25 @@ _HAS_GELU_FWD_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _GELU_FWD_OP)
 MIN_KERNEL = 5
 
 
-def _check(x, weight, bias) -> None:
+def _check(x, weight, bias, op="ppma.ops.cpu.depthwise_conv2d", x_name="x") -> None:
+    """Shapes, then floating dtypes on one device (the map's); errors name the argument (``x_name``: the map's)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"ppma.ops.cpu.depthwise_conv2d: x must be a [B, H, W, C] tensor, got {shape}")
+        raise ValueError(f"{op}: {x_name} must be a [B, H, W, C] tensor, got {shape}")
     C = x.shape[-1]
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 4 or weight.shape[:2] != (C, 1)
             or weight.shape[2] != weight.shape[3] or weight.shape[2] % 2 == 0):
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"ppma.ops.cpu.depthwise_conv2d: weight must be [C, 1, k, k] with C = {C} and k odd, got {shape}")
+        raise ValueError(f"{op}: weight must be [C, 1, k, k] with C = {C} and k odd, got {shape}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
         shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"ppma.ops.cpu.depthwise_conv2d: bias must be None or [C] = ({C},), got {shape}")
+        raise ValueError(f"{op}: bias must be None or [C] = ({C},), got {shape}")
+    check_floating_on_one_device(op, **{x_name: x}, weight=weight, bias=bias)
+    # torch's convolution wants one dtype for all three, except under autocast (which casts them itself)
+    if x.device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(x.device.type):
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.dtype != x.dtype:
+                raise ValueError(f"{op}: {name} must have {x_name}'s dtype {x.dtype}, got {t.dtype}")
 
 
 def _folded(weight: torch.Tensor, residual: bool) -> torch.Tensor:
@@ -69,6 +76,11 @@ def _folded(weight: torch.Tensor, residual: bool) -> torch.Tensor:
 
 
 def _conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.numel() == 0:
+        # an empty batch, map or channel set: nothing to convolve, and torch's convolution refuses an empty map
+        # (H or W = 0) or no channels; the empty result keeps the autograd graph (zero gradients)
+        out = x * 0 + weight.sum() * 0
+        return (out if bias is None else out + bias * 0).contiguous()
     p = weight.shape[-1] // 2
     return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, 1, p, 1, x.shape[-1]).permute(0, 2, 3, 1).contiguous()
 
@@ -78,7 +90,7 @@ def depthwise_conv2d_ref(
 ) -> torch.Tensor:
     """The reference of :func:`depthwise_conv2d`: ``F.conv2d`` (``residual`` folded into the centre tap) with
     torch's autograd."""
-    _check(x, weight, bias)
+    _check(x, weight, bias, "ppma.ops.cpu.depthwise_conv2d_ref")
     return _conv(x, _folded(weight, residual), bias)
 
 
@@ -117,7 +129,7 @@ def depthwise_conv2d(
     runs (:func:`depthwise_conv2d_ref`). Both give the same gradients up to rounding.
     """
     _check(x, weight, bias)
-    if not uses_kernel(x, weight):
+    if not uses_kernel(x, weight) or x.numel() == 0:
         return _conv(x, _folded(weight, residual), bias)
     return _DepthwiseConv2d.apply(x, weight, bias, residual)
 
@@ -191,7 +203,9 @@ def depthwise_conv2d_residual_(
         ``x`` itself (overwritten) or a new tensor; equal to ``x + conv(x)`` up to rounding (the kernel adds the
         taps in its own order).
     """
-    _check(x, weight, bias)
+    op = "ppma.ops.cpu.depthwise_conv2d_residual_"
+    _check(x, weight, bias, op)
+    check_no_overlap(op, "x", x, weight=weight, bias=bias)  # the kernel writes x while it reads the taps
     if not uses_residual_kernel(x, weight, bias):
         if x.dtype in (torch.float32, torch.float64):
             return depthwise_conv2d(x, weight, bias, residual=True)
@@ -205,7 +219,7 @@ def gelu_depthwise_conv2d_residual_ref(
 ) -> torch.Tensor:
     """The reference of :func:`gelu_depthwise_conv2d_residual`: ``a + conv(a)`` with ``a = F.gelu(h)``, torch's
     modules and autograd."""
-    _check(h, weight, bias)
+    _check(h, weight, bias, "ppma.ops.cpu.gelu_depthwise_conv2d_residual_ref", "h")
     return _gelu_residual(h, weight, bias)
 
 
@@ -255,8 +269,8 @@ def gelu_depthwise_conv2d_residual(
         Both give the same gradients up to rounding (float32: the kernel's GELU and GELU' of ``h`` are within
         ~2e-7 of torch's); the backward is once-differentiable.
     """
-    _check(h, weight, bias)
-    if not uses_gelu_kernel(h, weight, bias):
+    _check(h, weight, bias, "ppma.ops.cpu.gelu_depthwise_conv2d_residual", "h")
+    if not uses_gelu_kernel(h, weight, bias) or h.numel() == 0:
         return _gelu_residual(h, weight, bias)
     return _GeluDepthwiseConv2dResidual.apply(h, weight, bias)
 
@@ -284,19 +298,23 @@ class _GeluDepthwiseConv2dResidual(torch.autograd.Function):
 
 
 def _fake_residual(x, weight, bias):
+    check_same_device(_RESIDUAL_OP, x=x, weight=weight, bias=bias)
     return None
 
 
 def _fake_backward(grad_out, x, kernel_size):
+    check_same_device(_OP, x=x, grad_out=grad_out)
     C = x.shape[-1]
     return x.new_empty((C, 1, kernel_size, kernel_size)), x.new_empty((C,))
 
 
 def _fake_gelu_forward(h, weight, bias):
+    check_same_device(_GELU_FWD_OP, h=h, weight=weight, bias=bias)
     return h.new_empty(h.shape)
 
 
 def _fake_gelu_backward(grad_out, h, weight):
+    check_same_device(_GELU_OP, h=h, grad_out=grad_out, weight=weight)
     return h.new_empty(h.shape), weight.new_empty(weight.shape), h.new_empty((h.shape[-1],))
 
 

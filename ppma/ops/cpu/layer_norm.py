@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ppma import _ext
 from ppma.ops import _dispatch
-from ppma.ops._validate import records_grad
+from ppma.ops._validate import check_floating_on_one_device, check_no_overlap, check_same_device, records_grad
 
 __all__ = ["layer_norm", "add_layer_norm_", "uses_kernel"]
 
@@ -23,20 +23,28 @@ __all__ = ["layer_norm", "add_layer_norm_", "uses_kernel"]
 _HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, "layer_norm") and hasattr(torch.ops.ppma, "add_layer_norm_")
 
 
-def _check(x, weight, bias, eps, residual=None) -> None:
+def _check(x, weight, bias, eps, residual=None, op="ppma.ops.cpu.layer_norm") -> None:
+    """Shapes, then floating dtypes on one device (x's), then ``eps``; errors name the argument."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"ppma.ops.cpu.layer_norm: x must be a tensor with a channel dimension, got {shape}")
+        raise ValueError(f"{op}: x must be a tensor with a channel dimension, got {shape}")
     C = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (C,):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ppma.ops.cpu.layer_norm: {name} must be [C] = ({C},) (x's last dimension), got {shape}")
+            raise ValueError(f"{op}: {name} must be [C] = ({C},) (x's last dimension), got {shape}")
     if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape):
         shape = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
-        raise ValueError(f"ppma.ops.cpu.add_layer_norm_: residual must have x's shape {tuple(x.shape)}, got {shape}")
+        raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)}, got {shape}")
+    check_floating_on_one_device(op, x=x, residual=residual, weight=weight, bias=bias)
+    if weight.dtype != bias.dtype:
+        raise ValueError(f"{op}: weight and bias must have one dtype, got {weight.dtype} and {bias.dtype}")
+    # torch's layer norm takes parameters in x's dtype, or float32 ones for a half-precision x
+    if weight.dtype != x.dtype and not (weight.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"{op}: weight and bias must have x's dtype {x.dtype} (or float32 for a float16 or bfloat16 x), "
+                         f"got {weight.dtype}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"ppma.ops.cpu.layer_norm: eps must be a number >= 0, got {eps!r}")
+        raise ValueError(f"{op}: eps must be a number >= 0, got {eps!r}")
 
 
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None
@@ -89,18 +97,28 @@ def add_layer_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     Returns:
         the layer norm of the updated ``x``, a new tensor.
     """
-    _check(x, weight, bias, eps, residual)
+    op = "ppma.ops.cpu.add_layer_norm_"
+    _check(x, weight, bias, eps, residual, op)
+    # as torch's in-place ops: x += x is fine (each element read before it is written), a partial overlap is not
+    check_no_overlap(op, "x", x, allow_full=("residual",), residual=residual, weight=weight, bias=bias)
     if not uses_kernel(x, weight, bias, residual) or x.numel() == 0:
         x.add_(residual)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return torch.ops.ppma.add_layer_norm_(x, residual, weight, bias, float(eps))
 
 
-def _fake(x, *args):
-    """Both ops' fake kernel: a new tensor of ``x``'s shape, dtype and device."""
+def _fake(x, weight, bias, eps):
+    """``ppma::layer_norm``'s fake kernel: a new tensor of ``x``'s shape, dtype and device."""
+    check_same_device("layer_norm", x=x, weight=weight, bias=bias)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _fake_add(x, residual, weight, bias, eps):
+    """``ppma::add_layer_norm_``'s fake kernel: as :func:`_fake`, after the devices and dtypes of all four."""
+    check_same_device("add_layer_norm_", x=x, residual=residual, weight=weight, bias=bias)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 if _HAS_OP:
     torch.library.register_fake("ppma::layer_norm")(_fake)
-    torch.library.register_fake("ppma::add_layer_norm_")(_fake)
+    torch.library.register_fake("ppma::add_layer_norm_")(_fake_add)

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from ppma import _ext
 from ppma.ops import _dispatch, reference
-from ppma.ops._validate import records_grad
+from ppma.ops._validate import check_floating_on_one_device, check_same_device, records_grad
 
 __all__ = ["path_decay", "path_decay_ref", "uses_path_decay_kernel"]
 
@@ -40,6 +40,10 @@ def _check(x, weight, dt_bias, A_log) -> None:
         raise ValueError(
             f"ppma.ops.cpu.path_decay: x must be [..., heads * head_dim] = [..., {G} * {hd}], got shape {tuple(x.shape)}"
         )
+    check_floating_on_one_device("ppma.ops.cpu.path_decay", x=x, weight=weight, dt_bias=dt_bias, A_log=A_log)
+    # the linear layer wants x's dtype, except under autocast (which casts both itself)
+    if weight.dtype != x.dtype and (x.device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(x.device.type)):
+        raise ValueError(f"ppma.ops.cpu.path_decay: weight must have x's dtype {x.dtype}, got {weight.dtype}")
 
 
 def path_decay_ref(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
@@ -112,10 +116,12 @@ class _PathDecay(torch.autograd.Function):
 
 
 def _fake(x, weight, dt_bias, A):
+    check_same_device(_OP, x=x, weight=weight, dt_bias=dt_bias, A=A)
     return x.new_empty((*x.shape[:-1], dt_bias.shape[0], weight.shape[0]))
 
 
 def _fake_backward(grad_out, x, weight, dt_bias, A):
+    check_same_device(_OP + "_backward", x=x, grad_out=grad_out, weight=weight, dt_bias=dt_bias, A=A)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), dt_bias.new_empty(dt_bias.shape), A.new_empty(A.shape)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ppma import _ext
 from ppma.ops import _dispatch
-from ppma.ops._validate import check_same_device, records_grad
+from ppma.ops._validate import check_floating_on_one_device, check_no_overlap, check_same_device, records_grad
 from ppma.ops.reference import rope_ref
 
 __all__ = ["rope", "rope_", "uses_inplace_kernel"]
@@ -46,6 +46,7 @@ def _check(x, sin, cos, scale, transpose) -> None:
             raise ValueError(f"ppma.ops.cpu.rope: {name} must be floating point, got {t.dtype}")
     if not x.is_floating_point():
         raise ValueError(f"ppma.ops.cpu.rope: x must be floating point, got {x.dtype}")
+    check_floating_on_one_device("ppma.ops.cpu.rope", x=x, sin=sin, cos=cos)
     if sin.dtype != cos.dtype:
         raise ValueError(f"ppma.ops.cpu.rope: sin and cos must have one dtype, got {sin.dtype} and {cos.dtype}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -109,6 +110,7 @@ def rope_(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, scale: float = 
         ``x`` itself (overwritten) or a new tensor, as above.
     """
     _check(x, sin, cos, scale, transpose)
+    check_no_overlap("ppma.ops.cpu.rope_", "x", x, sin=sin, cos=cos)  # sin and cos are read while x is written
     if not uses_inplace_kernel(x, sin, cos) or x.numel() == 0:
         return rope(x, sin, cos, scale, transpose)
     check_same_device(_OP, x=x, sin=sin, cos=cos)
