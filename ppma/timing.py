@@ -125,6 +125,12 @@ def machine_tag(device: str | torch.device = "cpu") -> str:
                 name = next((l.split(":", 1)[1] for l in f if l.startswith("model name")), "")
         except OSError:
             pass
-        name = re.sub(r"\(R\)|\(TM\)|\bCPU\b|\bProcessor\b|@.*$|\b\d+-Core\b", " ", name)
-        name = name.strip() or platform.machine() or "cpu"
+        name = _cpu_model_tag(name) or platform.machine() or "cpu"
     return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-.") or device.type
+
+
+def _cpu_model_tag(model_name: str) -> str:
+    """``model name`` of /proc/cpuinfo without trademarks, "CPU", "Processor", core counts and clock, spaces as
+    ``-`` ("" when nothing is left)."""
+    name = re.sub(r"\(R\)|\(TM\)|\bCPU\b|\bProcessor\b|@.*$|\b\d+-Core\b", " ", model_name)
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-.")
