@@ -208,6 +208,24 @@ def test_readme_is_short():
     assert lines <= 250, f"README.md has {lines} lines"
 
 
+def test_release_metadata_agree():
+    """One version everywhere: pyproject.toml, ``ppma.__version__``, CITATION.cff and the CHANGELOG's newest entry;
+    the distribution name is not ``ppma`` (an unrelated project on PyPI) and LICENSE is the licence declared."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    project = pyproject.split("[project]", 1)[1].split("\n[", 1)[0]
+    name = re.search(r'^name\s*=\s*"([^"]+)"', project, re.MULTILINE).group(1)
+    version = re.search(r'^version\s*=\s*"([^"]+)"', project, re.MULTILINE).group(1)
+    assert name != "ppma", "the distribution name ppma belongs to an unrelated project on PyPI"
+    init = (ROOT / "ppma" / "__init__.py").read_text(encoding="utf-8")
+    assert f'__version__ = "{version}"' in init, f"ppma.__version__ differs from pyproject's {version}"
+    citation = (ROOT / "CITATION.cff").read_text(encoding="utf-8")
+    assert re.search(rf"^version:\s*{re.escape(version)}\s*$", citation, re.MULTILINE), "CITATION.cff's version"
+    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.MULTILINE)
+    assert newest and newest.group(1) == version, f"CHANGELOG.md's newest entry is not {version}"
+    assert re.search(r'^license\s*=\s*"Apache-2.0"', project, re.MULTILINE)
+    assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")[:200]
+
+
 # ``ppma.nn.fuse_for_inference`` (the quickstart's deployment step) replaces the per-call inference switches
 # (``ppma.nn.set_inference_fast_paths``). A checkout that still has those and lacks it predates the step: there, and
 # only there, the quickstart's call of it is expected to fail.
