@@ -36,10 +36,15 @@ from contextlib import contextmanager
 
 import torch
 
-import ppma
-import ppma.ops as ops
-from ppma.ops import reference as ref
-from ppma.timing import machine_tag, measure_time
+# The checkout's ppma (this script's parent folder), before any installed one, as the other benchmarks do.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import ppma  # noqa: E402
+import ppma.ops as ops  # noqa: E402
+from ppma.ops import reference as ref  # noqa: E402
+from ppma.timing import machine_tag, measure_time  # noqa: E402
 
 # This benchmark measures the CUDA kernels (the default; PPMA_CUDA_KERNELS=0 in the shell would switch them off).
 ops.set_impl("fused", cuda_kernels=True)
