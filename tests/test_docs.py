@@ -226,29 +226,13 @@ def test_release_metadata_agree():
     assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")[:200]
 
 
-# ``ppma.nn.fuse_for_inference`` (the quickstart's deployment step) replaces the per-call inference switches
-# (``ppma.nn.set_inference_fast_paths``). A checkout that still has those and lacks it predates the step: there, and
-# only there, the quickstart's call of it is expected to fail.
-_AWAITED = "module 'ppma.nn' has no attribute 'fuse_for_inference'"
-
-
-def _predates_fuse_for_inference() -> bool:
-    import ppma.nn
-
-    return hasattr(ppma.nn, "set_inference_fast_paths") and not hasattr(ppma.nn, "fuse_for_inference")
-
-
 def test_readme_python_blocks_run(tmp_path):
     """The README's python blocks, in order, in one fresh interpreter, run from outside the source tree."""
     blocks = python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
     assert len(blocks) >= 2, "the README's quickstart (an op call and a model) is missing"
     results = run_blocks(blocks, tmp_path)
-    failures = [(line, err) for (line, _), err in zip(blocks, results) if err is not None]
-    awaited = [f for f in failures if _AWAITED in f[1]] if _predates_fuse_for_inference() else []
-    problems = [f"README.md:{line}:\n{err}" for line, err in failures if (line, err) not in awaited]
+    problems = [f"README.md:{line}:\n{err}" for (line, _), err in zip(blocks, results) if err is not None]
     assert not problems, "\n".join(problems)
-    if awaited:
-        pytest.xfail(f"README.md:{awaited[0][0]}: ppma.nn.fuse_for_inference is not in this checkout yet")
 
 
 def test_model_and_design_docs_are_numbered():
