@@ -11,8 +11,8 @@ digits model, its CPU inference and training speed, and its test accuracy.
     python benchmarks/ablation.py --epochs 3 --variants polyline none padre
     python benchmarks/ablation.py --variants sab monarch-mlp --append --note "..."   # add rows to the table
 
-The table goes to ``benchmarks/results/ablation_digits.md`` / ``.json`` and between the ``ablation`` markers of
-the README. It is a small-data sanity check that every variant trains, not the paper's ImageNet result.
+The table goes to ``benchmarks/results/ablation_digits.md`` / ``.json`` (a stable name that the next run overwrites)
+and between the ``ablation`` markers of docs/performance.md. It is a small-data sanity check that every variant trains, not the paper's ImageNet result.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ def table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(text: str, path: str) -> bool:
-    """Replace what lies between the ablation markers of the README; False when it has no markers."""
+def update_doc(text: str, path: str) -> bool:
+    """Replace what lies between the ablation markers of the document ``path``; False when it has no markers."""
     with open(path) as f:
-        readme = f.read()
-    if START not in readme or END not in readme:
+        doc_text = f.read()
+    if START not in doc_text or END not in doc_text:
         return False
-    head, rest = readme.split(START, 1)
+    head, rest = doc_text.split(START, 1)
     _, tail = rest.split(END, 1)
     with open(path, "w") as f:
         f.write(f"{head}{START}\n{text}{END}{tail}")
@@ -132,7 +132,7 @@ def previous_rows(args, meta: dict) -> list[dict]:
 
 
 def write_outputs(rows: list[dict], meta: dict, args, done: bool, keep: list[dict] | None = None) -> str:
-    """Write the table (``.md``, ``.json``, the README) of the rows so far; a partial run says so. ``keep``: rows
+    """Write the table (``.md``, ``.json``, docs/performance.md) of the rows so far; a partial run says so. ``keep``: rows
     of an earlier run (``--append``) that this run did not measure again, in their order, before the new ones."""
     new = {r["variant"] for r in rows}
     rows = [r for r in (keep or []) if r["variant"] not in new] + rows
@@ -147,8 +147,8 @@ def write_outputs(rows: list[dict], meta: dict, args, done: bool, keep: list[dic
         f.write(text)
     with open(args.results + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows, "complete": done}, f, indent=1)
-    if args.readme and not update_readme(text, args.readme):
-        print(f"[ablation] {args.readme} has no {START} ... {END} markers: not updated", file=sys.stderr)
+    if args.doc and not update_doc(text, args.doc):
+        print(f"[ablation] {args.doc} has no {START} ... {END} markers: not updated", file=sys.stderr)
     return text
 
 
@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results", "ablation_digits"),
                    help="table path without extension (.md and .json are written)")
     p.add_argument("--note", default="", help="a sentence appended to the table (e.g. the machine's load)")
-    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="README to update ('' for none)")
+    p.add_argument("--doc", default=os.path.join(ROOT, "docs", "performance.md"),
+                   help="document whose ablation table to update ('' for none)")
     p.add_argument("--append", action="store_true",
                    help="keep the rows of the existing results file (same budget required) and add or replace the "
                         "measured variants; --note then replaces the table's note, so say which rows it covers")

@@ -10,7 +10,8 @@ threaded; the children are run in interleaved rounds and every time is the minim
 repeats inside them, so that a busy machine slows all configurations alike and ratios are same-run ratios.
 
 Usage: ``python benchmarks/bench_cpu_simd.py [--before ROOT] [--rounds 3] [--repeat 3] [--out NAME]``.
-Results go to ``benchmarks/results/<NAME>.md`` and ``.json``.
+Results go to ``benchmarks/results/<NAME>.md`` and ``.json``; the default NAME is ``cpu_simd_<machine>``
+(:func:`ppma.timing.machine_tag`), a stable name that the next run overwrites.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--before", help="root of another ppma checkout (with its ppma/_C built) to compare with")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--out", default="cpu_simd_" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    p.add_argument("--out", default=None, help="result file name without extension (default cpu_simd_<machine>)")
     p.add_argument("--note", default="", help="a line about the conditions (e.g. a busy machine)")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -136,6 +137,11 @@ def main(argv=None) -> None:
         row += [f"{best[ref][key] / best[lb][key]:.2f}x" for lb in labels if lb != ref]
         lines.append("| " + " | ".join(row) + " |")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    if a.out is None:
+        sys.path.insert(0, ROOT)
+        from ppma.timing import machine_tag
+
+        a.out = f"cpu_simd_{machine_tag('cpu')}"
     base = os.path.join(ROOT, "benchmarks", "results", a.out)
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

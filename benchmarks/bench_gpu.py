@@ -12,7 +12,9 @@ Cases: ``polyline_attention`` bf16, 4 heads, head dim 32 and 64, at 32x32 to 128
 ``criss_cross_attention`` bf16 at the PPMA-T stage 1 and 2 shapes with batch 64 (56x56, 4 heads of 16; 28x28,
 4 heads of 32); ``polyline_linear_attention`` bf16 (non-negative q, k; normalised) at 64x64, 128x128 and 256x256
 tokens, 4 heads of 32, also against the softmax ``polyline_attention`` on the same inputs. Writes ``<out>.md`` and
-``<out>.json``; the default name carries the GPU, torch and CUDA versions::
+``<out>.json``; the default is ``benchmarks/results/ops_gpu_<machine>`` (``ops_gpu_quick_<machine>`` with ``--quick``;
+``<machine>``: :func:`ppma.timing.machine_tag`, e.g. ``H200``), one stable name per machine that the next run
+overwrites; the torch and CUDA versions are in the header::
 
     python3 benchmarks/bench_gpu.py                 # the whole table (a few minutes on an H100)
     python3 benchmarks/bench_gpu.py --quick         # one shape per op
@@ -29,16 +31,20 @@ import datetime
 import json
 import os
 import platform
-import re
 import sys
 from contextlib import contextmanager
 
 import torch
 
-import ppma
-import ppma.ops as ops
-from ppma.ops import reference as ref
-from ppma.timing import measure_time
+# The checkout's ppma (this script's parent folder), before any installed one, as the other benchmarks do.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import ppma  # noqa: E402
+import ppma.ops as ops  # noqa: E402
+from ppma.ops import reference as ref  # noqa: E402
+from ppma.timing import machine_tag, measure_time  # noqa: E402
 
 # This benchmark measures the CUDA kernels (the default; PPMA_CUDA_KERNELS=0 in the shell would switch them off).
 ops.set_impl("fused", cuda_kernels=True)
@@ -239,10 +245,9 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def default_out(env: dict) -> str:
-    who = env.get("gpu", "cpu")
-    tag = re.sub(r"[^A-Za-z0-9.+-]+", "-", f"{who}_torch{env['torch']}_cuda{env['cuda']}")
-    return os.path.join("benchmarks", "results", f"ops_{tag}")
+def default_out(device: torch.device, quick: bool) -> str:
+    """The stable result path (without extension) of a run on ``device``: ``benchmarks/results/ops_gpu[_quick]_<machine>``."""
+    return os.path.join("benchmarks", "results", f"ops_gpu{'_quick' if quick else ''}_{machine_tag(device)}")
 
 
 def summary(rows) -> list[dict]:
@@ -288,7 +293,7 @@ def markdown(env, rows, summ, args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="output path without extension (default: benchmarks/results/ops_<gpu>_<versions>)")
+    ap.add_argument("--out", help="output path without extension (default: benchmarks/results/ops_gpu_<machine>)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="one shape per op")
@@ -314,7 +319,7 @@ def main(argv=None) -> int:
         pa, cc, la = (PA_SHAPES[:1], CC_SHAPES[1:], LA_SHAPES[:1]) if args.quick else (PA_SHAPES, CC_SHAPES, LA_SHAPES)
     rows: list[dict] = []
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    out = args.out or default_out(env)
+    out = args.out or default_out(device, args.quick)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     md = ""
     for op, shapes in (("polyline_attention", pa), ("criss_cross_attention", cc), ("polyline_linear_attention", la)):

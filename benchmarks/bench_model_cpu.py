@@ -19,10 +19,11 @@ optimizer state) on top of the model and inputs; for compiled entries it include
 
 Usage::
 
-    python benchmarks/bench_model_cpu.py [--threads 2] [--quick] [--note "machine busy"] [--readme]
+    python benchmarks/bench_model_cpu.py [--threads 2] [--quick] [--note "machine busy"] [--doc]
 
-Writes ``benchmarks/results/model_cpu_<date>.md`` and ``.json``, prints the ratios, and with ``--readme``
-replaces the README's CPU table (between ``<!-- cpu-model:start -->`` and ``<!-- cpu-model:end -->``).
+Writes ``benchmarks/results/model_cpu_<machine>.md`` and ``.json`` (:func:`ppma.timing.machine_tag`; the next run on
+the machine overwrites them), prints the ratios, and with ``--doc``
+replaces the CPU table of docs/performance.md (between ``<!-- cpu-model:start -->`` and ``<!-- cpu-model:end -->``).
 """
 
 from __future__ import annotations
@@ -272,11 +273,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(md: str) -> None:
-    path = os.path.join(ROOT, "README.md")
+def update_doc(md: str) -> None:
+    """Replace the CPU table of docs/performance.md (between the ``cpu-model`` markers) with ``md``."""
+    path = os.path.join(ROOT, "docs", "performance.md")
     text = open(path).read()
     if START not in text or END not in text:
-        raise SystemExit(f"README.md has no {START} ... {END} markers")
+        raise SystemExit(f"{path} has no {START} ... {END} markers")
     a, b = text.index(START) + len(START), text.index(END)
     with open(path, "w") as f:
         f.write(text[:a] + "\n" + md + text[b:])
@@ -298,9 +300,9 @@ def main(argv=None) -> int:
                    help="cases in which the compiled entries run (inference only)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
     p.add_argument("--note", default="", help="a line for the table, e.g. 'machine busy'")
-    p.add_argument("--output", default=None, help="path without extension (default results/model_cpu_<date>)")
-    p.add_argument("--readme", action="store_true", help="replace the README's CPU table")
-    p.add_argument("--render", metavar="JSON", help="only rewrite the .md (and with --readme the README table) "
+    p.add_argument("--output", default=None, help="path without extension (default results/model_cpu_<machine>)")
+    p.add_argument("--doc", action="store_true", help="replace the CPU table of docs/performance.md")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the .md (and with --doc the table of docs/performance.md) "
                    "of an earlier run's .json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -314,8 +316,8 @@ def main(argv=None) -> int:
         with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
             f.write(md)
         print(md)
-        if args.readme:
-            update_readme(md)
+        if args.doc:
+            update_doc(md)
         return 0
     warmup, iters = (1, 1) if args.quick else (args.warmup, args.iters)
 
@@ -335,7 +337,9 @@ def main(argv=None) -> int:
              if not (ENTRIES[e][3] and (ph not in COMPILED_PHASES or c not in args.compiled_cases))]
     rows = []
     date = datetime.datetime.now(datetime.timezone.utc)
-    out = args.output or os.path.join(ROOT, "benchmarks", "results", f"model_cpu_{date:%Y%m%d-%H%M%S}")
+    from ppma.timing import machine_tag
+
+    out = args.output or os.path.join(ROOT, "benchmarks", "results", f"model_cpu_{machine_tag('cpu')}")
     runs: list[list[dict]] = [[] for _ in specs]  # every round's measurement of each cell
     jobs = [(k, spec) for _ in range(args.rounds) for k, spec in enumerate(specs)]  # round-robin over the cells
     for i, (k, spec) in enumerate(tqdm(jobs, desc="bench_model_cpu", unit="cell")):
@@ -347,8 +351,8 @@ def main(argv=None) -> int:
             _write(out, _result(args, torch, capability, date, warmup, iters, rows, partial=True))
     md = _write(out, _result(args, torch, capability, date, warmup, iters, rows, partial=False))
     print(md)
-    if args.readme:
-        update_readme(md)
+    if args.doc:
+        update_doc(md)
     return 0
 
 

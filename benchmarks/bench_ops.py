@@ -25,7 +25,10 @@ not run for the reference (marked "skipped" in the table).
   most ``--ref-limit-gib``; where it cannot allocate within that, it is reported as out of memory, not timed.
 
 Usage: ``python benchmarks/bench_ops.py [--quick] [--level op|layer|all|linear] [--cases substr ...] [--threads N]``.
-Results go to ``benchmarks/results/`` as markdown and JSON, with the machine and torch version.
+Results go to ``benchmarks/results/ops_<level>_cpu_<machine>[_<N>t][_<tag>].md`` / ``.json`` (``linear``: 
+``linear_cpu_<machine>[_<N>t][_<tag>].json``), one stable name per level and machine that the next run overwrites
+(``<machine>``: :func:`ppma.timing.machine_tag`; ``<N>t`` with ``--threads N``), with the machine and torch version
+in the header.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ if ROOT not in sys.path:
 import ppma  # noqa: E402
 from ppma.models import MODEL_CONFIGS  # noqa: E402
 from ppma.ops import reference  # noqa: E402
-from ppma.timing import measure_time  # noqa: E402
+from ppma.timing import machine_tag, measure_time  # noqa: E402
 
 # docs/model.md §4.1: (channels, heads) per stage and the mixer per stage.
 VARIANTS = {
@@ -335,6 +338,11 @@ def _child(spec):
 # ------------------------------------------------------------------------------------------------
 
 
+def result_name(kind: str, a) -> str:
+    """The stable result file name (without extension) of a run: ``<kind>_cpu_<machine>[_<N>t][_<tag>]``."""
+    return "_".join([kind, "cpu", machine_tag("cpu")] + ([f"{a.threads}t"] if a.threads else []) + ([a.tag] if a.tag else []))
+
+
 def machine_info():
     cpu = platform.processor()
     try:
@@ -367,7 +375,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=None, help="skip op cases with more tokens (quick: 4200)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    p.add_argument("--tag", default="cpu")
+    p.add_argument("--tag", default="", help="a suffix of the result file name (e.g. a subset of --cases)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's); 1 is steadier on a shared machine"
     )
@@ -399,7 +407,7 @@ def main(argv=None):
             cases = [c for c in cases if any(s in c["where"] for s in a.cases)]
         rows = run_linear(a, repeat, warmup, cases)
         os.makedirs(a.out, exist_ok=True)
-        base = os.path.join(a.out, f"linear_{a.tag}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        base = os.path.join(a.out, result_name("linear", a))
         with open(base + ".json", "w") as fh:
             json.dump(dict(machine=machine_info(), repeat=repeat, quick=a.quick, rows=rows), fh, indent=1)
         print(f"wrote {base}.json")
@@ -428,8 +436,7 @@ def main(argv=None):
             print(format_row(row), flush=True)
 
     os.makedirs(a.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = os.path.join(a.out, f"ops_{a.tag}_{stamp}")
+    base = os.path.join(a.out, result_name(f"ops_{a.level}", a))
     with open(base + ".json", "w") as fh:
         json.dump(dict(machine=info, repeat=repeat, quick=a.quick, rows=rows), fh, indent=1)
     with open(base + ".md", "w") as fh:

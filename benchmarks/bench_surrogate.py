@@ -19,7 +19,9 @@ sizes where its time, extrapolated as ``N^2`` from the previous size, would exce
     python benchmarks/bench_surrogate.py                      # 1k, 4k, 16k, 64k tokens
     python benchmarks/bench_surrogate.py --sizes 1024 4096 --no-memory
 
-Results: ``benchmarks/results/surrogate_seq_<tag>.md`` / ``.json`` with the machine, threads and a ``--note``.
+Results: ``benchmarks/results/surrogate_seq_<tag>.md`` / ``.json`` with the machine, threads and a ``--note``; the
+default tag is ``<machine>_<N>t`` (:func:`ppma.timing.machine_tag`, N threads), a stable name that the next run
+overwrites.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=20.0, help="skip softmax where it would take longer")
     p.add_argument("--cap-gib", type=float, default=8.0, help="address-space cap of the memory children")
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--tag", default=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    p.add_argument("--tag", default=None, help="result file name suffix (default <machine>_<threads>t)")
     p.add_argument("--note", default="")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -214,6 +216,10 @@ def main(argv=None) -> int:
     if a.note:
         lines += ["", a.note]
     text = "\n".join(lines) + "\n"
+    if a.tag is None:
+        from ppma.timing import machine_tag
+
+        a.tag = f"{machine_tag('cpu')}_{a.threads}t"
     base = os.path.join(ROOT, "benchmarks", "results", f"surrogate_seq_{a.tag}")
     with open(base + ".md", "w") as f:
         f.write(text)

@@ -9,13 +9,13 @@
 #   bash benchmarks/gpu_check.sh test-full    # the same with PPMA_TEST_FULL=1 (the long sweeps)
 #   bash benchmarks/gpu_check.sh test-cpu     # the CPU op tests with the same build
 #   bash benchmarks/gpu_check.sh bench-quick  # op table, one shape per op
-#   bash benchmarks/gpu_check.sh bench        # the whole op table -> <results>/ops_<gpu>_torch<v>_cuda<v>.{md,json}
+#   bash benchmarks/gpu_check.sh bench        # the whole op table -> <results>/ops_gpu_<gpu>.{md,json}
 #   bash benchmarks/gpu_check.sh models [NAMES...]  # ppma-benchmark (default ppma_tiny ppma_small ppma_base), batch
 #                                             # 64, 224^2, AMP fp16, fused vs reference, inference and training
-#                                             # -> <results>/throughput_<gpu>_fp16_b64[_NAMES].{md,json}
+#                                             # -> <results>/model_gpu_<gpu>_fp16_b64_224[_NAMES].{md,json}
 #   bash benchmarks/gpu_check.sh all          # benchmarks/gpu_run.sh: build, next kernels against the verified
 #                                             # ones, CUDA graphs, kernel times, model and op tables in <= 8 min
-#                                             # -> <results>/gpu_run_<gpu>_<date>/
+#                                             # -> <results>/gpu_run_<gpu>/
 #
 # Options (environment variables):
 #   PPMA_RESULTS_DIR   where the tables and the step logs go (default: benchmarks/results; logs in <results>/logs/)
@@ -45,13 +45,8 @@ require_cuda_build() {  # the later steps need ppma._C with its CUDA kernels
   }
 }
 
-gpu_tag() {  # the GPU's name, safe for a file name
-  "$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.+-]+', '-', torch.cuda.get_device_name()))"
-}
-
-versions_tag() {  # <gpu>_torch<version>_cuda<version>, as bench_gpu.py names its tables
-  "$PY" -c "import re, torch
-print(re.sub(r'[^A-Za-z0-9.+-]+', '-', f'{torch.cuda.get_device_name()}_torch{torch.__version__}_cuda{torch.version.cuda}'))"
+gpu_tag() {  # the GPU's name in the stable result file names (ppma.timing.machine_tag: "NVIDIA H200" -> H200)
+  "$PY" -c "from ppma.timing import machine_tag; print(machine_tag('cuda'))"
 }
 
 case "$step" in
@@ -117,24 +112,23 @@ print('smoke ok', out.shape, out2.shape, out3.shape, *(float(o.float().abs().sum
     ;;
   bench-quick)
     require_cuda_build
-    log bench-quick "$PY" benchmarks/bench_gpu.py --quick --out "$RESULTS/ops-quick_$(gpu_tag)"
+    log bench-quick "$PY" benchmarks/bench_gpu.py --quick --out "$RESULTS/ops_gpu_quick_$(gpu_tag)"
     ;;
   bench)
     require_cuda_build
-    log bench "$PY" benchmarks/bench_gpu.py --out "$RESULTS/ops_$(versions_tag)"
+    log bench "$PY" benchmarks/bench_gpu.py --out "$RESULTS/ops_gpu_$(gpu_tag)"
     ;;
   models)
     require_cuda_build
     names=${*:-ppma_tiny ppma_small ppma_base}
-    out="$RESULTS/throughput_$(gpu_tag)_fp16_b64"
+    out="$RESULTS/model_gpu_$(gpu_tag)_fp16_b64_224"
     [ $# -gt 0 ] && out="${out}_$(echo "$names" | tr ' ' '-')"
     log models "$PY" -m ppma.train.cli.benchmark --model $names --amp fp16 --batch-size 64 --img-size 224 \
       --warmup 10 --iters 30 --output "$out"
     ;;
   all)
-    tagname=$("$PY" -c "import re, torch; print(re.sub(r'[^A-Za-z0-9.+-]+', '-', torch.cuda.get_device_name()))" \
-      2>/dev/null || echo gpu)
-    PYTHON="$PY" bash benchmarks/gpu_run.sh "$RESULTS/gpu_run_${tagname}_$(date -u +%Y%m%d-%H%M%S)"
+    tagname=$(gpu_tag 2>/dev/null || echo gpu)
+    PYTHON="$PY" bash benchmarks/gpu_run.sh "$RESULTS/gpu_run_${tagname}"   # one stable folder per GPU, overwritten
     ;;
   *)
     sed -n '2,25p' "$0"

@@ -8,10 +8,14 @@ then lets ``Timer.blocked_autorange`` run for about ``repeat`` calls' worth of t
 (calls per sample) that makes its own overhead negligible (below 1e-4 of a block): calls of about 10 ms and more
 get about ``repeat`` single-call samples, shorter ones fewer samples of several calls each (each sample is the
 mean of its block).
+
+``machine_tag(device)`` names the machine in the stable file names of ``benchmarks/results/`` (one file per
+benchmark and machine, overwritten by the next run; benchmarks/results/README.md).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +23,7 @@ from typing import Callable
 import torch
 import torch.utils.benchmark as benchmark
 
-__all__ = ["Timing", "measure_time"]
+__all__ = ["Timing", "machine_tag", "measure_time"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,34 @@ def measure_time(
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if track else None
     return Timing(median=m.median, mean=m.mean, min=min(m.times), iqr=m.iqr, samples=tuple(m.times),
                   calls_per_sample=m.number_per_run, peak_mib=peak)
+
+
+def machine_tag(device: str | torch.device = "cpu") -> str:
+    """A short file-name-safe name of the machine a benchmark runs on, for ``benchmarks/results/<kind>_<tag>.md``.
+
+    CPU: the processor's model name from ``/proc/cpuinfo`` without trademarks, "CPU", "Processor", core counts and
+    clock ("Intel(R) Xeon(R) Processor @ 2.80GHz" -> ``Intel-Xeon``, "AMD EPYC 7B13 64-Core Processor" ->
+    ``AMD-EPYC-7B13``); ``platform.machine()`` where there is none. CUDA: the device name without the vendor
+    ("NVIDIA H200" -> ``H200``).
+    """
+    import platform
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).replace("NVIDIA", "")
+    else:
+        name = ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((l.split(":", 1)[1] for l in f if l.startswith("model name")), "")
+        except OSError:
+            pass
+        name = _cpu_model_tag(name) or platform.machine() or "cpu"
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-.") or device.type
+
+
+def _cpu_model_tag(model_name: str) -> str:
+    """``model name`` of /proc/cpuinfo without trademarks, "CPU", "Processor", core counts and clock, spaces as
+    ``-`` ("" when nothing is left)."""
+    name = re.sub(r"\(R\)|\(TM\)|\bCPU\b|\bProcessor\b|@.*$|\b\d+-Core\b", " ", model_name)
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-.")

@@ -19,7 +19,8 @@ fi
 echo "[setup] installing build, test and training dependencies"
 # onnx / onnxscript / onnxruntime: the ONNX export check of the test suite (torch 2.13's dynamo exporter;
 # the three wheels are about 38 MB for CPython 3.11 on x86-64 Linux)
-pip_install "setuptools>=64" wheel ninja numpy pyyaml tqdm pillow \
+# build: `python -m build --no-isolation` (the sdist and wheel of scripts/check_wheel.sh)
+pip_install "setuptools>=77" wheel ninja build numpy pyyaml tqdm pillow \
   pytest expecttest hypothesis \
   "onnx==1.23.2" "onnxscript==0.7.2" "onnxruntime==1.32.0" \
   "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" timm scikit-learn safetensors matplotlib \

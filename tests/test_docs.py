@@ -5,9 +5,9 @@
   replace them.
 * A citation ``docs/<file>.md §N[.M]`` (and the section numbers chained after it: ``§1.4-§1.6, §3``) names a file
   that exists and section numbers that are headings of that file.
-* Every ``docs/<file>.md`` path mentioned anywhere exists.
-* Documentation and shell scripts describe plain commands, not the tools of the workplace the project was built in
-  (its call syntax, its output folder variable, its file-transfer folders).
+* Every ``docs/<file>.md`` path mentioned anywhere exists, and so does every ``benchmarks/results/<file>`` (the
+  stable result names of benchmarks/results/README.md; an older table is cited as ``git show <commit>:<path>``).
+* The README's python blocks run, in one process and in order, from a directory outside the source tree.
 
 Each check is a function over (path, text) pairs, tested on synthetic input below so that it is known to fail
 when it should; the repository tests run the same functions over every file.
@@ -15,9 +15,11 @@ when it should; the repository tests run the same functions over every file.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,16 +35,11 @@ DOC_CITATION = re.compile(
 SECTION_NUMBER = re.compile(r"§(\d+(?:\.\d+)*)")
 DOC_PATH = re.compile(r"docs/[\w./-]*?\.md\b")
 HEADING = re.compile(r"^#{1,6}[ \t]+(\d+(?:\.\d+)*)\.?(?:[ \t]|$)", re.MULTILINE)
-# How the workplace's GPU tool was described: its call syntax and its conventions. Plain shell never needs them.
-WORKPLACE = [
-    (re.compile(r"\$\{?OUT\b"), "$OUT (the output folder of a workplace tool)"),
-    (re.compile(r"\bcarry\s*=", re.IGNORECASE), "carry= (a parameter of a workplace tool)"),
-    (re.compile(r"\bfiles_at\b"), "files_at (a field of a workplace tool's reply)"),
-    (re.compile(r"\bdevice tool\b", re.IGNORECASE), "'device tool' (a workplace tool)"),
-    (re.compile(r"\brun\(\s*command\s*=", re.IGNORECASE), "run(command=...) (a workplace tool's call syntax)"),
-    (re.compile(r"\btimeout_s\s*=", re.IGNORECASE), "timeout_s= (a workplace tool's call syntax)"),
-]
-WORKPLACE_SUFFIXES = (".md", ".rst", ".txt", ".sh")
+# A result file (not a pattern with <...>, * or {...}); the lookbehind leaves out ``git show <commit>:<path>``.
+RESULT_PATH = re.compile(r"(?<![\w:/])benchmarks/results/[\w.+-]+\.(?:md|json)\b")
+# benchmarks/HISTORY.md names the files of earlier runs as they were then (each with its commit).
+RESULT_PATH_EXEMPT = {"benchmarks/HISTORY.md"}
+PYTHON_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
 def repo_files() -> list[str]:
@@ -113,15 +110,49 @@ def missing_doc_paths(path: str, text: str, exists) -> list[str]:
     ]
 
 
-def workplace_mentions(path: str, text: str) -> list[str]:
-    """Descriptions of the workplace's own tools in documentation or shell scripts."""
-    if not path.endswith(WORKPLACE_SUFFIXES) and Path(path).name != "README":
+def missing_result_paths(path: str, text: str, exists) -> list[str]:
+    """``benchmarks/results/<file>`` paths that do not exist (``exists(rel)`` tells)."""
+    if path in RESULT_PATH_EXEMPT:
         return []
     return [
-        f"{path}:{line_of(text, m.start())}: {what}"
-        for pattern, what in WORKPLACE
-        for m in pattern.finditer(text)
+        f"{path}:{line_of(text, m.start())}: {m.group(0)} does not exist"
+        for m in RESULT_PATH.finditer(text)
+        if not exists(m.group(0))
     ]
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The fenced ``python`` blocks of a markdown text: (line of the first code line, code)."""
+    return [(line_of(text, m.start(1)), m.group(1)) for m in PYTHON_BLOCK.finditer(text)]
+
+
+# Runs blocks (JSON on stdin: [[line, code], ...]) in order in one namespace; prints one result per block (None or
+# the traceback) after a marker, so that a failing block does not hide the ones after it.
+BLOCK_RUNNER = """
+import json, sys, traceback
+blocks = json.loads(sys.stdin.read())
+namespace = {"__name__": "__main__"}
+results = []
+for line, code in blocks:
+    try:
+        exec(compile(code, f"README.md:{line}", "exec"), namespace)
+        results.append(None)
+    except BaseException:
+        results.append(traceback.format_exc())
+print("@@results@@" + json.dumps(results))
+"""
+
+
+def run_blocks(blocks: list[tuple[int, str]], cwd: Path, timeout: float = 900) -> list[str | None]:
+    """Run ``blocks`` with :data:`BLOCK_RUNNER` in a fresh interpreter in ``cwd``, importing ppma from this
+    checkout; one result per block (None, or its traceback)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-c", BLOCK_RUNNER], input=json.dumps(blocks), cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    out, sep, tail = proc.stdout.rpartition("@@results@@")
+    assert sep, f"the block runner failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(tail)
 
 
 def _read_repo_doc(name: str) -> str | None:
@@ -164,9 +195,44 @@ def test_doc_paths_exist(texts):
     assert not problems, "\n".join(problems)
 
 
-def test_docs_describe_no_workplace_tools(texts):
-    problems = [p for rel, text in texts for p in workplace_mentions(rel, text)]
-    assert not problems, "describe plain commands instead:\n" + "\n".join(problems)
+def test_result_paths_exist(texts):
+    problems = [p for rel, text in texts for p in missing_result_paths(rel, text, _exists)]
+    assert not problems, ("cite the stable result names (benchmarks/results/README.md), or an older table as "
+                          "git show <commit>:<path>:\n" + "\n".join(problems))
+
+
+def test_readme_is_short():
+    """The README is for users (at most 250 lines); analysis lives in docs/performance.md, history in
+    benchmarks/HISTORY.md."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 250, f"README.md has {lines} lines"
+
+
+def test_release_metadata_agree():
+    """One version everywhere: pyproject.toml, ``ppma.__version__``, CITATION.cff and the CHANGELOG's newest entry;
+    the distribution name is not ``ppma`` (an unrelated project on PyPI) and LICENSE is the licence declared."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    project = pyproject.split("[project]", 1)[1].split("\n[", 1)[0]
+    name = re.search(r'^name\s*=\s*"([^"]+)"', project, re.MULTILINE).group(1)
+    version = re.search(r'^version\s*=\s*"([^"]+)"', project, re.MULTILINE).group(1)
+    assert name != "ppma", "the distribution name ppma belongs to an unrelated project on PyPI"
+    init = (ROOT / "ppma" / "__init__.py").read_text(encoding="utf-8")
+    assert f'__version__ = "{version}"' in init, f"ppma.__version__ differs from pyproject's {version}"
+    citation = (ROOT / "CITATION.cff").read_text(encoding="utf-8")
+    assert re.search(rf"^version:\s*{re.escape(version)}\s*$", citation, re.MULTILINE), "CITATION.cff's version"
+    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.MULTILINE)
+    assert newest and newest.group(1) == version, f"CHANGELOG.md's newest entry is not {version}"
+    assert re.search(r'^license\s*=\s*"Apache-2.0"', project, re.MULTILINE)
+    assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")[:200]
+
+
+def test_readme_python_blocks_run(tmp_path):
+    """The README's python blocks, in order, in one fresh interpreter, run from outside the source tree."""
+    blocks = python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(blocks) >= 2, "the README's quickstart (an op call and a model) is missing"
+    results = run_blocks(blocks, tmp_path)
+    problems = [f"README.md:{line}:\n{err}" for (line, _), err in zip(blocks, results) if err is not None]
+    assert not problems, "\n".join(problems)
 
 
 def test_model_and_design_docs_are_numbered():
@@ -214,10 +280,24 @@ def test_doc_path_check_catches_missing_files():
     assert missing_doc_paths("x.md", f"see `{_DOC}nowhere.md`", exists)
 
 
-def test_workplace_check_catches_each_form():
-    for text in ("writes under `$" "OUT`", "tee \"${" "OUT}/x.log\"", "ca" "rry=[\".gpu\"]", "cp <files" "_at>/x .",
-                 "use the devic" "e tool", "r" "un(command=\"bash x.sh\")", "timeou" "t_s=600"):
-        assert workplace_mentions("README.md", text), text
-        assert workplace_mentions("benchmarks/gpu_check.sh", text), text
-    assert not workplace_mentions("x.py", "r" "un(command=1)")  # code is not documentation
-    assert not workplace_mentions("README.md", "bash benchmarks/gpu_check.sh test  # results in benchmarks/results/")
+def test_result_path_check_catches_missing_files():
+    res = "benchmarks/" "results/"
+    exists = {f"{res}model_cpu_X.md"}.__contains__
+    assert not missing_result_paths("README.md", f"table: `{res}model_cpu_X.md`", exists)
+    assert missing_result_paths("README.md", f"table: `{res}model_cpu_20990101-000000.md`", exists)
+    assert missing_result_paths("benchmarks/README.md", f"({res}ops_gpu_Y.json)", exists)
+    # patterns, older tables through git, and the history's own rows are not paths to check
+    assert not missing_result_paths("README.md", f"`{res}model_cpu_<machine>.md`, `{res}ops_*.md`", exists)
+    assert not missing_result_paths("README.md", f"git show 6bc29af:{res}model_cpu_old.md", exists)
+    assert not missing_result_paths("benchmarks/HISTORY.md", f"| `{res}model_cpu_old.md` |", exists)
+
+
+def test_python_blocks_are_found_and_failures_reported(tmp_path):
+    fence = "`" * 3
+    text = (f"# T\n\n{fence}python\nx = 1\n{fence}\n\n{fence}bash\nls\n{fence}\n\n"
+            f"{fence}python\nassert x == 2, 'x is 1'\n{fence}\n\n{fence}python\ny = x + 1\n{fence}\n")
+    blocks = python_blocks(text)
+    assert [line for line, _ in blocks] == [4, 12, 16] and blocks[0][1] == "x = 1\n"
+    results = run_blocks(blocks, tmp_path, timeout=120)
+    assert results[0] is None and results[2] is None  # one namespace: the third block sees x
+    assert results[1] is not None and "x is 1" in results[1] and "README.md:12" in results[1]

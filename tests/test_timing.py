@@ -40,3 +40,20 @@ def test_measure_time_rejects_bad_arguments():
         measure_time(lambda: None, repeat=0)
     with pytest.raises(ValueError, match="warmup >= 0"):
         measure_time(lambda: None, warmup=-1)
+
+
+def test_machine_tag_names_the_machine_for_result_files():
+    """The stable result names of benchmarks/results/ (``<kind>_<machine>.md``): file-name safe, the CPU model
+    without trademarks, core counts and clock."""
+    import re
+
+    from ppma.timing import _cpu_model_tag, machine_tag
+
+    tag = machine_tag("cpu")
+    assert tag and re.fullmatch(r"[A-Za-z0-9.-]+", tag) and not tag.startswith("-")
+    assert machine_tag(torch.device("cpu")) == tag
+    assert _cpu_model_tag("AMD EPYC") == "AMD-EPYC"
+    assert _cpu_model_tag("Intel(R) Xeon(R) Processor @ 2.80GHz") == "Intel-Xeon"
+    assert _cpu_model_tag("AMD EPYC 7B13 64-Core Processor") == "AMD-EPYC-7B13"
+    assert _cpu_model_tag("Intel(R) Core(TM) i7-9700K CPU @ 3.60GHz") == "Intel-Core-i7-9700K"
+    assert _cpu_model_tag("  ") == ""

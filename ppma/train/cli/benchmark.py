@@ -11,7 +11,11 @@ random labels, images/s and peak memory (CUDA: the allocator's peak; CPU: the RS
 from there). Each attention implementation (``impl=fused`` and
 ``impl=reference``) is measured in the same process on the same inputs::
 
-    ppma-benchmark --model ppma_tiny ppma_small ppma_base --amp fp16 --output benchmarks/results/throughput
+    ppma-benchmark --model ppma_tiny ppma_small ppma_base --amp fp16
+
+writes ``benchmarks/results/model_<cpu|gpu>_<machine>_<amp>_b<batch>_<size>.md`` and ``.json`` unless ``--output`` says
+otherwise: one stable name per setting and machine (:func:`ppma.timing.machine_tag`, e.g. ``model_gpu_H200_fp16_b64_224``)
+that the next run overwrites.
 
 ``--compile [MODE]`` measures the model under ``torch.compile`` (``MODE``: ``default`` when omitted,
 ``reduce-overhead``: CUDA graphs on a GPU, the shapes being static; ``ppma.train.benchmark.compile_for_benchmark``),
@@ -53,9 +57,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="model override (YAML value), e.g. --override 'embed_dims=[8, 16, 16, 16]'")
     p.add_argument("--factory", help="'package.module:callable' instead of ppma.create_model")
-    p.add_argument("--output", default="benchmarks/results/throughput",
-                   help="output path without extension: writes .json and .md")
+    p.add_argument("--output", default=None,
+                   help="output path without extension: writes .json and .md (default: benchmarks/results/"
+                        "model_<cpu|gpu>_<machine>_<amp>_b<batch>_<size>)")
     return p.parse_args(argv)
+
+
+def default_output(args: argparse.Namespace, device: torch.device) -> str:
+    """The stable result path (without extension) of a run: ``benchmarks/results/model_<cpu|gpu>_<machine>_<amp>_b<batch>_<size>``."""
+    from ppma.timing import machine_tag
+
+    kind = "gpu" if device.type == "cuda" else device.type
+    return os.path.join("benchmarks", "results",
+                        f"model_{kind}_{machine_tag(device)}_{args.amp}_b{args.batch_size}_{args.img_size}")
 
 
 def _env(device: torch.device) -> dict:
@@ -207,6 +221,8 @@ def _write_tables(args: argparse.Namespace, device: torch.device, raw_overrides:
                            "warmup": args.warmup, "iters": args.iters, "overrides": raw_overrides,
                            "channels_last": args.channels_last, "compile": args.compile},
               "rows": rows}
+    if args.output is None:
+        args.output = default_output(args, device)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)) or ".", exist_ok=True)
     with open(args.output + ".json", "w") as f:
         json.dump(result, f, indent=2)
