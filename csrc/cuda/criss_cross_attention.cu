@@ -1,5 +1,7 @@
 // CUDA launchers of ppma::criss_cross_attention and its backward (docs/ops.md "criss_cross_attention"). Kernels:
-// csrc/kernels/criss_cross_attention.cuh (packed short lines, or the generic line kernels, per direction).
+// csrc/kernels/criss_cross_attention.cuh (packed short lines, or the generic line kernels, per direction) and,
+// under the option cuda_next_criss_cross_attention = 1, csrc/kernels/criss_cross_attention_tc.cuh (tensor cores;
+// see use_next_kernels).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -9,12 +11,28 @@
 
 #include <tuple>
 
+#include "common/options.h"
 #include "cuda/launch_utils.h"
 #include "kernels/criss_cross_attention.cuh"
+#include "kernels/criss_cross_attention_tc.cuh"
 
 namespace ppma {
 namespace cuda {
 namespace {
+
+// The tensor-core kernels (criss_cross_attention_tc.cuh) are opt-in until a GPU run verifies them: option
+// cuda_next_criss_cross_attention = 1, fp16 / bf16 inputs, head dims up to 32 (padded head dim <= 32), sm_80+.
+// Within them, each direction whose lines have at most 64 tokens runs on tensor cores and a longer one on the
+// verified kernels (criss_cross_tc_fits). They differ from the verified kernels in rounding only (P, dS and the
+// fp32 scratch z1, z2, gz1, gz2 are rounded to 16 bits as mma operands).
+inline bool use_next_kernels(const at::Tensor& q, int dpad) {
+  const auto st = q.scalar_type();
+  if (st != at::kHalf && st != at::kBFloat16) return false;
+  if (dpad > 32 || get_option(Option::kCudaNextCrissCrossAttention) == 0) return false;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
+  return major >= 8;
+}
 
 std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                                const at::Tensor& v_in, const at::Tensor& log_alpha,
@@ -31,6 +49,7 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& 
   if (q.numel() == 0 || v.numel() == 0) return {out.zero_(), lse.zero_()};
   const int dpad = padded_head_dim(op, sz.d, sz.dv);
   check_grid(op, criss_cross_blocks(sz), sz);
+  const bool next = use_next_kernels(q, dpad);
   const int64_t N = int64_t(sz.H) * sz.W;
   const auto fopt = q.options().dtype(acc);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -50,7 +69,12 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& 
     p.z1 = s;
     p.z2 = s + m;
     p.out1 = s + 2 * m;
-    PPMA_DPAD_SWITCH(dpad, [&] { launch_criss_cross_fwd<T, DPAD>(p, stream); });
+    PPMA_DPAD_SWITCH(dpad, [&] {
+      if (next)
+        launch_criss_cross_tc_fwd<T, DPAD>(p, stream);
+      else
+        launch_criss_cross_fwd<T, DPAD>(p, stream);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, lse};
@@ -75,6 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
   if (q.numel() == 0 || v.numel() == 0) return g.zeros(log_alpha, log_beta);
   const int dpad = padded_head_dim(op, sz.d, sz.dv);
   check_grid(op, criss_cross_blocks(sz), sz);
+  const bool next = use_next_kernels(q, dpad);
   const int64_t N = int64_t(sz.H) * sz.W, BG = int64_t(sz.B) * sz.G;
   const auto fopt = q.options().dtype(acc);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -111,7 +136,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
     p.g_cr = u + BG * N;
     p.g_cc = u + 2 * BG * N;
     g.bind<scalar_t>(p);
-    PPMA_DPAD_SWITCH(dpad, [&] { launch_criss_cross_bwd<T, DPAD>(p, stream); });
+    PPMA_DPAD_SWITCH(dpad, [&] {
+      if (next)
+        launch_criss_cross_tc_bwd<T, DPAD>(p, stream);
+      else
+        launch_criss_cross_bwd<T, DPAD>(p, stream);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return g.result(log_alpha, log_beta);

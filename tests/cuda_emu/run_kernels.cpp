@@ -17,6 +17,7 @@
 #include "emu.h"
 // clang-format off
 #include "criss_cross_attention.cuh"
+#include "criss_cross_attention_tc.cuh"
 #include "polyline_attention_fwd.cuh"
 #include "polyline_attention_tc.cuh"
 #include "polyline_attention_tc_bwd2.cuh"
@@ -185,6 +186,33 @@ void run_tc_bwd_next(PolylineAttnParams<T, A>& p, int dp, std::vector<A>& tabs) 
   }
 }
 
+// criss_cross_attention's launch sequence by path: 0 the verified kernels (launch_criss_cross_fwd / _bwd), 1 the
+// tensor-core kernels (criss_cross_attention_tc.cuh, fp16 / bf16; directions whose lines do not fit them run the
+// verified kernels, as in the launcher).
+template <typename T, typename A>
+void criss_cross_fwd(int path, int dp, const CrissCrossParams<T, A>& p) {
+  if (path == 1) {
+    if constexpr (sizeof(T) == 2) {
+      dpad_switch(dp, [&](auto D) { launch_criss_cross_tc_fwd<T, D()>(p, nullptr); });
+      return;
+    }
+    throw std::runtime_error("the tensor-core criss_cross_attention takes float16 / bfloat16");
+  }
+  dpad_switch(dp, [&](auto D) { launch_criss_cross_fwd<T, D()>(p, nullptr); });
+}
+
+template <typename T, typename A>
+void criss_cross_bwd(int path, int dp, const CrissCrossParams<T, A>& p) {
+  if (path == 1) {
+    if constexpr (sizeof(T) == 2) {
+      dpad_switch(dp, [&](auto D) { launch_criss_cross_tc_bwd<T, D()>(p, nullptr); });
+      return;
+    }
+    throw std::runtime_error("the tensor-core criss_cross_attention takes float16 / bfloat16");
+  }
+  dpad_switch(dp, [&](auto D) { launch_criss_cross_bwd<T, D()>(p, nullptr); });
+}
+
 template <typename T>
 void run(const Case& c, std::FILE* out) {
   using A = typename AccType<T>::type;
@@ -289,7 +317,7 @@ void run(const Case& c, std::FILE* out) {
     p.z1 = scratch.data();
     p.z2 = scratch.data() + rows * c.dv;
     p.out1 = scratch.data() + 2 * rows * c.dv;
-    dpad_switch(dp, [&](auto D) { launch_criss_cross_fwd<T, D()>(p, nullptr); });
+    criss_cross_fwd(c.path, dp, p);
     put(out, o);
     put(out, lse);
     if (!c.bwd) return;
@@ -315,7 +343,7 @@ void run(const Case& c, std::FILE* out) {
     p.dv = dv.data();
     p.g_log_alpha = gla.data();
     p.g_log_beta = glb.data();
-    dpad_switch(dp, [&](auto D) { launch_criss_cross_bwd<T, D()>(p, nullptr); });
+    criss_cross_bwd(c.path, dp, p);
   }
   put(out, dq);
   put(out, dk);
