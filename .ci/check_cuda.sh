@@ -77,15 +77,15 @@ gen() {  # gen <header> -> instantiation TU on stdout
         echo "template void launch_criss_cross_fwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
         echo "template void launch_criss_cross_bwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
       done; done ;;
-    criss_cross_attention_tc.cuh)  # the tensor-core kernels alone (their launchers fall back on the header above)
-      for t in $TC_DT; do for d in 16 32; do
+    criss_cross_attention_tc.cuh)  # the tensor-core kernels alone (their launchers fall back on the header above),
+      for t in $TC_DT; do for d in 16 32; do for z in "$t" float; do  # with 16-bit and fp32 scratch
         for m in 0 1 2; do
-          echo "template __global__ void criss_cross_tc_fwd_kernel<$t, $d, $m>(CrissCrossParams<$t, float>);"
+          echo "template __global__ void criss_cross_tc_fwd_kernel<$t, $d, $m, $z>(CrissCrossParams<$t, float>, CcTcIO<$z>);"
         done
         for rf in "true, false" "false, true" "true, true"; do
-          echo "template __global__ void criss_cross_tc_bwd_kernel<$t, $d, $rf>(CrissCrossParams<$t, float>, LineBwdIO<float>);"
+          echo "template __global__ void criss_cross_tc_bwd_kernel<$t, $d, $rf, $z>(CrissCrossParams<$t, float>, CcTcIO<$z>);"
         done
-      done; done ;;
+      done; done; done ;;
     polyline_scan.cuh)
       for t in $DT; do
         A="AccType<$t>::type"

@@ -328,7 +328,9 @@ def test_criss_cross(runner, shape, dtype):
 
 # criss_cross_attention on tensor cores (path 1: criss_cross_attention_tc.cuh, fp16 / bf16, lines of at most 64
 # tokens padded to a multiple of 16, 64 // Lp lines per CTA, head dims up to 32; longer lines run the path-0
-# kernels in the same pipeline). Both paths on the same cases, each against the reference.
+# kernels in the same pipeline; path 2: the same with the 16-bit scratch the launcher allocates where both
+# directions fit, the fp32 maps it replaces poisoned with NaN). Every path on the same cases, against the
+# reference.
 CC_TC_CASES = [
     ((2, 7, 28, 2, 16, 16), torch.bfloat16),  # rows of 28 (Lp 32, 2 per CTA), columns of 7 (Lp 16, 4 per CTA)
     ((1, 5, 9, 1, 32, 32), torch.float16),    # 5 columns: a partial pack of 4
@@ -344,7 +346,7 @@ if FULL:
                     ((1, 14, 14, 4, 32, 32), torch.bfloat16)]
 
 
-@pytest.mark.parametrize("path", [0, 1])
+@pytest.mark.parametrize("path", [0, 1, 2])
 @pytest.mark.parametrize("shape,dtype", CC_TC_CASES)
 def test_criss_cross_tensor_cores(runner, shape, dtype, path):
     ins = _inputs(shape, dtype, seed=sum(shape) + 2)
@@ -360,10 +362,23 @@ def test_criss_cross_tensor_cores_deterministic(runner, shape, dtype):
     gradient's per-warp column parts are summed in a fixed order)."""
     ins = _inputs(shape, dtype, seed=7)
     scale = shape[4] ** -0.5
-    a = emulate(runner, 1, 1, dtype, shape, scale, ins)
-    b = emulate(runner, 1, 1, dtype, shape, scale, ins)
+    a = emulate(runner, 1, 2, dtype, shape, scale, ins)
+    b = emulate(runner, 1, 2, dtype, shape, scale, ins)
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name}: reruns differ"
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 7, 28, 2, 16, 16), torch.bfloat16), ((1, 5, 9, 1, 32, 32),
+                                                                                    torch.float16)])
+def test_criss_cross_tensor_cores_scratch16_bitwise(runner, shape, dtype):
+    """16-bit scratch (z1, z2, gz1, gz2) gives the same bits as fp32 scratch: the kernels only read those maps as
+    mma operands, rounded to 16 bits either way."""
+    ins = _inputs(shape, dtype, seed=11)
+    scale = shape[4] ** -0.5
+    a = emulate(runner, 1, 1, dtype, shape, scale, ins)
+    b = emulate(runner, 1, 2, dtype, shape, scale, ins)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: 16-bit scratch differs"
 
 
 def test_criss_cross_tensor_cores_rejects_fp32(runner):

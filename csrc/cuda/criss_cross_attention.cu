@@ -55,7 +55,12 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   at::Tensor cr, cc;
   std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
-  at::Tensor scratch = at::empty({3, sz.B, sz.H, sz.W, sz.G, sz.dv}, fopt);  // z1, z2, out1
+  // z1, z2, out1 (fp32); with the tensor-core kernels on both directions z1, z2 are 16-bit (z16) and only out1 is
+  // fp32 (criss_cross_attention_tc.cuh, "Scratch")
+  const bool z16 = next && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
+                   criss_cross_tc_scratch16<__half>(sz, dpad);
+  at::Tensor scratch = at::empty({z16 ? 1 : 3, sz.B, sz.H, sz.W, sz.G, sz.dv}, fopt);
+  at::Tensor scratch16 = z16 ? at::empty({2, sz.B, sz.H, sz.W, sz.G, sz.dv}, q.options()) : at::Tensor();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "criss_cross_attention_cuda", [&] {
     using T = typename CudaType<scalar_t>::type;
@@ -66,12 +71,13 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& 
     p.lse = lse.data_ptr<A>();
     A* s = scratch.data_ptr<A>();
     const int64_t m = int64_t(sz.B) * N * sz.G * sz.dv;
-    p.z1 = s;
-    p.z2 = s + m;
-    p.out1 = s + 2 * m;
+    p.z1 = z16 ? nullptr : s;
+    p.z2 = z16 ? nullptr : s + m;
+    p.out1 = z16 ? s : s + 2 * m;
+    T* zs = z16 ? cptr<scalar_t>(scratch16) : nullptr;
     PPMA_DPAD_SWITCH(dpad, [&] {
       if (next)
-        launch_criss_cross_tc_fwd<T, DPAD>(p, stream);
+        launch_criss_cross_tc_fwd<T, DPAD>(p, stream, zs);
       else
         launch_criss_cross_fwd<T, DPAD>(p, stream);
     });
@@ -105,9 +111,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   at::Tensor cr, cc;
   std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
+  // with the tensor-core kernels on both directions: z1 z2 gz1 gz2 16-bit (z16), and no gv_r, dq_r, dk_r (the
+  // last pass adds the column parts itself)
+  const bool z16 = next && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
+                   criss_cross_tc_scratch16<__half>(sz, dpad);
   at::Tensor tok = at::empty({3, BG, N}, fopt);                                  // delta, g_cr, g_cc
-  at::Tensor sv = at::empty({6, sz.B, sz.H, sz.W, sz.G, sz.dv}, fopt);           // z1 z2 gz1 gz2 gv_c gv_r
-  at::Tensor sd = at::empty({4, sz.B, sz.H, sz.W, sz.G, sz.d}, fopt);            // dq_c dk_c dq_r dk_r
+  at::Tensor sv = at::empty({z16 ? 1 : 6, sz.B, sz.H, sz.W, sz.G, sz.dv}, fopt);  // z1 z2 gz1 gz2 gv_c gv_r / gv_c
+  at::Tensor sd = at::empty({z16 ? 2 : 4, sz.B, sz.H, sz.W, sz.G, sz.d}, fopt);   // dq_c dk_c dq_r dk_r
+  at::Tensor sv16 = z16 ? at::empty({4, sz.B, sz.H, sz.W, sz.G, sz.dv}, q.options()) : at::Tensor();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "criss_cross_attention_backward_cuda",
                                   [&] {
@@ -120,25 +131,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
     p.lse = lse.data_ptr<A>();
     const int64_t mv = int64_t(sz.B) * N * sz.G * sz.dv, md = int64_t(sz.B) * N * sz.G * sz.d;
     A* s = sv.data_ptr<A>();
-    p.z1 = s;
-    p.z2 = s + mv;
-    p.gz1 = s + 2 * mv;
-    p.gz2 = s + 3 * mv;
-    p.gv_c = s + 4 * mv;
-    p.gv_r = s + 5 * mv;
     A* t = sd.data_ptr<A>();
     p.dq_c = t;
     p.dk_c = t + md;
-    p.dq_r = t + 2 * md;
-    p.dk_r = t + 3 * md;
+    if (z16) {
+      p.gv_c = s;
+    } else {
+      p.z1 = s;
+      p.z2 = s + mv;
+      p.gz1 = s + 2 * mv;
+      p.gz2 = s + 3 * mv;
+      p.gv_c = s + 4 * mv;
+      p.gv_r = s + 5 * mv;
+      p.dq_r = t + 2 * md;
+      p.dk_r = t + 3 * md;
+    }
     A* u = tok.data_ptr<A>();
     p.delta = u;
     p.g_cr = u + BG * N;
     p.g_cc = u + 2 * BG * N;
     g.bind<scalar_t>(p);
+    T* zs = z16 ? cptr<scalar_t>(sv16) : nullptr;
     PPMA_DPAD_SWITCH(dpad, [&] {
       if (next)
-        launch_criss_cross_tc_bwd<T, DPAD>(p, stream);
+        launch_criss_cross_tc_bwd<T, DPAD>(p, stream, zs);
       else
         launch_criss_cross_bwd<T, DPAD>(p, stream);
     });

@@ -19,9 +19,14 @@
 // row part) into its epilogue, so the backward has no combine kernel when the row pass runs here.
 // Tiles are 16-bit with rows padded by 8 elements (16 bytes): the 8 rows of an ldmatrix phase hit 8 distinct
 // 16-byte bank groups. Padded and out-of-range slots load as zeros.
-// Scratch (z1, z2, out1, gz1, gz2, the column parts) stays the launcher's fp32 buffers, so a direction whose lines
-// are longer than 64 runs the kernels of criss_cross_attention.cuh in the same pipeline.
+// Scratch: z1, z2, gz1, gz2 are only ever read as mma operands, i.e. rounded to 16 bits, so where both directions
+// run here they are stored as 16-bit values (ZT = scalar_t: half the traffic, the same numbers bit for bit);
+// otherwise (a direction with lines longer than 64 runs the kernels of criss_cross_attention.cuh in the same
+// pipeline) they stay the launcher's fp32 buffers (ZT = float). out1 and the column parts of the gradients stay
+// fp32.
 #pragma once
+
+#include <type_traits>
 
 #include "criss_cross_attention.cuh"
 #include "warp_mma.h"
@@ -45,7 +50,8 @@ struct CcTcPack {
   bool rows;
   int li0, nl, L, Lp, W;
   PPMA_HD bool valid(int s) const { return s / Lp < nl && s % Lp < L; }
-  PPMA_HD int64_t pos(int s) const { return line_token(rows, li0 + s / Lp, s % Lp, W); }
+  PPMA_HD int64_t pos(int s) const { return at(s / Lp, s % Lp); }
+  PPMA_HD int64_t at(int m, int t) const { return line_token(rows, li0 + m, t, W); }  // token t of line m
 };
 
 PPMA_HD CcTcPack cc_tc_pack(bool rows, int H, int W, unsigned block, int& bg) {
@@ -68,7 +74,7 @@ template <typename T, int DPAD, int NTILE, int NMAT>
 struct CcTcSmem {
   static constexpr int LDT = DPAD + 8, LDP = kCcTcSlots + 8;
   T tile[NTILE][kCcTcSlots][LDT];
-  T mat[NMAT > 0 ? NMAT : 1][kCcTcSlots][LDP];
+  T mat[NMAT > 0 ? NMAT : 1][NMAT > 0 ? kCcTcSlots : 1][LDP];  // the forward keeps no map: one row
   float c[kCcTcSlots], lse[kCcTcSlots], own_row[kCcTcSlots], own_col[4][kCcTcSlots];
 };
 
@@ -187,12 +193,27 @@ PPMA_D void cc_tc_logits(float (&x)[8][4], const T (*Q)[LDT], const T (*K)[LDT],
   }
 }
 
+// The maps a pass reads (Z, Gm) and writes (Pv, PTh) in the scratch type ZT, and its fp32 outputs. Forward: MODE 0
+// Pv = z1; MODE 1 Z = z1, Pv = z2; MODE 2 Z = z2. Backward as LineBwdIO.
+template <typename ZT>
+struct CcTcIO {
+  const ZT* Z = nullptr;
+  const ZT* Gm = nullptr;
+  ZT* Pv = nullptr;
+  ZT* PTh = nullptr;
+  float* PTG = nullptr;
+  float* dq = nullptr;
+  float* dk = nullptr;
+  float* own = nullptr;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Forward, MODE as criss_cross_fwd_kernel: 0 rows z1 = A v; 1 columns z2 = B v, out1 = B z1; 2 rows
 // out = (out1 + A z2) / 2 with A from the saved lse.
 // ---------------------------------------------------------------------------------------------
-template <typename scalar_t, int DPAD, int MODE>
-__global__ void __launch_bounds__(kCcTcThreads) criss_cross_tc_fwd_kernel(CrissCrossParams<scalar_t, float> p) {
+template <typename scalar_t, int DPAD, int MODE, typename ZT>
+__global__ void __launch_bounds__(kCcTcThreads)
+    criss_cross_tc_fwd_kernel(CrissCrossParams<scalar_t, float> p, CcTcIO<ZT> io) {
   constexpr bool kRows = MODE != 1;
   using Sm = CcTcSmem<scalar_t, DPAD, MODE == 1 ? 4 : 3, 0>;
   PPMA_DYNAMIC_SMEM(Sm, sm);
@@ -208,11 +229,10 @@ __global__ void __launch_bounds__(kCcTcThreads) criss_cross_tc_fwd_kernel(CrissC
   cc_tc_load<DPAD>(sm.tile[0], p.q, p.sq, b, g, lp, d, 1.f, tid);
   cc_tc_load<DPAD>(sm.tile[1], p.k, p.sk, b, g, lp, d, 1.f, tid);
   if (MODE == 2)
-    cc_tc_load<DPAD>(sm.tile[2], static_cast<const float*>(p.z2), sacc, b, g, lp, dv, 1.f, tid);
+    cc_tc_load<DPAD>(sm.tile[2], io.Z, sacc, b, g, lp, dv, 1.f, tid);
   else
     cc_tc_load<DPAD>(sm.tile[2], p.v, p.sv, b, g, lp, dv, 1.f, tid);
-  if (MODE == 1) cc_tc_load<DPAD>(sm.tile[MODE == 1 ? 3 : 2], static_cast<const float*>(p.z1), sacc, b, g, lp, dv,
-                                  1.f, tid);
+  if (MODE == 1) cc_tc_load<DPAD>(sm.tile[MODE == 1 ? 3 : 2], io.Z, sacc, b, g, lp, dv, 1.f, tid);
   for (int s = tid; s < kCcTcSlots; s += kCcTcThreads) {
     const bool ok = lp.valid(s);
     const int64_t pt = ok ? lp.pos(s) : 0;
@@ -262,9 +282,9 @@ __global__ void __launch_bounds__(kCcTcThreads) criss_cross_tc_fwd_kernel(CrissC
 
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    const int s = r0 + mma::c_row(lane, 2 * hr);
-    if (!lp.valid(s)) continue;
-    const int64_t row = token_index(N, G, b, lp.pos(s), g);
+    const int t = t0 + mma::c_row(lane, 2 * hr);
+    if (t >= L) continue;
+    const int64_t row = token_index(N, G, b, lp.at(m, t), g);
     if (MODE != 2 && (lane & 3) == 0) p.lse[row * 2 + wl] = lse_r[hr];
 #pragma unroll
     for (int n = 0; n < DPAD / 8; ++n)
@@ -274,9 +294,9 @@ __global__ void __launch_bounds__(kCcTcThreads) criss_cross_tc_fwd_kernel(CrissC
         if (e >= dv) continue;
         const int64_t o = row * dv + e;
         const float val = o0[n][2 * hr + e2];
-        if (MODE == 0) p.z1[o] = val;
+        if (MODE == 0) io.Pv[o] = from_acc<ZT>(val);
         if (MODE == 1) {
-          p.z2[o] = val;
+          io.Pv[o] = from_acc<ZT>(val);
           p.out1[o] = o1[n][2 * hr + e2];
         }
         if (MODE == 2) p.out[o] = from_acc<scalar_t>(0.5f * (p.out1[o] + val));
@@ -287,11 +307,13 @@ __global__ void __launch_bounds__(kCcTcThreads) criss_cross_tc_fwd_kernel(CrissC
 // ---------------------------------------------------------------------------------------------
 // Backward of one direction (BR1 = rows, !FULL; BC = columns, FULL; BR2 = rows, FULL; io as for
 // criss_cross_bwd_kernel). BR2 (ROWS && FULL) writes the final gradients: grad_q = dq_c + dq of this pass, grad_k,
-// grad_v likewise, instead of io.dq / io.dk / io.PTG.
+// grad_v likewise, instead of io.dq / io.dk / io.PTG. The launch bound's minimum of 1 block per SM lifts ptxas' own
+// register target (64 for the BR1 pass, which then spilled a predicate register across the barrier; 70 without);
+// shared memory (23-51 KB per block) bounds the blocks per SM at 4-9 anyway.
 // ---------------------------------------------------------------------------------------------
-template <typename scalar_t, int DPAD, bool ROWS, bool FULL>
-__global__ void __launch_bounds__(kCcTcThreads)
-    criss_cross_tc_bwd_kernel(CrissCrossParams<scalar_t, float> p, LineBwdIO<float> io) {
+template <typename scalar_t, int DPAD, bool ROWS, bool FULL, typename ZT>
+__global__ void __launch_bounds__(kCcTcThreads, 1)
+    criss_cross_tc_bwd_kernel(CrissCrossParams<scalar_t, float> p, CcTcIO<ZT> io) {
   constexpr bool kCombine = ROWS && FULL;
   enum { kQ, kK, kV, kH, kZ, kG };
   using Sm = CcTcSmem<scalar_t, DPAD, FULL ? 6 : 4, FULL ? 2 : 1>;
@@ -310,8 +332,8 @@ __global__ void __launch_bounds__(kCcTcThreads)
   cc_tc_load<DPAD>(sm.tile[kV], p.v, p.sv, b, g, lp, dv, 1.f, tid);
   cc_tc_load<DPAD>(sm.tile[kH], p.dout, p.sdo, b, g, lp, dv, 0.5f, tid);
   if (FULL) {
-    cc_tc_load<DPAD>(sm.tile[FULL ? kZ : 0], static_cast<const float*>(io.Z), sacc, b, g, lp, dv, 1.f, tid);
-    cc_tc_load<DPAD>(sm.tile[FULL ? kG : 0], static_cast<const float*>(io.Gm), sacc, b, g, lp, dv, 1.f, tid);
+    cc_tc_load<DPAD>(sm.tile[FULL ? kZ : 0], io.Z, sacc, b, g, lp, dv, 1.f, tid);
+    cc_tc_load<DPAD>(sm.tile[FULL ? kG : 0], io.Gm, sacc, b, g, lp, dv, 1.f, tid);
   }
   for (int s = tid; s < kCcTcSlots; s += kCcTcThreads) {
     const bool ok = lp.valid(s);
@@ -325,7 +347,7 @@ __global__ void __launch_bounds__(kCcTcThreads)
   const bool active = m < lp.nl;
   const int nj = Lp / 8;
   const float scale = p.scale;
-  auto row_of = [&](int s) { return token_index(N, G, b, lp.pos(s), g); };
+  auto row_of = [&](int t) { return token_index(N, G, b, lp.at(m, t), g); };  // token t of the warp's line
 
   // ---- the warp's 16 slots as queries: P, dS in registers; P v, dS k, the row part of the bias gradient
   if (active) {
@@ -345,15 +367,15 @@ __global__ void __launch_bounds__(kCcTcThreads)
       cc_mma_xv<scalar_t, DPAD>(o, P, sm.tile[kV] + lb, nj, lane);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const int s = r0 + mma::c_row(lane, 2 * hr);
-        if (!lp.valid(s)) continue;
-        const int64_t row = row_of(s);
+        const int t = t0 + mma::c_row(lane, 2 * hr);
+        if (t >= L) continue;
+        const int64_t row = row_of(t);
 #pragma unroll
         for (int n = 0; n < DPAD / 8; ++n)
 #pragma unroll
           for (int e2 = 0; e2 < 2; ++e2) {
             const int e = 8 * n + mma::c_col(lane, e2);
-            if (e < dv) io.Pv[row * dv + e] = o[n][2 * hr + e2];
+            if (e < dv) io.Pv[row * dv + e] = from_acc<ZT>(o[n][2 * hr + e2]);
           }
       }
     }
@@ -417,9 +439,9 @@ __global__ void __launch_bounds__(kCcTcThreads)
       cc_mma_xv<scalar_t, DPAD>(o, dS, sm.tile[kK] + lb, nj, lane);  // dq = scale dS k
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const int s = r0 + mma::c_row(lane, 2 * hr);
-        if (!lp.valid(s)) continue;
-        const int64_t row = row_of(s);
+        const int t = t0 + mma::c_row(lane, 2 * hr);
+        if (t >= L) continue;
+        const int64_t row = row_of(t);
 #pragma unroll
         for (int n = 0; n < DPAD / 8; ++n)
 #pragma unroll
@@ -449,16 +471,16 @@ __global__ void __launch_bounds__(kCcTcThreads)
     }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int s = r0 + mma::c_row(lane, 2 * hr);
-      if (!lp.valid(s)) continue;
-      const int64_t row = row_of(s);
+      const int u = t0 + mma::c_row(lane, 2 * hr);
+      if (u >= L) continue;
+      const int64_t row = row_of(u);
 #pragma unroll
       for (int n = 0; n < DPAD / 8; ++n)
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           const int e = 8 * n + mma::c_col(lane, e2), i = 2 * hr + e2;
           if (e < dv) {
-            if (io.PTh) io.PTh[row * dv + e] = th[n][i];
+            if (io.PTh) io.PTh[row * dv + e] = from_acc<ZT>(th[n][i]);
             if (FULL) {
               if (kCombine)
                 p.dv[row * dv + e] = from_acc<scalar_t>(p.gv_c[row * dv + e] + tg[n][i]);
@@ -491,81 +513,131 @@ __global__ void __launch_bounds__(kCcTcThreads)
 // Host-side launch helpers (no torch): the pipeline of launch_criss_cross_fwd / launch_criss_cross_bwd, each
 // direction on the tensor-core kernels when criss_cross_tc_fits(its line length, DPAD), else on the kernels of
 // criss_cross_attention.cuh. The launchers select these under the option cuda_next_criss_cross_attention
-// (fp16 / bf16, sm_80+).
+// (fp16 / bf16, sm_80+). z16: where criss_cross_tc_scratch16 holds, the launcher may pass 16-bit scratch for
+// z1, z2 (forward: 2 maps) or z1, z2, gz1, gz2 (backward: 4 maps) of B*H*W*heads*dv elements each; p.z1, p.z2,
+// p.gz1, p.gz2 (and in the backward p.gv_r, p.dq_r, p.dk_r: the combine is folded) are then not used.
 // ---------------------------------------------------------------------------------------------
-template <typename scalar_t, int DPAD, int MODE>
+
+// Whether both directions run on the tensor-core kernels (then 16-bit scratch may be used).
+template <typename scalar_t>
+PPMA_HD bool criss_cross_tc_scratch16(const GridSizes& sz, int dpad) {
+  return criss_cross_tc_fits<scalar_t>(sz.W, dpad) && criss_cross_tc_fits<scalar_t>(sz.H, dpad);
+}
+
+template <typename scalar_t, int DPAD, int MODE, typename ZT>
 inline void launch_criss_cross_tc_fwd_pass(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
-                                           cudaStream_t stream) {
+                                           const CcTcIO<ZT>& io, cudaStream_t stream) {
   const bool rows = MODE != 1;
   const int L = rows ? p.sz.W : p.sz.H, nlines = rows ? p.sz.H : p.sz.W;
   if constexpr (sizeof(scalar_t) == 2 && DPAD <= 32) {
     if (criss_cross_tc_fits<scalar_t>(L, DPAD)) {
       const int lpb = cc_tc_lines(L);
       const int64_t blocks = int64_t((nlines + lpb - 1) / lpb) * p.sz.B * p.sz.G;
-      auto kernel = criss_cross_tc_fwd_kernel<scalar_t, DPAD, MODE>;
+      auto kernel = criss_cross_tc_fwd_kernel<scalar_t, DPAD, MODE, ZT>;
       using Sm = CcTcSmem<scalar_t, DPAD, MODE == 1 ? 4 : 3, 0>;
       allow_dynamic_smem(kernel, sizeof(Sm));
-      launch_kernel(kernel, dim3(unsigned(blocks)), dim3(kCcTcThreads), sizeof(Sm), stream, p);
+      launch_kernel(kernel, dim3(unsigned(blocks)), dim3(kCcTcThreads), sizeof(Sm), stream, p, io);
       return;
     }
   }
-  launch_criss_cross_fwd_pass<scalar_t, DPAD, MODE>(p, stream);
+  launch_criss_cross_fwd_pass<scalar_t, DPAD, MODE>(p, stream);  // fp32 / fp64 scratch here (see the callers)
 }
 
-template <typename scalar_t, int DPAD, bool ROWS, bool FULL>
+template <typename scalar_t, int DPAD, bool ROWS, bool FULL, typename ZT>
 inline bool launch_criss_cross_tc_bwd_pass(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
-                                           const LineBwdIO<typename AccType<scalar_t>::type>& io,
-                                           cudaStream_t stream) {
+                                           const CcTcIO<ZT>& io, cudaStream_t stream) {
   const int L = ROWS ? p.sz.W : p.sz.H, nlines = ROWS ? p.sz.H : p.sz.W;
   if constexpr (sizeof(scalar_t) == 2 && DPAD <= 32) {
     if (criss_cross_tc_fits<scalar_t>(L, DPAD)) {
       const int lpb = cc_tc_lines(L);
       const int64_t blocks = int64_t((nlines + lpb - 1) / lpb) * p.sz.B * p.sz.G;
-      auto kernel = criss_cross_tc_bwd_kernel<scalar_t, DPAD, ROWS, FULL>;
+      auto kernel = criss_cross_tc_bwd_kernel<scalar_t, DPAD, ROWS, FULL, ZT>;
       using Sm = CcTcSmem<scalar_t, DPAD, FULL ? 6 : 4, FULL ? 2 : 1>;
       allow_dynamic_smem(kernel, sizeof(Sm));
       launch_kernel(kernel, dim3(unsigned(blocks)), dim3(kCcTcThreads), sizeof(Sm), stream, p, io);
       return true;
     }
   }
-  launch_criss_cross_bwd_pass<scalar_t, DPAD, ROWS, FULL>(p, io, stream);
+  using acc_t = typename AccType<scalar_t>::type;
+  if constexpr (std::is_same<ZT, acc_t>::value) {  // 16-bit scratch only where every pass runs here
+    LineBwdIO<acc_t> old;
+    old.Z = io.Z;
+    old.Gm = io.Gm;
+    old.Pv = io.Pv;
+    old.PTh = io.PTh;
+    old.PTG = io.PTG;
+    old.dq = io.dq;
+    old.dk = io.dk;
+    old.own = io.own;
+    launch_criss_cross_bwd_pass<scalar_t, DPAD, ROWS, FULL>(p, old, stream);
+  }
   return false;
 }
 
 template <typename scalar_t, int DPAD>
 inline void launch_criss_cross_tc_fwd(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
-                                      cudaStream_t stream) {
-  launch_criss_cross_tc_fwd_pass<scalar_t, DPAD, 0>(p, stream);
-  launch_criss_cross_tc_fwd_pass<scalar_t, DPAD, 1>(p, stream);
-  launch_criss_cross_tc_fwd_pass<scalar_t, DPAD, 2>(p, stream);
+                                      cudaStream_t stream, scalar_t* z16 = nullptr) {
+  auto run = [&](auto* z1, auto* z2) {
+    using ZT = typename std::remove_pointer<decltype(z1)>::type;
+    CcTcIO<ZT> io[3];
+    io[0].Pv = z1;
+    io[1].Z = z1;
+    io[1].Pv = z2;
+    io[2].Z = z2;
+    launch_criss_cross_tc_fwd_pass<scalar_t, DPAD, 0>(p, io[0], stream);
+    launch_criss_cross_tc_fwd_pass<scalar_t, DPAD, 1>(p, io[1], stream);
+    launch_criss_cross_tc_fwd_pass<scalar_t, DPAD, 2>(p, io[2], stream);
+  };
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (z16 != nullptr && criss_cross_tc_scratch16<scalar_t>(p.sz, DPAD)) {
+      const int64_t m = int64_t(p.sz.B) * p.sz.H * p.sz.W * p.sz.G * p.sz.dv;
+      run(z16, z16 + m);
+      return;
+    }
+  }
+  run(p.z1, p.z2);
 }
 
 template <typename scalar_t, int DPAD>
 inline void launch_criss_cross_tc_bwd(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, scalar_t* z16 = nullptr) {
   using acc_t = typename AccType<scalar_t>::type;
-  LineBwdIO<acc_t> r1;
-  r1.Pv = p.z1;
-  r1.PTh = p.gz2;
-  launch_criss_cross_tc_bwd_pass<scalar_t, DPAD, true, false>(p, r1, stream);
-  LineBwdIO<acc_t> c;
-  c.Z = p.z1;
-  c.Gm = p.gz2;
-  c.Pv = p.z2;
-  c.PTh = p.gz1;
-  c.PTG = p.gv_c;
-  c.dq = p.dq_c;
-  c.dk = p.dk_c;
-  c.own = p.g_cc;
-  launch_criss_cross_tc_bwd_pass<scalar_t, DPAD, false, true>(p, c, stream);
-  LineBwdIO<acc_t> r2;
-  r2.Z = p.z2;
-  r2.Gm = p.gz1;
-  r2.PTG = p.gv_r;
-  r2.dq = p.dq_r;
-  r2.dk = p.dk_r;
-  r2.own = p.g_cr;
-  const bool folded = launch_criss_cross_tc_bwd_pass<scalar_t, DPAD, true, true>(p, r2, stream);
+  auto run = [&](auto* z1, auto* z2, auto* gz1, auto* gz2) {
+    using ZT = typename std::remove_pointer<decltype(z1)>::type;
+    CcTcIO<ZT> r1;
+    r1.Pv = z1;
+    r1.PTh = gz2;
+    launch_criss_cross_tc_bwd_pass<scalar_t, DPAD, true, false>(p, r1, stream);
+    CcTcIO<ZT> c;
+    c.Z = z1;
+    c.Gm = gz2;
+    c.Pv = z2;
+    c.PTh = gz1;
+    c.PTG = p.gv_c;
+    c.dq = p.dq_c;
+    c.dk = p.dk_c;
+    c.own = p.g_cc;
+    launch_criss_cross_tc_bwd_pass<scalar_t, DPAD, false, true>(p, c, stream);
+    CcTcIO<ZT> r2;
+    r2.Z = z2;
+    r2.Gm = gz1;
+    r2.PTG = p.gv_r;
+    r2.dq = p.dq_r;
+    r2.dk = p.dk_r;
+    r2.own = p.g_cr;
+    return launch_criss_cross_tc_bwd_pass<scalar_t, DPAD, true, true>(p, r2, stream);
+  };
+  bool folded;
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (z16 != nullptr && criss_cross_tc_scratch16<scalar_t>(p.sz, DPAD)) {
+      const int64_t m = int64_t(p.sz.B) * p.sz.H * p.sz.W * p.sz.G * p.sz.dv;
+      folded = run(z16, z16 + m, z16 + 2 * m, z16 + 3 * m);
+    } else {
+      folded = run(p.z1, p.z2, p.gz1, p.gz2);
+    }
+  } else {
+    folded = run(p.z1, p.z2, p.gz1, p.gz2);
+  }
   if (!folded) {
     const int64_t n = int64_t(p.sz.B) * p.sz.H * p.sz.W * p.sz.G * (p.sz.d > p.sz.dv ? p.sz.d : p.sz.dv);
     launch_kernel(criss_cross_combine_kernel<scalar_t>, dim3(unsigned((n + 255) / 256)), dim3(256), 0, stream, p);
