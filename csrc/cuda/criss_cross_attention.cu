@@ -76,10 +76,10 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& 
     p.out1 = z16 ? s : s + 2 * m;
     T* zs = z16 ? cptr<scalar_t>(scratch16) : nullptr;
     PPMA_DPAD_SWITCH(dpad, [&] {
-      if (next)
-        launch_criss_cross_tc_fwd<T, DPAD>(p, stream, zs);
-      else
-        launch_criss_cross_fwd<T, DPAD>(p, stream);
+      if constexpr (sizeof(T) == 2) {  // the tensor-core kernels exist for fp16 / bf16 only
+        if (next) return launch_criss_cross_tc_fwd<T, DPAD>(p, stream, zs);
+      }
+      launch_criss_cross_fwd<T, DPAD>(p, stream);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -153,10 +153,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
     g.bind<scalar_t>(p);
     T* zs = z16 ? cptr<scalar_t>(sv16) : nullptr;
     PPMA_DPAD_SWITCH(dpad, [&] {
-      if (next)
-        launch_criss_cross_tc_bwd<T, DPAD>(p, stream, zs);
-      else
-        launch_criss_cross_bwd<T, DPAD>(p, stream);
+      if constexpr (sizeof(T) == 2) {  // the tensor-core kernels exist for fp16 / bf16 only
+        if (next) return launch_criss_cross_tc_bwd<T, DPAD>(p, stream, zs);
+      }
+      launch_criss_cross_bwd<T, DPAD>(p, stream);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

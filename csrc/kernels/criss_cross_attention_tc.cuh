@@ -577,6 +577,7 @@ inline bool launch_criss_cross_tc_bwd_pass(const CrissCrossParams<scalar_t, type
 template <typename scalar_t, int DPAD>
 inline void launch_criss_cross_tc_fwd(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
                                       cudaStream_t stream, scalar_t* z16 = nullptr) {
+  static_assert(sizeof(scalar_t) == 2, "the tensor-core criss-cross kernels take fp16 / bf16");
   auto run = [&](auto* z1, auto* z2) {
     using ZT = typename std::remove_pointer<decltype(z1)>::type;
     CcTcIO<ZT> io[3];
@@ -601,6 +602,7 @@ inline void launch_criss_cross_tc_fwd(const CrissCrossParams<scalar_t, typename 
 template <typename scalar_t, int DPAD>
 inline void launch_criss_cross_tc_bwd(const CrissCrossParams<scalar_t, typename AccType<scalar_t>::type>& p,
                                       cudaStream_t stream, scalar_t* z16 = nullptr) {
+  static_assert(sizeof(scalar_t) == 2, "the tensor-core criss-cross kernels take fp16 / bf16");
   using acc_t = typename AccType<scalar_t>::type;
   auto run = [&](auto* z1, auto* z2, auto* gz1, auto* gz2) {
     using ZT = typename std::remove_pointer<decltype(z1)>::type;
