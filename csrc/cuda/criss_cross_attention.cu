@@ -29,9 +29,7 @@ inline bool use_next_kernels(const at::Tensor& q, int dpad) {
   const auto st = q.scalar_type();
   if (st != at::kHalf && st != at::kBFloat16) return false;
   if (dpad > 32 || get_option(Option::kCudaNextCrissCrossAttention) == 0) return false;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
-  return major >= 8;
+  return compute_capability_major(q.device().index()) >= 8;
 }
 
 std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
