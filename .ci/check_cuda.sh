@@ -36,7 +36,7 @@ DP="16 32 64 128 256 512"
 TC_DT="__half __nv_bfloat16"
 TC_DP="16 32 64 128"
 # kernels that must not spill (ptxas -v), and the spills that are known and accepted (kernel-name regex)
-NO_SPILL='polyline_attention_tc_|criss_cross_pack_|polyline_linear_attention_'
+NO_SPILL='polyline_attention_tc_|criss_cross_pack_|criss_cross_tc_|polyline_linear_attention_'
 # 20-36 bytes: dK and dV accumulators of 16 x 128 (the verified dkdv kernel and the row-uniform one)
 SPILL_OK='polyline_attention_tc_(ru_)?dkdv_kernel<[_a-z0-9]+, 128>'
 gen() {  # gen <header> -> instantiation TU on stdout
@@ -77,6 +77,15 @@ gen() {  # gen <header> -> instantiation TU on stdout
         echo "template void launch_criss_cross_fwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
         echo "template void launch_criss_cross_bwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
       done; done ;;
+    criss_cross_attention_tc.cuh)  # the tensor-core kernels alone (their launchers fall back on the header above),
+      for t in $TC_DT; do for d in 16 32; do for z in "$t" float; do  # with 16-bit and fp32 scratch
+        for m in 0 1 2; do
+          echo "template __global__ void criss_cross_tc_fwd_kernel<$t, $d, $m, $z>(CrissCrossParams<$t, float>, CcTcIO<$z>);"
+        done
+        for rf in "true, false" "false, true" "true, true"; do
+          echo "template __global__ void criss_cross_tc_bwd_kernel<$t, $d, $rf, $z>(CrissCrossParams<$t, float>, CcTcIO<$z>);"
+        done
+      done; done; done ;;
     polyline_scan.cuh)
       for t in $DT; do
         A="AccType<$t>::type"

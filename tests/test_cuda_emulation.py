@@ -326,6 +326,69 @@ def test_criss_cross(runner, shape, dtype):
     check_against_reference(res, ref.criss_cross_attention_ref, ins, scale, dtype)
 
 
+# criss_cross_attention on tensor cores (path 1: criss_cross_attention_tc.cuh, fp16 / bf16, lines of at most 64
+# tokens padded to a multiple of 16, 64 // Lp lines per CTA, head dims up to 32; longer lines run the path-0
+# kernels in the same pipeline; path 2: the same with the 16-bit scratch the launcher allocates where both
+# directions fit, the fp32 maps it replaces poisoned with NaN). Every path on the same cases, against the
+# reference.
+CC_TC_CASES = [
+    ((2, 7, 28, 2, 16, 16), torch.bfloat16),  # rows of 28 (Lp 32, 2 per CTA), columns of 7 (Lp 16, 4 per CTA)
+    ((1, 5, 9, 1, 32, 32), torch.float16),    # 5 columns: a partial pack of 4
+    ((1, 70, 3, 1, 16, 16), torch.bfloat16),  # columns of 70: path-0 kernels (and the combine kernel)
+    ((1, 6, 5, 1, 24, 8), torch.float16),     # d != dv, d padded to 32
+    ((1, 9, 56, 1, 16, 16), torch.bfloat16),  # rows of 56 (Lp 64)
+    ((1, 33, 17, 1, 32, 32), torch.bfloat16), # columns of 33 (Lp 48, warp 3 idle), rows of 17 (Lp 32)
+    ((1, 3, 66, 2, 16, 16), torch.float16),   # rows of 66: path-0 row passes, tensor-core column pass
+]
+if FULL:
+    CC_TC_CASES += [((1, 56, 56, 1, 16, 16), torch.bfloat16), ((2, 28, 28, 2, 32, 32), torch.float16),
+                    ((1, 64, 1, 1, 32, 32), torch.bfloat16), ((1, 1, 64, 1, 16, 16), torch.float16),
+                    ((1, 14, 14, 4, 32, 32), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path", [0, 1, 2])
+@pytest.mark.parametrize("shape,dtype", CC_TC_CASES)
+def test_criss_cross_tensor_cores(runner, shape, dtype, path):
+    ins = _inputs(shape, dtype, seed=sum(shape) + 2)
+    scale = shape[4] ** -0.5
+    res = emulate(runner, 1, path, dtype, shape, scale, ins)
+    check_against_reference(res, ref.criss_cross_attention_ref, ins, scale, dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 7, 28, 2, 16, 16), torch.bfloat16), ((1, 9, 56, 1, 32, 32),
+                                                                                    torch.float16)])
+def test_criss_cross_tensor_cores_deterministic(runner, shape, dtype):
+    """Two runs of the tensor-core kernels give bitwise-equal outputs and gradients (no atomics; the bias
+    gradient's per-warp column parts are summed in a fixed order)."""
+    ins = _inputs(shape, dtype, seed=7)
+    scale = shape[4] ** -0.5
+    a = emulate(runner, 1, 2, dtype, shape, scale, ins)
+    b = emulate(runner, 1, 2, dtype, shape, scale, ins)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: reruns differ"
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 7, 28, 2, 16, 16), torch.bfloat16), ((1, 5, 9, 1, 32, 32),
+                                                                                    torch.float16)])
+def test_criss_cross_tensor_cores_scratch16_bitwise(runner, shape, dtype):
+    """16-bit scratch (z1, z2, gz1, gz2) gives the same bits as fp32 scratch: the kernels only read those maps as
+    mma operands, rounded to 16 bits either way."""
+    ins = _inputs(shape, dtype, seed=11)
+    scale = shape[4] ** -0.5
+    a = emulate(runner, 1, 1, dtype, shape, scale, ins)
+    b = emulate(runner, 1, 2, dtype, shape, scale, ins)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: 16-bit scratch differs"
+
+
+def test_criss_cross_tensor_cores_rejects_fp32(runner):
+    """The tensor-core path takes 16-bit inputs only (the launcher never selects it for fp32 / fp64)."""
+    shape = (1, 4, 4, 1, 16, 16)
+    ins = _inputs(shape, torch.float32, seed=3)
+    with pytest.raises(AssertionError, match="float16 / bfloat16"):
+        emulate(runner, 1, 1, torch.float32, shape, 0.25, ins)
+
+
 # ---------------------------------------------------------------------------------------------
 # polyline_linear_attention: channel slices of the scan form (one block per (b * head, direction, slice))
 # ---------------------------------------------------------------------------------------------

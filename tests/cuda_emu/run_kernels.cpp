@@ -17,6 +17,7 @@
 #include "emu.h"
 // clang-format off
 #include "criss_cross_attention.cuh"
+#include "criss_cross_attention_tc.cuh"
 #include "polyline_attention_fwd.cuh"
 #include "polyline_attention_tc.cuh"
 #include "polyline_attention_tc_bwd2.cuh"
@@ -185,6 +186,34 @@ void run_tc_bwd_next(PolylineAttnParams<T, A>& p, int dp, std::vector<A>& tabs) 
   }
 }
 
+// criss_cross_attention's launch sequence by path: 0 the verified kernels (launch_criss_cross_fwd / _bwd), 1 the
+// tensor-core kernels (criss_cross_attention_tc.cuh, fp16 / bf16; directions whose lines do not fit them run the
+// verified kernels, as in the launcher) with fp32 scratch, 2 the same with 16-bit scratch z16 where
+// criss_cross_tc_scratch16 holds (as the launcher allocates it; the fp32 maps it replaces are poisoned with NaN).
+template <typename T, typename A>
+void criss_cross_fwd(int path, int dp, const CrissCrossParams<T, A>& p, T* z16) {
+  if (path == 1 || path == 2) {
+    if constexpr (sizeof(T) == 2) {
+      dpad_switch(dp, [&](auto D) { launch_criss_cross_tc_fwd<T, D()>(p, nullptr, path == 2 ? z16 : nullptr); });
+      return;
+    }
+    throw std::runtime_error("the tensor-core criss_cross_attention takes float16 / bfloat16");
+  }
+  dpad_switch(dp, [&](auto D) { launch_criss_cross_fwd<T, D()>(p, nullptr); });
+}
+
+template <typename T, typename A>
+void criss_cross_bwd(int path, int dp, const CrissCrossParams<T, A>& p, T* z16) {
+  if (path == 1 || path == 2) {
+    if constexpr (sizeof(T) == 2) {
+      dpad_switch(dp, [&](auto D) { launch_criss_cross_tc_bwd<T, D()>(p, nullptr, path == 2 ? z16 : nullptr); });
+      return;
+    }
+    throw std::runtime_error("the tensor-core criss_cross_attention takes float16 / bfloat16");
+  }
+  dpad_switch(dp, [&](auto D) { launch_criss_cross_bwd<T, D()>(p, nullptr); });
+}
+
 template <typename T>
 void run(const Case& c, std::FILE* out) {
   using A = typename AccType<T>::type;
@@ -289,7 +318,11 @@ void run(const Case& c, std::FILE* out) {
     p.z1 = scratch.data();
     p.z2 = scratch.data() + rows * c.dv;
     p.out1 = scratch.data() + 2 * rows * c.dv;
-    dpad_switch(dp, [&](auto D) { launch_criss_cross_fwd<T, D()>(p, nullptr); });
+    std::vector<T> z16(4 * rows * c.dv);
+    if (c.path == 2 && criss_cross_tc_scratch16<T>(p.sz, dp)) {  // the fp32 maps the 16-bit scratch replaces
+      std::fill(scratch.begin(), scratch.begin() + 2 * rows * c.dv, A(NAN));
+    }
+    criss_cross_fwd(c.path, dp, p, z16.data());
     put(out, o);
     put(out, lse);
     if (!c.bwd) return;
@@ -315,7 +348,12 @@ void run(const Case& c, std::FILE* out) {
     p.dv = dv.data();
     p.g_log_alpha = gla.data();
     p.g_log_beta = glb.data();
-    dpad_switch(dp, [&](auto D) { launch_criss_cross_bwd<T, D()>(p, nullptr); });
+    if (c.path == 2 && criss_cross_tc_scratch16<T>(p.sz, dp)) {
+      std::fill(sv.begin(), sv.begin() + 4 * mv, A(NAN));
+      std::fill(sv.begin() + 5 * mv, sv.end(), A(NAN));  // gv_r
+      std::fill(sd.begin() + 2 * md, sd.end(), A(NAN));  // dq_r, dk_r
+    }
+    criss_cross_bwd(c.path, dp, p, z16.data());
   }
   put(out, dq);
   put(out, dk);
