@@ -26,6 +26,12 @@ pip_install "setuptools>=77" wheel ninja build numpy pyyaml tqdm pillow \
   "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" timm scikit-learn safetensors matplotlib \
   "omegaconf>=2.3,<3" \
   "mmengine>=0.10"
+# The distribution is ppma-torch (pyproject); one installed under the import name's old distribution name "ppma"
+# (or PyPI's unrelated "ppma") would shadow or clash with it.
+if "$PY" -m pip show -q ppma >/dev/null 2>&1; then
+  echo "[setup] uninstalling the distribution 'ppma' (this package is now the distribution ppma-torch)"
+  "$PY" -m pip uninstall -y -q ppma
+fi
 echo "[setup] building ppma (C++ operators$( [ "${FORCE_CUDA:-0}" = 1 ] && echo ' + CUDA'))"
 MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation --no-deps -e .
 "$PY" -c "import ppma; assert ppma.has_ext(), 'ppma._C did not build'; print('[setup] ppma', ppma.__version__, 'with fused ops')"
