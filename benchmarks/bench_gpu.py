@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import sys
-from contextlib import contextmanager
 
 import torch
 
@@ -115,14 +114,9 @@ def flex_polyline(q, k, v, la, lb, scale):
     return (0.5 * (o1 + o2)).transpose(1, 2).reshape(B, H, W, G, -1)
 
 
-@contextmanager
 def cuda_core_kernels():
     """The internal option cuda_tensor_cores = 0 for the duration (read by the CUDA launcher at each call)."""
-    old = ppma.config.set_internal_option("cuda_tensor_cores", 0)
-    try:
-        yield
-    finally:
-        ppma.config.set_internal_option("cuda_tensor_cores", old)
+    return ppma.config.internal_option("cuda_tensor_cores", 0)
 
 
 def _linear_ref(q, k, v, la, lb, scale):

@@ -106,22 +106,11 @@ def next_kernel_status(op: str, root: str = ROOT) -> tuple[bool, str]:
     return False, f"unchanged: no launcher in csrc/cuda reads {enum} (cuda_next_{op} = 1 runs the verified kernel)"
 
 
-class option:
+def option(name: str, value: int):
     """Context manager: the internal option ``name`` set to ``value`` inside the block, restored after."""
+    import ppma
 
-    def __init__(self, name: str, value: int) -> None:
-        self.name, self.value = name, value
-
-    def __enter__(self):
-        import ppma
-
-        self.old = ppma.config.set_internal_option(self.name, self.value)
-        return self
-
-    def __exit__(self, *exc):
-        import ppma
-
-        ppma.config.set_internal_option(self.name, self.old)
+    return ppma.config.internal_option(name, value)
 
 
 # ------------------------------------------------------------------------------------------------ cases

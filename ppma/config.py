@@ -44,6 +44,7 @@ __all__ = [
     "cpu_capability_cap",
     "set_internal_option",
     "get_internal_option",
+    "internal_option",
     "ENVIRONMENT",
 ]
 
@@ -205,6 +206,23 @@ def get_internal_option(name: str) -> int:
         return int(torch.ops.ppma.get_option(str(name)))
     except RuntimeError as exc:  # std::invalid_argument from the library: unknown name
         raise ValueError(str(exc).splitlines()[0]) from None
+
+
+class internal_option:
+    """Context manager: :func:`set_internal_option` inside the ``with`` block, the previous value restored on exit,
+    e.g. ``with ppma.config.internal_option("cuda_tensor_cores", 0): ...`` to time polyline_attention's CUDA-core
+    kernels."""
+
+    def __init__(self, name: str, value: int) -> None:
+        self.name, self.value = name, value
+        self._prev: list[int] = []
+
+    def __enter__(self) -> "internal_option":
+        self._prev.append(set_internal_option(self.name, self.value))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_internal_option(self.name, self._prev.pop())
 
 
 def _require_library() -> None:

@@ -244,6 +244,21 @@ def assert_thread_invariant(fn, inputs) -> None:
 CPU_CAPABILITIES = ("default", "avx2", "avx512")
 
 
+def assert_deterministic_unmutated(fn, inputs) -> None:
+    """Two runs of ``fn(*inputs)`` give bitwise-equal outputs and input gradients, and leave the inputs as they
+    were."""
+    before = [t.detach().clone() for t in inputs]
+    runs = []
+    for _ in range(2):
+        out = fn(*inputs)
+        runs.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b), "backward is not deterministic"
+    for t, b in zip(inputs, before):
+        assert torch.equal(t.detach(), b)
+
+
 def cpu_paths() -> list[dict[str, str]]:
     """The environment settings that select each SIMD path of the CPU kernels on this machine, the default
     (the best the CPU runs) first: every op's determinism and path tests run once per entry, in a fresh
@@ -482,16 +497,7 @@ class OpTests:
     def test_deterministic_and_inputs_not_mutated(self, device):
         shape = (1, 9, 7, 1, 16, 16)  # one head: packing would otherwise alias the inputs
         inputs = self.inputs(shape, torch.float32, device, decay_scale=1.0)
-        before = [t.detach().clone() for t in inputs]
-        runs = []
-        for _ in range(2):
-            out = self.fn(*inputs, *self.extra(shape))
-            runs.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
-        assert torch.equal(runs[0][0], runs[1][0])
-        for a, b in zip(runs[0][1], runs[1][1]):
-            assert torch.equal(a, b), "backward is not deterministic"
-        for t, b in zip(inputs, before):
-            assert torch.equal(t.detach(), b)
+        assert_deterministic_unmutated(lambda *a: self.fn(*a, *self.extra(shape)), inputs)
 
     # ---------------------------------------------------------------- bitwise reproducibility, SIMD paths (CPU)
     determinism_shape = (2, 9, 7, 2, 16, 16)  # B * heads = 4 units of the thread pool, split unevenly by 3
@@ -1015,16 +1021,7 @@ class Op3DTests:
     @needs_ext
     def test_deterministic_thread_invariant_inputs_not_mutated(self, variant):
         inputs = self.inputs((1, 3, 5, 4, 2, 8, 8), torch.float32, decay_scale=1.0)
-        before = [t.detach().clone() for t in inputs]
-        runs = []
-        for _ in range(2):
-            out = self.fn(*inputs, *self.extra(variant))
-            runs.append((out, torch.autograd.grad(out, inputs, torch.ones_like(out))))
-        assert torch.equal(runs[0][0], runs[1][0])
-        for a, b in zip(runs[0][1], runs[1][1]):
-            assert torch.equal(a, b), "backward is not deterministic"
-        for t, b in zip(inputs, before):
-            assert torch.equal(t.detach(), b)
+        assert_deterministic_unmutated(lambda *a: self.fn(*a, *self.extra(variant)), inputs)
         assert_thread_invariant(lambda *a: self.fn(*a, *self.extra(variant)), inputs)
 
     def case_results(self, variant, dtype: torch.dtype, threads: int) -> list[torch.Tensor]:

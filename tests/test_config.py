@@ -89,6 +89,16 @@ def test_internal_option_round_trip():
 
 
 @needs_ext
+def test_internal_option_context_restores():
+    with config.internal_option("cuda_next_polyline_attention", 1):
+        assert config.get_internal_option("cuda_next_polyline_attention") == 1
+        with config.internal_option("cuda_next_polyline_attention", 0):
+            assert config.get_internal_option("cuda_next_polyline_attention") == 0
+        assert config.get_internal_option("cuda_next_polyline_attention") == 1
+    assert config.get_internal_option("cuda_next_polyline_attention") == 0
+
+
+@needs_ext
 def test_internal_option_errors():
     with pytest.raises(ValueError, match="unknown option 'nope'.*cuda_tensor_cores"):
         config.set_internal_option("nope", 1)

@@ -52,12 +52,12 @@ def test_dwconv_residual_under_autocast_adds_after():
 
 
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
-@pytest.mark.parametrize("criss_cross", [(True, True, False, False)])
+@pytest.mark.parametrize("mixer", [("criss_cross", "criss_cross", "full", "full")])
 @pytest.mark.parametrize("fused", [False, True])
-def test_bf16_autocast_reaches_ops_and_logits_close(criss_cross, fused):
+def test_bf16_autocast_reaches_ops_and_logits_close(mixer, fused):
     """Under ``torch.autocast("cpu", bfloat16)`` the attention ops receive bf16 q, k, v and fp32 log-decays,
     and the logits of a small PPMA stay within 2e-2 (relative norm) of fp32, unfused and fused."""
-    model = small_model(criss_cross=criss_cross).eval()
+    model = small_model(mixer=mixer).eval()
     if fused:
         ppma.nn.fuse_for_inference(model)
     seen = []
@@ -130,8 +130,8 @@ def test_fused_model_runs_the_fused_ops_plain_model_none(amp):
     """After ``fuse_for_inference`` CPU inference runs oneDNN's fused linear and convolution ops and ppma's in-place
     kernels (fp32, and bf16 under autocast); the unfused model runs none of them (with the reference ops its
     inference logits equal the training graph's bit for bit). The logits agree up to rounding."""
-    model = small_model(criss_cross=(True, True, False, False)).eval()
-    plain = small_model(criss_cross=(True, True, False, False)).eval()
+    model = small_model(mixer=("criss_cross", "criss_cross", "full", "full")).eval()
+    plain = small_model(mixer=("criss_cross", "criss_cross", "full", "full")).eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         y_plain, names = _op_names(plain, x)

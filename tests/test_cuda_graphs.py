@@ -13,6 +13,8 @@ Needs a GPU and a build with the CUDA kernels (skipped elsewhere); ``benchmarks/
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -49,16 +51,9 @@ def _fresh(shape, dtype, nonneg, seed):
     return [t.to("cuda", dtype) for t in (q, k, v)] + [la.cuda(), lb.cuda()], go.to("cuda", dtype)
 
 
-class _option:
-    def __init__(self, name, value):
-        self.name, self.value = name, value
-
-    def __enter__(self):
-        self.old = None if self.name is None else ppma.config.set_internal_option(self.name, self.value)
-
-    def __exit__(self, *exc):
-        if self.name is not None:
-            ppma.config.set_internal_option(self.name, self.old)
+def _option(name, value):
+    """The internal option ``name`` (None: nothing) set to ``value`` inside the block."""
+    return contextlib.nullcontext() if name is None else ppma.config.internal_option(name, value)
 
 
 def _params():

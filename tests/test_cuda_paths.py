@@ -7,8 +7,6 @@ through the emulator in ``tests/test_cuda_emulation.py``. Skipped without a GPU 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -21,14 +19,9 @@ pytestmark = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and t
 REFS = {"polyline_attention": ref.polyline_attention_ref, "criss_cross_attention": ref.criss_cross_attention_ref}
 
 
-@contextmanager
 def cuda_core_kernels():
     """polyline_attention's CUDA-core kernels only, for the duration (the internal option cuda_tensor_cores)."""
-    old = ppma.config.set_internal_option("cuda_tensor_cores", 0)
-    try:
-        yield
-    finally:
-        ppma.config.set_internal_option("cuda_tensor_cores", old)
+    return ppma.config.internal_option("cuda_tensor_cores", 0)
 
 
 def _inputs(shape, dtype, seed=0):
@@ -83,8 +76,9 @@ def test_polyline_attention_fp16_small_and_large_gradients(grad_scale):
 def test_polyline_attention_deterministic_large(path, request):
     """4096 tokens in bf16: right numbers, and two backward runs bitwise equal (no atomics anywhere)."""
     if path == "cuda_cores":
-        old = ppma.config.set_internal_option("cuda_tensor_cores", 0)
-        request.addfinalizer(lambda: ppma.config.set_internal_option("cuda_tensor_cores", old))
+        option = cuda_core_kernels()
+        option.__enter__()
+        request.addfinalizer(lambda: option.__exit__(None, None, None))
     q, k, v, la, lb = _inputs((1, 64, 64, 2, 32, 32), torch.bfloat16, seed=7)
     out, ov, lse = torch.ops.ppma.polyline_attention(q, k, v, la, lb, 0.18)
     go = torch.randn_like(out)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import warnings
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 import ppma
 from ppma.models import MODEL_CONFIGS, PPMA, PPMAConfig, count_macs, create_model, list_models
-from ppma.models.ppma import DEFAULT_MIXER
 from ppma.nn import MIXERS, LayerScale
 
 warnings.filterwarnings("ignore", message="ppma._C is not available")
@@ -116,66 +114,16 @@ def test_mixer_options_broadcast_and_errors():
     create_model("ppma_tiny", mixer=("criss_cross", "full", "padre", "full"), mask="manhattan", **TINY_KW)
 
 
-LEGACY_CASES = [  # (deprecated keywords, the mixer they mean on ppma_small, whose mixer is (cc, cc, cc, full))
-    (dict(criss_cross=(False, True, False, True)), ("full", "criss_cross", "full", "criss_cross")),
-    (dict(criss_cross=[True, True, False, False]), ("criss_cross", "criss_cross", "full", "full")),
-    (dict(attention="linear"), ("linear",) * 4),
-    (dict(attention=("softmax", "softmax", "linear", "linear")), ("criss_cross", "criss_cross", "linear", "linear")),
-    (dict(mixer="attention"), ("criss_cross", "criss_cross", "criss_cross", "full")),
-    (dict(mixer=("attention", "padre", "attention", "attention"), attention=("softmax", "softmax", "linear", "softmax"),
-          criss_cross=(False, True, True, True)), ("full", "padre", "linear", "criss_cross")),
-    (dict(mixer="full", criss_cross=False), ("full",) * 4),  # agreeing old and new: accepted, with the warning
-]
-
-
-@pytest.mark.parametrize("legacy, expected", LEGACY_CASES)
-def test_deprecated_mixer_spellings(legacy, expected):
-    """``criss_cross=``, ``attention=`` and ``mixer="attention"`` still build the same model as the ``mixer`` they
-    mean, through ``create_model``, ``PPMA(cfg, **overrides)``, timm and the mmengine backbone, with a
-    ``FutureWarning`` that names the replacement."""
-    kw = dict(TINY_KW, drop_path_rate=0.0)
-    with pytest.warns(FutureWarning, match=re.escape(f"use mixer={expected!r}")):
-        model = create_model("ppma_small", **legacy, **kw)
-    assert model.cfg.mixer == expected
-    assert [st.blocks[0].attn.mixer if hasattr(st.blocks[0].attn, "mixer") else "padre"
-            for st in model.stages] == list(expected)
-    torch.manual_seed(0)
-    new = create_model("ppma_small", mixer=expected, **kw)
-    torch.manual_seed(0)
-    with pytest.warns(FutureWarning, match="deprecated"):
-        old = PPMA(MODEL_CONFIGS["ppma_small"], **legacy, **kw)
-    assert old.cfg == new.cfg
-    x = torch.randn(1, 3, 32, 32)
-    torch.testing.assert_close(old.eval()(x), new.eval()(x), rtol=0, atol=0)
-
-
-def test_deprecated_mixer_spellings_in_config_and_frontends():
-    """The dataclass itself, timm's ``create_model`` and the mmengine backbone translate the old names too; old and
-    new that disagree raise naming both."""
-    with pytest.warns(FutureWarning, match=re.escape("use mixer=('full', 'full', 'full', 'criss_cross')")):
-        assert PPMAConfig(criss_cross=(False, False, False, True)).mixer == ("full", "full", "full", "criss_cross")
-    with pytest.warns(FutureWarning):
-        assert PPMAConfig(mixer="attention").mixer == PPMAConfig().mixer == DEFAULT_MIXER
-    with pytest.raises(ValueError, match=r"mixer='full' conflicts with the deprecated criss_cross=\(True"):
-        create_model("ppma_tiny", mixer="full", criss_cross=(True, True, False, False))
-    with pytest.raises(ValueError, match="mixer='linear' conflicts with the deprecated attention='softmax'"):
-        PPMAConfig(mixer="linear", attention="softmax")
-    with pytest.raises(ValueError, match="criss_cross"):
-        create_model("ppma_tiny", criss_cross=("yes",) * 4)
-    with pytest.raises(ValueError, match="attention"):
-        create_model("ppma_tiny", attention="quadratic")
-    timm = pytest.importorskip("timm")
-    with pytest.warns(FutureWarning, match="deprecated"):
-        m = timm.create_model("ppma_tiny", attention=["softmax", "softmax", "linear", "linear"], **TINY_KW)
-    assert m.cfg.mixer == ("criss_cross", "criss_cross", "linear", "linear")
-    mm = pytest.importorskip("mmengine")
-    from mmengine.registry import MODELS
-
-    import ppma.models.mm  # noqa: F401
-
-    with pytest.warns(FutureWarning, match="deprecated"):
-        bb = MODELS.build(dict(type="PPMA", arch="tiny", criss_cross=[False] * 4, **TINY_KW))
-    assert bb.cfg.mixer == ("full",) * 4
+@pytest.mark.parametrize("old", [dict(criss_cross=(False, True, False, True)), dict(attention="linear")])
+def test_removed_mixer_spellings_are_refused(old):
+    """``criss_cross=`` and ``attention=``, names that lived before any release, are not accepted: ``mixer=`` says
+    it (docs/ops.md, "Glossary")."""
+    with pytest.raises(TypeError, match="unexpected keyword|got an unexpected|unknown"):
+        create_model("ppma_tiny", **old, **TINY_KW)
+    with pytest.raises(TypeError):
+        PPMAConfig(**old)
+    with pytest.raises(ValueError, match="'attention' is not one of"):
+        create_model("ppma_tiny", mixer="attention", **TINY_KW)
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
@@ -404,9 +352,8 @@ def test_compile_aot_eager_dynamic_training_no_recompile():
     assert counts[0] >= 1 and counts == [counts[0]] * 3, counts
 
 
-def test_config_files_use_the_current_names_and_old_files_still_build():
-    """The shipped training configs name the token mixer with ``mixer`` (no FutureWarning when built); a config
-    file on disk with the old ``criss_cross`` / ``attention`` keys still builds the same model, with the warning."""
+def test_config_files_use_the_current_names():
+    """The shipped training configs name the token mixer with ``mixer``, and each builds."""
     import glob
 
     from ppma.train.build import build_model
@@ -424,20 +371,8 @@ def test_config_files_use_the_current_names_and_old_files_still_build():
         cfg = load_config(path)
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
-            torch.manual_seed(0)
-            new = build_model(cfg.model, num_classes=10, in_chans=1)
-        old_overrides = {k: v for k, v in cfg.model.overrides.items() if k != "mixer"}
-        mixer = new.cfg.mixer
-        if set(mixer) == {"linear"}:
-            old_overrides.update(attention="linear")
-        else:
-            old_overrides.update(criss_cross=[m == "criss_cross" for m in mixer])
-        cfg.model.overrides = old_overrides
-        torch.manual_seed(0)
-        with pytest.warns(FutureWarning, match="deprecated"):
-            old = build_model(cfg.model, num_classes=10, in_chans=1)
-        assert old.cfg == new.cfg
-        assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+            model = build_model(cfg.model, num_classes=10, in_chans=1)
+        assert all(m in MIXERS for m in model.cfg.mixer)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -43,8 +43,7 @@ class PPMABackbone(BaseModule):
             through :func:`ppma.checkpoint.load_checkpoint`: a local file, an ``http(s)://`` URL, ``hf://<repo>/<path>``
             or another mmengine ``CheckpointLoader`` scheme, always read with a weights-only ``torch.load``.
         **overrides: further :class:`~ppma.models.PPMAConfig` fields (``embed_dims``, ``depths``, the token mixer
-            ``mixer`` (e.g. ``"sab"``), the FFN ``mlp="monarch"``, ``mask``, ...; one string or one per stage; the
-            deprecated ``criss_cross`` / ``attention`` are translated into ``mixer`` with a ``FutureWarning``).
+            ``mixer`` (e.g. ``"sab"``), the FFN ``mlp="monarch"``, ``mask``, ...; one string or one per stage).
     """
 
     def __init__(

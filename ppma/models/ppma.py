@@ -18,8 +18,7 @@ stage (timm's convention) changes no numbers and makes every stage output a feat
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -41,11 +40,8 @@ from ppma.nn import (
 __all__ = ["PPMAConfig", "PPMA", "PPMAStage", "MODEL_CONFIGS", "ppma_tiny", "ppma_small", "ppma_base",
            "DEFAULT_MIXER", "resolve_mixer"]
 
-# PPMA-T's token mixers, and the layout a softmax stage gets when a deprecated spelling does not say it.
+# PPMA-T's token mixers.
 DEFAULT_MIXER = ("criss_cross", "criss_cross", "full", "full")
-# Deprecated spellings (docs/ops.md, "Glossary"): ``criss_cross`` (4 bools) and ``attention`` ("softmax" |
-# "linear", per stage) and the mixer name "attention" (softmax attention in the stage's layout).
-LEGACY_KEYS = ("criss_cross", "attention")
 
 
 def _per_stage(name: str, value, where: str) -> tuple:
@@ -55,70 +51,17 @@ def _per_stage(name: str, value, where: str) -> tuple:
     return value
 
 
-def resolve_mixer(base: Sequence[str], mixer=None, criss_cross=None, attention=None, *, where: str = "PPMAConfig"):
-    """The per-stage ``mixer`` tuple from the current spelling or the deprecated ones (docs/ops.md, "Glossary").
-
-    Args:
-        base: the mixers before this change (4 current names): what a stage keeps when nothing overrides it,
-            and where a softmax stage takes its layout (``"criss_cross"`` / ``"full"``) when a deprecated
-            spelling does not say it.
-        mixer: ``None``, one name for every stage or 4 names; the deprecated name ``"attention"`` means softmax
-            attention (or PPMLA where ``attention="linear"``).
-        criss_cross: deprecated, 4 bools (or one): the layout of the softmax stages.
-        attention: deprecated, ``"softmax"`` / ``"linear"`` per stage (or one string).
-        where: the caller, for messages.
-
-    A deprecated spelling warns (``FutureWarning``) naming the ``mixer=`` that replaces it. ``mixer`` in current
-    names together with ``criss_cross`` / ``attention`` is accepted only where they agree; otherwise
-    ``ValueError`` names both.
-    """
-    base = _per_stage("mixer", base, where)
-    new = None if mixer is None else _per_stage("mixer", mixer, where)
-    legacy_mixer = new is not None and "attention" in new
-    if criss_cross is None and attention is None and not legacy_mixer:
-        return base if new is None else new
-    cc = None if criss_cross is None else _per_stage("criss_cross", criss_cross, where)
-    kinds = None if attention is None else _per_stage("attention", attention, where)
-    if cc is not None and not all(isinstance(c, bool) for c in cc):
-        raise ValueError(f"{where}: criss_cross (deprecated) must be bools, got {cc}")
-    if kinds is not None and any(k not in ("softmax", "linear") for k in kinds):
-        raise ValueError(f"{where}: attention (deprecated) must be 'softmax' or 'linear' per stage, got {kinds}; "
-                         "use mixer= ('criss_cross', 'full', 'linear', ...) instead")
-    start = base if new is None or legacy_mixer else new
-    out = []
-    for s in range(4):
-        m = start[s]
-        if legacy_mixer and new[s] != "attention":
-            m = new[s]
-        # (kind, layout): softmax attention in a layout, PPMLA, or another mixer
-        kind, layout = ("softmax", m) if m in ("criss_cross", "full") else (m, None)
-        if legacy_mixer and new[s] == "attention" and kind not in ("softmax", "linear"):
-            kind = "softmax"
-        if kinds is not None and kind in ("softmax", "linear"):
-            kind = kinds[s]
-        if cc is not None:
-            layout = "criss_cross" if cc[s] else "full"
-        out.append((layout or DEFAULT_MIXER[s]) if kind == "softmax" else kind)
-    out = tuple(out)
-    given = ", ".join(f"{k}={v!r}" for k, v in (("mixer", mixer), ("criss_cross", criss_cross),
-                                                 ("attention", attention)) if v is not None)
-    if new is not None and not legacy_mixer and out != new:
-        raise ValueError(f"{where}: mixer={mixer!r} conflicts with the deprecated "
-                         + " and ".join(f"{k}={v!r}" for k, v in (("criss_cross", criss_cross),
-                                                                   ("attention", attention)) if v is not None)
-                         + f" (which mean mixer={out!r}); give mixer= only")
-    warnings.warn(f"{where}: {given} uses deprecated names; use mixer={out!r} (per stage 'criss_cross', 'full', "
-                  "'linear' or 'padre'; docs/ops.md, 'Glossary')", FutureWarning, stacklevel=4)
-    return out
+def resolve_mixer(base: Sequence[str], mixer=None, *, where: str = "PPMAConfig") -> tuple[str, ...]:
+    """The per-stage ``mixer`` tuple: ``mixer`` (one name for every stage, or 4 names), or ``base`` where it is
+    None (docs/ops.md, "Glossary"). The names are checked by :class:`PPMAConfig`."""
+    return _per_stage("mixer", base if mixer is None else mixer, where)
 
 
 def apply_overrides(cfg: "PPMAConfig", overrides: dict, where: str) -> "PPMAConfig":
-    """``dataclasses.replace(cfg, **overrides)`` where the deprecated ``criss_cross`` / ``attention`` keywords and
-    the mixer name ``"attention"`` are translated against ``cfg.mixer`` (:func:`resolve_mixer`)."""
+    """``dataclasses.replace(cfg, **overrides)``, with one ``mixer`` name spread over the 4 stages."""
     overrides = dict(overrides)
-    legacy = {k: overrides.pop(k) for k in LEGACY_KEYS if k in overrides}
-    if legacy or "mixer" in overrides:
-        overrides["mixer"] = resolve_mixer(cfg.mixer, overrides.get("mixer"), where=where, **legacy)
+    if "mixer" in overrides:
+        overrides["mixer"] = resolve_mixer(cfg.mixer, overrides["mixer"], where=where)
     return dataclasses.replace(cfg, **overrides)
 
 
@@ -153,10 +96,6 @@ class PPMAConfig:
 
     Whether the attention runs the fused kernels or the reference is not part of the architecture:
     ``ppma.ops.set_impl`` / ``ppma.ops.use_impl`` choose it for every model.
-
-    Deprecated keywords (``FutureWarning``; :func:`resolve_mixer`): ``criss_cross`` (4 bools) and ``attention``
-    (``"softmax"`` / ``"linear"`` per stage), and the mixer name ``"attention"``; they are translated into
-    ``mixer`` and not stored.
     """
 
     embed_dims: tuple[int, ...] = (64, 128, 256, 512)
@@ -176,12 +115,9 @@ class PPMAConfig:
     num_classes: int = 1000
     drop_rate: float = 0.0
     global_pool: str = "avg"
-    criss_cross: InitVar[Sequence[bool] | None] = None  # deprecated: mixer
-    attention: InitVar[Sequence[str] | str | None] = None  # deprecated: mixer
 
-    def __post_init__(self, criss_cross=None, attention=None) -> None:
-        base = DEFAULT_MIXER if self.mixer is None or criss_cross is not None or attention is not None else self.mixer
-        object.__setattr__(self, "mixer", resolve_mixer(base, self.mixer, criss_cross, attention))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mixer", resolve_mixer(DEFAULT_MIXER, self.mixer))
         if isinstance(self.mlp, str):  # one string: every stage
             object.__setattr__(self, "mlp", (self.mlp,) * 4)
         for name in ("embed_dims", "depths", "num_heads", "mlp_ratios", "layerscale", "mixer", "mlp",
@@ -299,8 +235,8 @@ class PPMA(nn.Module):
     stride-2 conv). ``forward_features`` returns the last stage map ``[B, embed_dims[3], H/32, W/32]``.
 
     Args:
-        cfg: architecture (a :class:`PPMAConfig`); keyword arguments override its fields (the deprecated
-            ``criss_cross`` / ``attention`` too, translated against ``cfg.mixer``: :func:`resolve_mixer`).
+        cfg: architecture (a :class:`PPMAConfig`); keyword arguments override its fields (one ``mixer`` name
+            means every stage).
     """
 
     def __init__(self, cfg: PPMAConfig | None = None, **overrides) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ppma.models.ppma import LEGACY_KEYS, MODEL_CONFIGS, PPMA, apply_overrides
+from ppma.models.ppma import MODEL_CONFIGS, PPMA, apply_overrides
 
 __all__ = ["create_model", "list_models"]
 
-_OVERRIDES = ({f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} | set(LEGACY_KEYS)) - {"num_classes",
-                                                                                                    "drop_path_rate"}
+_OVERRIDES = {f.name for f in dataclasses.fields(MODEL_CONFIGS["ppma_tiny"])} - {"num_classes", "drop_path_rate"}
 
 
 def list_models() -> list[str]:
@@ -47,9 +46,7 @@ def create_model(
         **overrides: any :class:`~ppma.models.PPMAConfig` field: ``embed_dims``, ``depths``, ``num_heads``,
             ``mlp_ratios``, ``mixer`` (per stage, or one string: ``"criss_cross"``, ``"full"``, ``"linear"``,
             ``"padre"``; docs/ops.md, "Glossary"), ``layerscale`` (4 bools), ``mask``, ``layer_init_values``,
-            ``in_chans``, ``head_hidden_dim``, ``drop_rate``. The deprecated ``criss_cross`` (4 bools) and
-            ``attention`` (``"softmax"`` / ``"linear"``) still work with a ``FutureWarning``. (Fused kernels or
-            the reference: that is ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
+            ``in_chans``, ``head_hidden_dim``, ``drop_rate``. (Fused kernels or the reference: that is ``ppma.ops.set_impl`` / ``ppma.ops.use_impl``, for every model at once.)
     """
     from ppma.models.video import VIDEO_MODEL_CONFIGS, create_video_model
 

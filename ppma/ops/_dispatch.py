@@ -38,16 +38,7 @@ from ppma.config import (  # noqa: F401  (the switches, re-exported for ppma.ops
     use_impl,
 )
 
-__all__ = [
-    "IMPLS",
-    "CUDA_KERNELS_VERIFIED",
-    "set_impl",
-    "get_impl",
-    "use_impl",
-    "cuda_kernels_enabled",
-    "set_check_decays",
-    "fused_available",
-]
+__all__ = ["fused_available", "run_fused"]
 
 # Device types the compiled library serves. "meta" inputs run the registered fake kernels (shapes only).
 _FUSED_DEVICES: frozenset[str] = frozenset()

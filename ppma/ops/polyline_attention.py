@@ -26,9 +26,9 @@ from ppma.ops.reference import polyline_attention_ref
 
 _OP = "polyline_attention"
 # The CPU training forward of float32 / float64 inputs: out and lse without out_v2h (one P v product); its backward
-# forms the rows' D terms from the maps. A library built before it existed runs polyline_attention instead.
+# forms the rows' D terms from the maps.
 _LSE_OP = "polyline_attention_lse"
-_HAS_LSE_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _LSE_OP)
+_HAS_LSE_OP = _ext.has_ext()
 _LSE_DTYPES = (torch.float32, torch.float64)
 
 

@@ -68,7 +68,7 @@ def _backward(ctx, grad_out, grad_stats):
     return input_grads(ctx, grads, log_decays=tuple(zip((3, 4, 5), ctx.saved_tensors[3:6])), trailing=2)
 
 
-if _ext.has_ext() and hasattr(torch.ops.ppma, _OP):
+if _ext.has_ext():
     torch.library.register_fake("ppma::" + _OP)(_fake)
     torch.library.register_fake("ppma::" + _OP + "_backward")(_fake_backward)
     torch.library.register_autograd("ppma::" + _OP, _backward, setup_context=_setup_context)

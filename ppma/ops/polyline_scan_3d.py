@@ -62,7 +62,7 @@ def _backward(ctx, grad_y):
     return input_grads(ctx, grads, log_decays=tuple(zip((1, 2, 3), ctx.saved_tensors[1:4])))
 
 
-if _ext.has_ext() and hasattr(torch.ops.ppma, _OP):
+if _ext.has_ext():
     torch.library.register_fake("ppma::" + _OP)(_fake)
     torch.library.register_fake("ppma::" + _OP + "_backward")(_fake_backward)
     torch.library.register_autograd("ppma::" + _OP, _backward, setup_context=_setup_context)

@@ -32,14 +32,13 @@ __all__ = [
 ]
 
 _OP = "depthwise_conv2d_backward"
-_HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _OP)
+_HAS_OP = _ext.has_ext()
 _RESIDUAL_OP = "depthwise_conv2d_residual_"
-# A library built before the in-place op existed has none: uses_residual_kernel() is then False.
-_HAS_RESIDUAL_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _RESIDUAL_OP)
+_HAS_RESIDUAL_OP = _HAS_OP
 _GELU_OP = "gelu_depthwise_conv2d_residual_backward"
-_HAS_GELU_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _GELU_OP)
+_HAS_GELU_OP = _HAS_OP
 _GELU_FWD_OP = "gelu_depthwise_conv2d_residual_forward"
-_HAS_GELU_FWD_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _GELU_FWD_OP)
+_HAS_GELU_FWD_OP = _HAS_OP
 # The smallest kernel whose weight gradient the ppma kernel computes (torch's 3 x 3 backward is fast already).
 MIN_KERNEL = 5
 

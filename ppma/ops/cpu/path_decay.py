@@ -21,7 +21,7 @@ from ppma.ops._validate import check_floating_on_one_device, check_same_device, 
 __all__ = ["path_decay", "path_decay_ref", "uses_path_decay_kernel"]
 
 _OP = "path_decay"
-_HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, _OP)
+_HAS_OP = _ext.has_ext()
 # The most directions the kernel takes (alpha and beta in 2-D, gamma too in 3-D).
 MAX_DIRECTIONS = 3
 

@@ -22,15 +22,14 @@ from ppma.ops.reference import rope_ref
 __all__ = ["rope", "rope_", "uses_inplace_kernel"]
 
 _OP = "rope"
-# Device types with a rope kernel, decided at import (dynamo cannot trace dispatcher queries). A library built
-# before the op existed has none: the reference runs.
-_HAS_OP = _ext.has_ext() and hasattr(torch.ops.ppma, "rope")
+# Device types with a rope kernel, decided at import (dynamo cannot trace dispatcher queries).
+_HAS_OP = _ext.has_ext()
 _ROPE_DEVICES: frozenset[str] = frozenset()
 if _HAS_OP:
     _ROPE_DEVICES = frozenset(
         {"cpu", "meta"} | ({"cuda"} if torch._C._dispatch_has_kernel_for_dispatch_key("ppma::rope", "CUDA") else set())
     )
-_HAS_INPLACE_OP = _ext.has_ext() and hasattr(torch.ops.ppma, "rope_")
+_HAS_INPLACE_OP = _HAS_OP
 
 
 def _check(x, sin, cos, scale, transpose) -> None:
