@@ -32,6 +32,21 @@ if "$PY" -m pip show -q ppma >/dev/null 2>&1; then
   echo "[setup] uninstalling the distribution 'ppma' (this package is now the distribution ppma-torch)"
   "$PY" -m pip uninstall -y -q ppma
 fi
-echo "[setup] building ppma (C++ operators$( [ "${FORCE_CUDA:-0}" = 1 ] && echo ' + CUDA'))"
-MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation --no-deps -e .
+# Already installed from this checkout (editable) with a library built from these very sources (the source stamp,
+# docs/configuration.md "A stale library"): kept, since every editable install compiles the operators anew.
+current=$("$PY" - <<'PYEOF' 2>/dev/null || true
+import json, os
+from importlib import metadata
+import ppma
+url = json.loads(metadata.distribution("ppma-torch").read_text("direct_url.json") or "{}")
+here = "file://" + os.path.abspath(".")
+print("yes" if ppma.has_ext() and url.get("url") == here and url.get("dir_info", {}).get("editable") else "no")
+PYEOF
+)
+if [ "$current" = yes ] && [ "${FORCE_CUDA:-0}" != 1 ]; then
+  echo "[setup] ppma is installed from this checkout and its operators are built from these sources: kept"
+else
+  echo "[setup] building ppma (C++ operators$( [ "${FORCE_CUDA:-0}" = 1 ] && echo ' + CUDA'))"
+  MAX_JOBS=${MAX_JOBS:-2} pip_install --no-build-isolation --no-deps -e .
+fi
 "$PY" -c "import ppma; assert ppma.has_ext(), 'ppma._C did not build'; print('[setup] ppma', ppma.__version__, 'with fused ops')"
