@@ -40,6 +40,8 @@ PY=${PYTHON:-python3}
 BUDGET=${GPU_RUN_BUDGET_S:-470}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
+# every part imports this checkout's ppma (built in place by the build part), whatever else is installed
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 : > "$RUN_DIR/parts.tsv"
 SMOKE_ARG=()
 [ "$SMOKE" = 1 ] && SMOKE_ARG=(--smoke)
