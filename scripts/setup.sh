@@ -38,9 +38,10 @@ current=$("$PY" - <<'PYEOF' 2>/dev/null || true
 import json, os
 from importlib import metadata
 import ppma
-url = json.loads(metadata.distribution("ppma-torch").read_text("direct_url.json") or "{}")
 here = "file://" + os.path.abspath(".")
-print("yes" if ppma.has_ext() and url.get("url") == here and url.get("dir_info", {}).get("editable") else "no")
+urls = [json.loads(d.read_text("direct_url.json") or "{}") for d in metadata.distributions(name="ppma-torch")]
+editable_here = any(u.get("url") == here and u.get("dir_info", {}).get("editable") for u in urls)
+print("yes" if editable_here and ppma.has_ext() else "no")
 PYEOF
 )
 if [ "$current" = yes ] && [ "${FORCE_CUDA:-0}" != 1 ]; then
