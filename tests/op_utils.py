@@ -244,6 +244,17 @@ def assert_thread_invariant(fn, inputs) -> None:
 CPU_CAPABILITIES = ("default", "avx2", "avx512")
 
 
+def opcheck_with_backward(case, inputs, extra) -> None:
+    """``torch.library.opcheck`` of a test class's registered op on ``(*inputs, *extra)`` and of its backward op on
+    the gradient arguments ``case.backward_args`` builds from that forward's outputs."""
+    torch.library.opcheck(case.registered(), (*inputs, *extra))
+    with torch.no_grad():
+        outs = case.registered()(*inputs, *extra)
+    first = outs[0] if isinstance(outs, tuple) else outs
+    torch.library.opcheck(getattr(torch.ops.ppma, case.op + "_backward"),
+                          (torch.randn_like(first), *case.backward_args([t.detach() for t in inputs], outs), *extra))
+
+
 def assert_deterministic_unmutated(fn, inputs) -> None:
     """Two runs of ``fn(*inputs)`` give bitwise-equal outputs and input gradients, and leave the inputs as they
     were."""
@@ -567,13 +578,7 @@ class OpTests:
         """Schema, fake kernels, autograd registration and AOT dispatch of the op and of its backward op."""
         shape = (2, 5, 6, 2, 8, 8)
         inputs, extra = self.inputs(shape, dtype, device, decay_scale=1.0), self.extra(shape, variant)
-        torch.library.opcheck(self.registered(), (*inputs, *extra))
-        with torch.no_grad():
-            outs = self.registered()(*inputs, *extra)
-        first = outs[0] if isinstance(outs, tuple) else outs
-        torch.library.opcheck(getattr(torch.ops.ppma, self.op + "_backward"),
-                              (torch.randn_like(first), *self.backward_args([t.detach() for t in inputs], outs),
-                               *extra))
+        opcheck_with_backward(self, inputs, extra)
 
     @needs_ext
     @pytest.mark.parametrize("device", DEVICES)
@@ -1065,13 +1070,7 @@ class Op3DTests:
     def test_opcheck(self, dtype, variant):
         inputs = self.inputs((2, 2, 3, 4, 2, 8, 8), dtype, decay_scale=1.0)
         extra = self.extra(variant)
-        torch.library.opcheck(self.registered(), (*inputs, *extra))
-        with torch.no_grad():
-            outs = self.registered()(*inputs, *extra)
-        first = outs[0] if isinstance(outs, tuple) else outs
-        torch.library.opcheck(getattr(torch.ops.ppma, self.op + "_backward"),
-                              (torch.randn_like(first), *self.backward_args([t.detach() for t in inputs], outs),
-                               *extra))
+        opcheck_with_backward(self, inputs, extra)
 
     @needs_ext
     def test_compile_dynamic_no_recompile(self, variant):

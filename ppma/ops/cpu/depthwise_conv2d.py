@@ -34,11 +34,8 @@ __all__ = [
 _OP = "depthwise_conv2d_backward"
 _HAS_OP = _ext.has_ext()
 _RESIDUAL_OP = "depthwise_conv2d_residual_"
-_HAS_RESIDUAL_OP = _HAS_OP
 _GELU_OP = "gelu_depthwise_conv2d_residual_backward"
-_HAS_GELU_OP = _HAS_OP
 _GELU_FWD_OP = "gelu_depthwise_conv2d_residual_forward"
-_HAS_GELU_FWD_OP = _HAS_OP
 # The smallest kernel whose weight gradient the ppma kernel computes (torch's 3 x 3 backward is fast already).
 MIN_KERNEL = 5
 
@@ -170,7 +167,7 @@ def uses_residual_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     would run the convolution in bf16) or bfloat16 with the weight and bias in the map's dtype, outside
     torch.compile, and no gradient recorded (the op writes over ``x`` and has no autograd formula)."""
     return (
-        _HAS_RESIDUAL_OP
+        _HAS_OP
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
@@ -233,7 +230,7 @@ def uses_gelu_kernel(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     tensors of float32/float64 with the weight and bias in ``h``'s dtype, a gradient to compute, no autocast, outside
     torch.compile."""
     return (
-        _HAS_GELU_OP
+        _HAS_OP
         and _dispatch.get_impl() == "fused"
         and h.device.type == "cpu"
         and h.dtype in (torch.float32, torch.float64)
@@ -282,7 +279,7 @@ class _GeluDepthwiseConv2dResidual(torch.autograd.Function):
     def forward(ctx, h, weight, bias):
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
-        if _HAS_GELU_FWD_OP and h.dtype == torch.float32:
+        if _HAS_OP and h.dtype == torch.float32:
             return torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h, weight, bias)
         return _conv(F.gelu(h), _folded(weight, True), bias)
 
@@ -319,9 +316,6 @@ def _fake_gelu_backward(grad_out, h, weight):
 
 if _HAS_OP:
     torch.library.register_fake("ppma::" + _OP)(_fake_backward)
-if _HAS_GELU_OP:
     torch.library.register_fake("ppma::" + _GELU_OP)(_fake_gelu_backward)
-if _HAS_GELU_FWD_OP:
     torch.library.register_fake("ppma::" + _GELU_FWD_OP)(_fake_gelu_forward)
-if _HAS_RESIDUAL_OP:
     torch.library.register_fake("ppma::" + _RESIDUAL_OP)(_fake_residual)

@@ -29,7 +29,6 @@ if _HAS_OP:
     _ROPE_DEVICES = frozenset(
         {"cpu", "meta"} | ({"cuda"} if torch._C._dispatch_has_kernel_for_dispatch_key("ppma::rope", "CUDA") else set())
     )
-_HAS_INPLACE_OP = _HAS_OP
 
 
 def _check(x, sin, cos, scale, transpose) -> None:
@@ -85,7 +84,7 @@ def uses_inplace_kernel(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -
     implementation, a contiguous CPU ``x``, outside torch.compile, and no gradient recorded (the op overwrites
     ``x`` and has no autograd formula)."""
     return (
-        _HAS_INPLACE_OP
+        _HAS_OP
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
         and x.is_contiguous()
@@ -155,5 +154,4 @@ def _backward(ctx, grad_y):
 if _HAS_OP:
     torch.library.register_fake("ppma::rope")(_fake)
     torch.library.register_autograd("ppma::rope", _backward, setup_context=_setup_context)
-if _HAS_INPLACE_OP:
     torch.library.register_fake("ppma::rope_")(_fake_inplace)
