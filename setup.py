@@ -9,6 +9,8 @@ so that pip never downloads another torch into a build environment.
 import glob
 import importlib.util
 import os
+import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -81,7 +83,27 @@ def _extensions():
             extra_compile_args={"cxx": cxx},
             extra_link_args=["-fopenmp"],
         )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": _build_ext_class(BuildExtension)}
+
+
+def _build_ext_class(base):
+    """torch's BuildExtension (ninja) with one object folder for every kind of build of this tree.
+
+    pip's editable install compiles in a temporary folder that it deletes, so each editable install, and the wheel
+    built after it (scripts/check_wheel.sh), compiled every operator again. Here the objects always go to
+    build/temp.<platform>-<python> beside setup.py (where `python setup.py build_ext` and `python -m build` put them
+    anyway), and ninja recompiles only what changed: a source, a header or the compile command. A tree that is not
+    writable keeps setuptools' choice."""
+
+    class BuildExt(base.with_options(use_ninja=True)):
+        def finalize_options(self):
+            super().finalize_options()
+            build = os.path.join(ROOT, "build")
+            if os.access(ROOT, os.W_OK) and (not os.path.exists(build) or os.access(build, os.W_OK)):
+                tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+                self.build_temp = os.path.join(build, f"temp.{tag}")
+
+    return BuildExt
 
 
 ext_modules, cmdclass = _extensions()

@@ -33,7 +33,8 @@ if "$PY" -m pip show -q ppma >/dev/null 2>&1; then
   "$PY" -m pip uninstall -y -q ppma
 fi
 # Already installed from this checkout (editable) with a library built from these very sources (the source stamp,
-# docs/configuration.md "A stale library"): kept, since every editable install compiles the operators anew.
+# docs/configuration.md "A stale library"): kept. Otherwise pip's editable install recompiles only what changed
+# (setup.py keeps the compiled objects in build/, where the wheel build of scripts/check_wheel.sh finds them too).
 current=$("$PY" - <<'PYEOF' 2>/dev/null || true
 import json, os
 from importlib import metadata
