@@ -4,14 +4,16 @@ Inference: ``model.eval()``, ``torch.inference_mode()`` (eager on the CPU: a cop
 step ``ppma.nn.fuse_for_inference``, in float32 or under bf16 autocast), ``warmup`` untimed iterations, then about
 ``iters`` timed ones (:func:`ppma.timing.measure_time`, synchronised clocks); images/s = batch / mean time per iteration. Training: forward + backward + AdamW step on
 random labels; on CUDA the AdamW step is torch's fused one (``fused=True``, as the trainer's, docs/training.md).
-``compile_mode`` measures ``torch.compile(model, mode=compile_mode)`` instead of the eager model, each phase compiled
-during its untimed warm-up; on CUDA, ``"reduce-overhead"`` runs the compiled graphs as CUDA graphs (the shapes are
+``compile_mode`` measures the model under ``torch.compile(..., mode=compile_mode)`` instead of the eager model, each
+phase compiled during its untimed warm-up (:func:`compile_for_benchmark`: on the CPU ppma's recipe, frozen weights for
+inference, docs/compile.md); on CUDA, ``"reduce-overhead"`` runs the compiled graphs as CUDA graphs (the shapes are
 static), every call marked as a new step. The ``ppma-benchmark`` command (:mod:`ppma.train.cli.benchmark`) runs
 this over models and attention implementations and writes the tables.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import sys
@@ -95,14 +97,22 @@ class _PeakMemory:
         return None
 
 
-def compile_for_benchmark(model: torch.nn.Module, device: torch.device, mode: str):
+def compile_for_benchmark(model: torch.nn.Module, device: torch.device, mode: str, *, inference: bool = False):
     """``model`` under ``torch.compile`` with ``mode`` (one of :data:`COMPILE_MODES`; ``"default"``: no mode
     argument). The ppma ops are custom ops with fake kernels, opaque nodes in the compiled graph (docs/design.md §5).
+    On the CPU this is ppma's recipe (:func:`ppma.compile.compile_model`, docs/compile.md): the whole model as one
+    graph with static shapes and, with ``inference`` (``model`` in eval mode), frozen weights that Inductor packs
+    for oneDNN / MKL; elsewhere plain ``torch.compile(model, mode=mode)``.
     Returns (the compiled callable, a function to call before each step: on CUDA with CUDA graphs it marks a new
     step of the graph trees, so that a replay may reuse the previous step's outputs; elsewhere it does nothing)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"ppma-benchmark: compile mode must be one of {COMPILE_MODES}, got {mode!r}")
-    compiled = torch.compile(model, mode=None if mode == "default" else mode)
+    kwargs = {} if mode == "default" else {"mode": mode}
+    if device.type == "cpu":
+        from ppma.compile import compile_model
+
+        return compile_model(model, inference=inference, **kwargs), lambda: None
+    compiled = torch.compile(model, **kwargs)
     if device.type == "cuda":
         return compiled, _cuda_graph_step_marker(mode)
     return compiled, lambda: None
@@ -145,11 +155,13 @@ def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans:
     fwd, mark_step = model, lambda: None
     infer_fwd = fwd
     if compile_mode is not None:
-        fwd, mark_step = compile_for_benchmark(model, device, compile_mode)
-        infer_fwd = fwd
+        if device.type == "cpu":  # inference on frozen weights (a copy), training on the model's own parameters
+            infer_fwd, mark_step = compile_for_benchmark(copy.deepcopy(model), device, compile_mode, inference=True)
+            fwd, _ = compile_for_benchmark(model, device, compile_mode)
+        else:
+            fwd, mark_step = compile_for_benchmark(model, device, compile_mode)
+            infer_fwd = fwd
     elif infer and device.type == "cpu" and amp_dtype in (None, torch.bfloat16):
-        import copy
-
         from ppma.nn import fuse_for_inference
 
         infer_fwd = fuse_for_inference(copy.deepcopy(model))  # CPU inference's deployment step (docs/design.md §2.9)

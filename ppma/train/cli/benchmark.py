@@ -18,8 +18,9 @@ otherwise: one stable name per setting and machine (:func:`ppma.timing.machine_t
 that the next run overwrites.
 
 ``--compile [MODE]`` measures the model under ``torch.compile`` (``MODE``: ``default`` when omitted,
-``reduce-overhead``: CUDA graphs on a GPU, the shapes being static; ``ppma.train.benchmark.compile_for_benchmark``),
-each phase compiled in its untimed warm-up; the tables say which mode ran.
+``reduce-overhead``: CUDA graphs on a GPU, the shapes being static; ``ppma.train.benchmark.compile_for_benchmark``;
+on the CPU ppma's recipe, ``ppma.compile.compile_model``: frozen weights for inference, docs/compile.md), each
+phase compiled in its untimed warm-up; the tables say which mode ran.
 """
 
 from __future__ import annotations
