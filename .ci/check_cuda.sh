@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA code without a GPU.
 #  1. every csrc/kernels/*.cuh in a translation unit of its own, with its templates explicitly instantiated for
-#     float / half / bfloat16 / double and the head-dim paths, for sm_80 and sm_90, with ptxas' resource report
-#     (-Xptxas -v): registers, spills and shared memory of every kernel are printed, and a register spill in a
-#     tensor-core, packed or linear-attention kernel (the kernels written to fit the register file) fails the check;
+#     float / half / bfloat16 / double and the head-dim paths, with ptxas' resource report (-Xptxas -v):
+#     registers, spills and shared memory of every kernel are printed, and a register spill in a tensor-core,
+#     packed or linear-attention kernel (the kernels written to fit the register file) fails the check. sm_90
+#     compiles every kernel; sm_80 the register-budgeted ones only (those that must not spill), whose registers
+#     differ by architecture: the others take the same code on both (no __CUDA_ARCH__ branch between 800 and 900),
+#     so a second compile of them would check nothing new (PPMA_CHECK_CUDA_SM80_ALL=1 compiles them too);
 #  2. the host launchers csrc/cuda/*.cu against the installed torch's headers (sm_90 only).
 # Non-zero on any compile error or unexpected spill. A check that cannot run is reported as SKIPPED, never as
 # passed ("CUDA compile check: SKIPPED (nvcc missing)"), and appended to the file $PPMA_CI_SKIPS when set (.ci/run
 # prints those at the end); under CI=true a missing nvcc fails unless PPMA_ALLOW_NO_CUDA=1.
 # PPMA_CHECK_CUDA_ONLY=<glob> restricts step 1 to matching headers (e.g. 'polyline_attention_tc*') and skips step 2.
 set -uo pipefail
+shopt -s extglob
 cd "$(dirname "$0")/.."
 skipped() {  # skipped <what> <why>: report a check that could not run
   echo "$1: SKIPPED ($2)"
@@ -39,8 +43,10 @@ TC_DP="16 32 64 128"
 NO_SPILL='polyline_attention_tc_|criss_cross_pack_|criss_cross_tc_|polyline_linear_attention_'
 # 20-36 bytes: dK and dV accumulators of 16 x 128 (the verified dkdv kernel and the row-uniform one)
 SPILL_OK='polyline_attention_tc_(ru_)?dkdv_kernel<[_a-z0-9]+, 128>'
-gen() {  # gen <header> -> instantiation TU on stdout
-  local h=$1
+# the headers of register-budgeted kernels, compiled for sm_80 too
+SM80_HEADERS='polyline_attention_tc*.cuh|criss_cross_attention*.cuh|polyline_linear_attention*.cuh|warp_mma.h'
+gen() {  # gen <header> <arch> -> instantiation TU on stdout
+  local h=$1 arch=$2
   echo "#include \"$h\""
   echo "namespace ppma {"
   case "$h" in
@@ -73,6 +79,18 @@ gen() {  # gen <header> -> instantiation TU on stdout
     warp_mma.h)
       echo "static_assert(sizeof(uint32_t) == 4, \"\");" ;;
     criss_cross_attention.cuh)
+      if [ "$arch" = sm_80 ] && [ "${PPMA_CHECK_CUDA_SM80_ALL:-0}" != 1 ]; then  # the packed (budgeted) kernels
+        for t in $DT; do for d in 16 32; do
+          for m in 0 1 2; do
+            echo "template __global__ void criss_cross_pack_fwd_kernel<$t, $d, $m>(CrissCrossParams<$t, float>, int);"
+          done
+          for rf in "true, false" "false, true" "true, true"; do
+            echo "template __global__ void criss_cross_pack_bwd_kernel<$t, $d, $rf>(CrissCrossParams<$t, float>, LineBwdIO<float>, int);"
+          done
+        done; done
+        echo "}"
+        return
+      fi
       for t in $DT; do for d in $DP; do
         echo "template void launch_criss_cross_fwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
         echo "template void launch_criss_cross_bwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
@@ -117,9 +135,13 @@ for path in csrc/kernels/*.cuh csrc/kernels/*.h; do
   h=$(basename "$path")
   # shellcheck disable=SC2053
   [ -n "${PPMA_CHECK_CUDA_ONLY:-}" ] && [[ $h != ${PPMA_CHECK_CUDA_ONLY} ]] && continue
-  gen "$h" >"$TMP/${h}.cu"
   for arch in sm_80 sm_90; do
-    run "${h}.${arch}" nvcc "${NVFLAGS[@]}" -arch="$arch" -c "$TMP/${h}.cu" -o "$TMP/${h}.${arch}.o"
+    # shellcheck disable=SC2053
+    if [ "$arch" = sm_80 ] && [ "${PPMA_CHECK_CUDA_SM80_ALL:-0}" != 1 ] && ! [[ $h == @($SM80_HEADERS) ]]; then
+      continue
+    fi
+    gen "$h" "$arch" >"$TMP/${h}.${arch}.cu"
+    run "${h}.${arch}" nvcc "${NVFLAGS[@]}" -arch="$arch" -c "$TMP/${h}.${arch}.cu" -o "$TMP/${h}.${arch}.o"
   done
 done
 
