@@ -480,7 +480,7 @@ LINEAR_NEXT_CASES = [
     ((2, 3, 4, 1, 6, 9), torch.float64, False, 4, 1, 1),   # C = 9: slices 4 + 4 + 1
     ((1, 5, 1, 2, 8, 8), torch.float32, True, 0, 0, 1),    # W = 1
     ((1, 1, 6, 1, 8, 5), torch.float32, False, 0, 0, 2),   # H = 1, global state
-    ((1, 3, 19, 1, 16, 40), torch.float32, True, 0, 1, 1),  # C = 41, W = 19: two full chunks and a partial one
+    ((1, 3, 19, 1, 16, 40), torch.float32, True, 0, 1, 1),  # C = 41, W = 19: full register chunks and a partial one
     ((1, 3, 70, 1, 4, 3), torch.float64, True, 0, 0, 2),   # wide map, global state
     ((1, 4, 3, 2, 8, 8), torch.float16, True, 0, 0, 1),
     ((2, 3, 4, 1, 8, 8), torch.bfloat16, False, 3, 0, 1),
@@ -515,10 +515,10 @@ def test_polyline_linear_attention_next_extreme_decays(runner, dtype, normalize)
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalize", "plain"])
 def test_polyline_linear_attention_next_matches_verified(runner, normalize):
-    """The next kernels against the verified ones on the same inputs (fp32, W = 11 > one register chunk): the
-    forward's terms are the same sums over state rows in the same order (equal up to rounding), the gradients equal
-    up to the order of the channel slices' partial sums; shared-memory and global state give the same bits, and
-    reruns are bitwise equal."""
+    """The next kernels against the verified ones on the same inputs (fp32, W = 11: two register chunks and a
+    partial one): the forward's terms are the same sums over state rows in the same order (equal up to rounding),
+    the gradients equal up to the order of the channel slices' partial sums; shared-memory and global state give
+    the same bits, and reruns are bitwise equal."""
     shape = (2, 5, 11, 2, 8, 9)
     ins = _linear_inputs(shape, torch.float32, seed=21)
     path = int(normalize)

@@ -65,7 +65,7 @@ inline int polyline_linear_attention_v2_threads(int64_t m) {
 
 namespace lin_v2 {
 
-constexpr int kRowChunk = 8;  // columns whose operands a row recurrence loads before it computes them
+constexpr int kRowChunk = 4;  // columns whose operands a row recurrence loads before it computes them
 
 // The two-sided row product (row_product of polyline_linear_attention.cuh) of one state element along row i:
 // f_j = ea_j f_{j-1} + Z_j, g_{j-1} = ea_j (g_j + Z_j); D_j = f_j + g_j and/or E_j = f_j - Z_j - g_j (D, E: the
@@ -239,19 +239,24 @@ PPMA_D void mask_grads(const LinUnit<acc_t>& u, const LinOuter<acc_t>& A, const 
   }
 }
 
-// The block's state: dynamic shared memory, or `bufs` buffers of [W][d * cs] in global scratch.
-template <typename acc_t>
-PPMA_D acc_t* state(const LinearAttnWork<acc_t>& w, int in_smem, int bufs) {
-  PPMA_DYNAMIC_SMEM(acc_t, smem);
-  return in_smem ? &smem : w.state + int64_t(blockIdx.x) * bufs * w.state_stride;
+// The block's state: dynamic shared memory (kSmem; a compile-time choice, so that the compiler sees the shared
+// address space and emits shared loads and stores), or `bufs` buffers of [W][d * cs] in global scratch.
+template <bool kSmem, typename acc_t>
+PPMA_D acc_t* state(const LinearAttnWork<acc_t>& w, int bufs) {
+  if constexpr (kSmem) {
+    PPMA_DYNAMIC_SMEM(acc_t, smem);
+    return &smem;
+  } else {
+    return w.state + int64_t(blockIdx.x) * bufs * w.state_stride;
+  }
 }
 
 }  // namespace lin_v2
 
-// Forward: as polyline_linear_attention_fwd_kernel. in_smem: the state in dynamic shared memory (else w.state).
-template <typename acc_t>
-__global__ void __launch_bounds__(kLinV2MaxThreads)
-    polyline_linear_attention_v2_fwd_kernel(LinearAttnWork<acc_t> w, int in_smem) {
+// Forward: as polyline_linear_attention_fwd_kernel. kSmem: the state in dynamic shared memory (else w.state).
+template <typename acc_t, bool kSmem>
+__global__ void __launch_bounds__(kLinV2MaxThreads, 1)
+    polyline_linear_attention_v2_fwd_kernel(LinearAttnWork<acc_t> w) {
   const LinBlock blk = lin_block(w.S, 1);
   const LinUnit<acc_t> u = lin_unit(w, blk.bg, blk.slice);
   const int G = w.sz.G, d = u.d, C = u.C;
@@ -261,14 +266,14 @@ __global__ void __launch_bounds__(kLinV2MaxThreads)
   k.a = w.q + blk.bg * N * d;
   k.out_a = w.stats + token_index(N, G, b, 0, g) * 2 * C + blk.dir * C + u.c0;
   k.oas = int64_t(G) * 2 * C;
-  acc_t* st = lin_v2::state(w, in_smem, kLinV2FwdBuffers);
+  acc_t* st = lin_v2::state<kSmem>(w, kLinV2FwdBuffers);
   lin_v2::masked_scan(u, X, blk.dir == 1, k, st, st + int64_t(u.W) * u.m);
 }
 
 // Backward scans: as polyline_linear_attention_bwd_scan_kernel (task 0: dq; task 1: dk, dv'), 2 buffers per block.
-template <typename acc_t>
-__global__ void __launch_bounds__(kLinV2MaxThreads)
-    polyline_linear_attention_v2_bwd_scan_kernel(LinearAttnWork<acc_t> w, int in_smem) {
+template <typename acc_t, bool kSmem>
+__global__ void __launch_bounds__(kLinV2MaxThreads, 1)
+    polyline_linear_attention_v2_bwd_scan_kernel(LinearAttnWork<acc_t> w) {
   const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 2);
   const bool dq = b.blk.task == 0;
   const int d = b.u.d, C = b.u.C;
@@ -283,14 +288,14 @@ __global__ void __launch_bounds__(kLinV2MaxThreads)
     k.oas = C;
   }
   const LinOuter<acc_t> X{dq ? b.k : b.q, dq ? b.v : b.dop, d, C, b.u.cw};  // k ⊗ v' or q ⊗ dO'
-  acc_t* st = lin_v2::state(w, in_smem, 2);
+  acc_t* st = lin_v2::state<kSmem>(w, 2);
   lin_v2::masked_scan(b.u, X, dq == (b.blk.dir == 1), k, st, st + int64_t(b.u.W) * b.u.m);
 }
 
 // Backward prefix-sum gradients: as polyline_linear_attention_bwd_mask_kernel, 5 buffers per block.
-template <typename acc_t>
-__global__ void __launch_bounds__(kLinV2MaxThreads)
-    polyline_linear_attention_v2_bwd_mask_kernel(LinearAttnWork<acc_t> w, int in_smem) {
+template <typename acc_t, bool kSmem>
+__global__ void __launch_bounds__(kLinV2MaxThreads, 1)
+    polyline_linear_attention_v2_bwd_mask_kernel(LinearAttnWork<acc_t> w) {
   const LinBwdUnit<acc_t> b = lin_bwd_unit(w, 1);
   const int d = b.u.d, C = b.u.C;
   const int64_t N = int64_t(b.u.H) * b.u.W, BG = int64_t(w.sz.B) * w.sz.G;
@@ -299,7 +304,7 @@ __global__ void __launch_bounds__(kLinV2MaxThreads)
   const bool v2h = b.blk.dir == 0;  // (A, B) = (q ⊗ dO', k ⊗ v') for V2H, swapped for H2V
   const LinOuter<acc_t> A{v2h ? b.q : b.k, v2h ? b.dop : b.v, d, C, b.u.cw};
   const LinOuter<acc_t> B{v2h ? b.k : b.q, v2h ? b.v : b.dop, d, C, b.u.cw};
-  acc_t* st = lin_v2::state(w, in_smem, kLinV2BwdBuffers);
+  acc_t* st = lin_v2::state<kSmem>(w, kLinV2BwdBuffers);
   const int64_t buf = int64_t(b.u.W) * b.u.m;
   lin_v2::mask_grads(b.u, A, B, gcr, gcc, st, st + buf, st + 2 * buf, st + 3 * buf, st + 4 * buf);
 }
@@ -351,9 +356,14 @@ inline void launch_polyline_linear_attention_v2_fwd(const LinearAttnParams<scala
   const int64_t bytes = in_smem ? int64_t(kLinV2FwdBuffers) * sz.W * sz.d * p.w.cs * int64_t(sizeof(acc_t)) : 0;
   const int threads = polyline_linear_attention_v2_threads(int64_t(sz.d) * p.w.cs);
   launch_per_token(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, p, stream);
-  allow_dynamic_smem(polyline_linear_attention_v2_fwd_kernel<acc_t>, size_t(bytes));
-  launch_kernel(polyline_linear_attention_v2_fwd_kernel<acc_t>, dim3(unsigned(units)), dim3(threads), size_t(bytes),
-                stream, p.w, int(in_smem));
+  if (in_smem) {
+    allow_dynamic_smem(polyline_linear_attention_v2_fwd_kernel<acc_t, true>, size_t(bytes));
+    launch_kernel(polyline_linear_attention_v2_fwd_kernel<acc_t, true>, dim3(unsigned(units)), dim3(threads),
+                  size_t(bytes), stream, p.w);
+  } else {
+    launch_kernel(polyline_linear_attention_v2_fwd_kernel<acc_t, false>, dim3(unsigned(units)), dim3(threads), 0,
+                  stream, p.w);
+  }
   launch_per_token(polyline_linear_attention_finish_kernel<scalar_t, acc_t>, p, stream);
 }
 
@@ -367,12 +377,19 @@ inline void launch_polyline_linear_attention_v2_bwd(const LinearAttnParams<scala
   const int64_t buf = in_smem ? int64_t(sz.W) * sz.d * p.w.cs * int64_t(sizeof(acc_t)) : 0;
   const int threads = polyline_linear_attention_v2_threads(int64_t(sz.d) * p.w.cs);
   launch_per_token(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, p, stream);
-  allow_dynamic_smem(polyline_linear_attention_v2_bwd_scan_kernel<acc_t>, size_t(2 * buf));
-  launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t>, dim3(unsigned(2 * units)), dim3(threads),
-                size_t(2 * buf), stream, p.w, int(in_smem));
-  allow_dynamic_smem(polyline_linear_attention_v2_bwd_mask_kernel<acc_t>, size_t(kLinV2BwdBuffers * buf));
-  launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t>, dim3(unsigned(units)), dim3(threads),
-                size_t(kLinV2BwdBuffers * buf), stream, p.w, int(in_smem));
+  if (in_smem) {
+    allow_dynamic_smem(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, true>, size_t(2 * buf));
+    launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, true>, dim3(unsigned(2 * units)), dim3(threads),
+                  size_t(2 * buf), stream, p.w);
+    allow_dynamic_smem(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, true>, size_t(kLinV2BwdBuffers * buf));
+    launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, true>, dim3(unsigned(units)), dim3(threads),
+                  size_t(kLinV2BwdBuffers * buf), stream, p.w);
+  } else {
+    launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, false>, dim3(unsigned(2 * units)),
+                  dim3(threads), 0, stream, p.w);
+    launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, false>, dim3(unsigned(units)), dim3(threads), 0,
+                  stream, p.w);
+  }
   launch_per_token(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, p, stream);
   DecayGradParams<acc_t> dg;  // as launch_polyline_linear_attention_bwd
   dg.sz = sz;
