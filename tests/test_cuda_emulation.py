@@ -485,6 +485,8 @@ LINEAR_NEXT_CASES = [
     ((1, 4, 3, 2, 8, 8), torch.float16, True, 0, 0, 1),
     ((2, 3, 4, 1, 8, 8), torch.bfloat16, False, 3, 0, 1),
     ((1, 5, 9, 1, 12, 7), torch.float32, False, 0, 0, 2),
+    ((1, 2, 70, 1, 16, 5), torch.float64, True, 0, 0, 1),   # the budget binds: scans in slices of 3, mask of 2
+    ((1, 2, 160, 1, 32, 4), torch.float32, True, 0, 0, 1),  # scans in shared memory, the mask kernel's state global
 ]
 if FULL:
     LINEAR_NEXT_CASES += [

@@ -49,17 +49,19 @@ struct LinearInputs {
   // Whether the next kernels run: the option, read once per call.
   bool next = get_option(Option::kCudaNextPolylineLinearAttention) == 1;
 
-  // The channel slice width of the kernels that run: the verified kernels' or the next ones' (which depends on the
-  // map, the head dim and the accumulation dtype through the shared-memory budget).
-  int slice(bool backward) const {
-    const int c = int(C);
-    if (!next) return polyline_linear_attention_slice(c);
-    return polyline_linear_attention_v2_slice(sz, c, acc == at::kDouble ? 8 : 4, backward);
+  // The next kernels' slices and state placement (they depend on the map, the head dim and the accumulation dtype
+  // through the shared-memory budget).
+  LinV2Plan plan(bool backward) const {
+    return polyline_linear_attention_v2_plan(sz, int(C), acc == at::kDouble ? 8 : 4, backward);
   }
 
-  // The largest grid fits the launch limit.
+  // The largest grid of the kernels that run fits the launch limit.
   void check_blocks(const char* op, bool backward) const {
-    check_grid(op, polyline_linear_attention_blocks(sz, int(C), slice(backward), backward), sz);
+    const int c = int(C);
+    check_grid(op,
+               next ? polyline_linear_attention_v2_blocks(sz, c, plan(backward), backward)
+                    : polyline_linear_attention_blocks(sz, c, polyline_linear_attention_slice(c), backward),
+               sz);
   }
 
   // The input fields of p (sizes, channels and slices, eps, q, k, v, log-decays).
@@ -88,12 +90,12 @@ at::Tensor workspace(P& p, bool backward, const at::Tensor& like) {
   return ws;
 }
 
-// The next kernels' workspace (p.w.cs set by LinearInputs::slice): without the state when it fits shared memory.
+// The next kernels' workspace for a plan: without the state where it fits shared memory.
 template <typename A, typename P>
-at::Tensor workspace_v2(P& p, bool backward, bool in_smem, const at::Tensor& like) {
-  const int64_t n = polyline_linear_attention_v2_workspace(p.w, backward, in_smem, static_cast<A*>(nullptr));
+at::Tensor workspace_v2(P& p, bool backward, const LinV2Plan& pl, const at::Tensor& like) {
+  const int64_t n = polyline_linear_attention_v2_workspace(p.w, backward, pl, static_cast<A*>(nullptr));
   at::Tensor ws = at::empty({n}, like.options());
-  polyline_linear_attention_v2_workspace(p.w, backward, in_smem, ws.data_ptr<A>());
+  polyline_linear_attention_v2_workspace(p.w, backward, pl, ws.data_ptr<A>());
   return ws;
 }
 
@@ -103,13 +105,12 @@ template <typename T, typename A>
 at::Tensor launch_linear(LinearAttnParams<T, A>& p, bool backward, const LinearInputs& in, const at::Tensor& like,
                   cudaStream_t stream) {
   if (in.next) {
-    p.w.cs = in.slice(backward);
-    const bool in_smem = polyline_linear_attention_v2_smem(in.sz, p.w.cs, int(sizeof(A)), backward) > 0;
-    at::Tensor ws = workspace_v2<A>(p, backward, in_smem, like);
+    const LinV2Plan pl = in.plan(backward);
+    at::Tensor ws = workspace_v2<A>(p, backward, pl, like);
     if (backward)
-      launch_polyline_linear_attention_v2_bwd(p, in_smem, stream);
+      launch_polyline_linear_attention_v2_bwd(p, pl, stream);
     else
-      launch_polyline_linear_attention_v2_fwd(p, in_smem, stream);
+      launch_polyline_linear_attention_v2_fwd(p, pl, stream);
     return ws;
   }
   at::Tensor ws = workspace<A>(p, backward, like);

@@ -28,20 +28,15 @@ namespace ppma {
 
 constexpr int kLinV2MaxThreads = 256;               // threads per block at most (one per state element)
 constexpr int64_t kLinV2SmemBudget = 96 * 1024;     // bytes of dynamic shared memory per block for its state
-constexpr int kLinV2FwdBuffers = 2;                 // column state, row product
-constexpr int kLinV2BwdBuffers = 5;                 // prefix-sum gradients: colB, colD, D, E, Q (scans use 2)
+constexpr int kLinV2FwdBuffers = 2;                 // column state, row product (also the backward's scans)
+constexpr int kLinV2BwdBuffers = 5;                 // prefix-sum gradients: colB, colD, D, E, Q
 
-inline int polyline_linear_attention_v2_buffers(bool backward) {
-  return backward ? kLinV2BwdBuffers : kLinV2FwdBuffers;
-}
-
-// Slice width of the next kernels for C channels: the widest whose buffers fit `budget` bytes of shared memory and
-// whose m = d x width state elements fit one block (at most kLinearMaxSlice), balanced like
-// polyline_linear_attention_slice. One width for the whole forward or backward (the backward's partial sums are
-// laid out per slice).
-inline int polyline_linear_attention_v2_slice(const GridSizes& sz, int C, int acc_bytes, bool backward,
+// Slice width for C channels of a kernel with `buffers` row buffers per block: the widest whose buffers fit `budget`
+// bytes of shared memory and whose m = d x width state elements fit one block (at most kLinearMaxSlice), balanced
+// like polyline_linear_attention_slice.
+inline int polyline_linear_attention_v2_slice(const GridSizes& sz, int C, int acc_bytes, int buffers,
                                               int64_t budget = kLinV2SmemBudget) {
-  const int64_t per_channel = int64_t(polyline_linear_attention_v2_buffers(backward)) * sz.W * sz.d * acc_bytes;
+  const int64_t per_channel = int64_t(buffers) * sz.W * sz.d * acc_bytes;
   int64_t cap = kLinearMaxSlice;
   if (sz.d > 0) cap = std::min<int64_t>(cap, std::max<int64_t>(1, kLinV2MaxThreads / sz.d));
   if (per_channel > 0 && budget / per_channel >= 1) cap = std::min<int64_t>(cap, budget / per_channel);
@@ -49,12 +44,34 @@ inline int polyline_linear_attention_v2_slice(const GridSizes& sz, int C, int ac
   return int((C + S - 1) / S);
 }
 
-// Bytes of dynamic shared memory of the largest scan kernel (forward: 2 buffers, backward: the mask kernel's 5) at
-// slice width cs, or 0 when they exceed `budget` (the state then lives in global scratch).
-inline int64_t polyline_linear_attention_v2_smem(const GridSizes& sz, int cs, int acc_bytes, bool backward,
-                                                 int64_t budget = kLinV2SmemBudget) {
-  const int64_t bytes = int64_t(polyline_linear_attention_v2_buffers(backward)) * sz.W * sz.d * cs * acc_bytes;
-  return bytes <= budget ? bytes : 0;
+// The slices and state placement of the next kernels: the forward, or the backward's scans (2 buffers per block)
+// and, with their own slices, its prefix-sum gradients (5 buffers per block). The scans' slices set the partial sums
+// of dq and dk ([2][S][BG][N][d]); the mask kernel's only those of the prefix-sum gradients ([2][2][S_mask][BG][N]),
+// so its narrower slices cost little memory. smem: the state in shared memory (else in global scratch, when one
+// channel's buffers exceed the budget). forced_cs > 0: that width everywhere (tests).
+struct LinV2Plan {
+  int cs = 0, cs_mask = 0;
+  bool smem = false, smem_mask = false;
+};
+
+inline LinV2Plan polyline_linear_attention_v2_plan(const GridSizes& sz, int C, int acc_bytes, bool backward,
+                                                   int forced_cs = 0, int64_t budget = kLinV2SmemBudget) {
+  auto fits = [&](int cs, int buffers) { return int64_t(buffers) * sz.W * sz.d * cs * acc_bytes <= budget; };
+  LinV2Plan pl;
+  pl.cs = forced_cs > 0 ? forced_cs : polyline_linear_attention_v2_slice(sz, C, acc_bytes, kLinV2FwdBuffers, budget);
+  pl.smem = fits(pl.cs, kLinV2FwdBuffers);
+  if (backward) {
+    pl.cs_mask =
+        forced_cs > 0 ? forced_cs : polyline_linear_attention_v2_slice(sz, C, acc_bytes, kLinV2BwdBuffers, budget);
+    pl.smem_mask = fits(pl.cs_mask, kLinV2BwdBuffers);
+  }
+  return pl;
+}
+
+// Blocks of the largest scan kernel of a plan (the launcher checks them against the grid limit).
+inline int64_t polyline_linear_attention_v2_blocks(const GridSizes& sz, int C, const LinV2Plan& pl, bool backward) {
+  const int64_t scans = polyline_linear_attention_blocks(sz, C, pl.cs, backward);
+  return backward ? std::max(scans, polyline_linear_attention_blocks(sz, C, pl.cs_mask, false)) : scans;
 }
 
 // Threads of a scan block for m state elements: one per element, whole warps (row_dots uses a warp per token).
@@ -313,13 +330,47 @@ __global__ void __launch_bounds__(kLinV2MaxThreads, 1)
 // Host side (no torch)
 // ---------------------------------------------------------------------------------------------
 
-// polyline_linear_attention_workspace for the next kernels (w.sz, C and cs set): the same buffers, except the state,
-// which is allocated only when it does not live in shared memory (in_smem false): per block of the largest scan
-// kernel, 2 (forward) or 5 (backward) buffers of W x d x cs, `state_stride` = one buffer.
+// The backward's partial sums, in a fixed order: as polyline_linear_attention_reduce_kernel, with the prefix-sum
+// gradients laid out over the mask kernel's S_mask slices ([2][2][S_mask][BG][N]).
+template <typename scalar_t, typename acc_t>
+__global__ void polyline_linear_attention_v2_reduce_kernel(LinearAttnParams<scalar_t, acc_t> p, int S_mask) {
+  const LinearAttnWork<acc_t>& w = p.w;
+  const int G = w.sz.G, d = w.sz.d, dv = w.sz.dv, C = w.C, S = w.S;
+  const int64_t N = int64_t(w.sz.H) * w.sz.W, BG = int64_t(w.sz.B) * G;
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // bg * N + token
+  if (t >= BG * N) return;
+  const int64_t bg = t / N, tok = t % N;
+  const int64_t out = token_index(N, G, bg / G, tok, bg % G);
+  const int64_t part = BG * N;  // elements (tokens) per (direction, slice)
+  for (int r = 0; r < d; ++r) {
+    acc_t sq = 0, sk = 0;
+    for (int u = 0; u < 2 * S; ++u) {
+      sq += w.dq_part[(u * part + t) * d + r];
+      sk += w.dk_part[(u * part + t) * d + r];
+    }
+    p.dq[out * d + r] = from_acc<scalar_t>(sq);
+    p.dk[out * d + r] = from_acc<scalar_t>(sk);
+  }
+  for (int c = 0; c < dv; ++c)
+    p.dv[out * dv + c] = from_acc<scalar_t>(w.dv_part[t * C + c] + w.dv_part[(part + t) * C + c]);
+  for (int rc = 0; rc < 2; ++rc) {
+    acc_t s = 0;
+    for (int u = 0; u < 2 * S_mask; ++u) s += w.gc_part[(rc * 2 * S_mask + u) * part + t];
+    w.gc_sum[rc * part + t] = s;
+  }
+}
+
+// Host side (no torch). The work buffers of polyline_linear_attention_workspace for the next kernels (w.sz and C
+// set; slices from the plan): the state only where a kernel keeps it in global scratch (one region that the
+// backward's scan and mask kernels use in turn, as in the verified kernels), the prefix-sum partials over the mask
+// kernel's slices. Sets w.cs, w.S (the forward's or the backward scans' slices) and w.state_stride (one buffer of
+// the scans).
 template <typename acc_t>
-inline int64_t polyline_linear_attention_v2_workspace(LinearAttnWork<acc_t>& w, bool backward, bool in_smem,
+inline int64_t polyline_linear_attention_v2_workspace(LinearAttnWork<acc_t>& w, bool backward, const LinV2Plan& pl,
                                                       acc_t* base) {
+  w.cs = pl.cs;
   w.S = (w.C + w.cs - 1) / w.cs;
+  const int S_mask = backward ? (w.C + pl.cs_mask - 1) / pl.cs_mask : 0;
   const int64_t N = int64_t(w.sz.H) * w.sz.W, BG = int64_t(w.sz.B) * w.sz.G, d = w.sz.d, C = w.C;
   int64_t off = 0;
   auto take = [&](int64_t n) {
@@ -333,30 +384,34 @@ inline int64_t polyline_linear_attention_v2_workspace(LinearAttnWork<acc_t>& w, 
   w.ea = take(BG * N);
   w.eb = take(BG * N);
   w.state_stride = int64_t(w.sz.W) * d * w.cs;
-  // the mask kernel's 5 buffers per unit cover the scan kernel's 2 per (unit, task)
-  w.state = in_smem ? nullptr : take(BG * 2 * w.S * polyline_linear_attention_v2_buffers(backward) * w.state_stride);
+  // scans: 2 buffers per block, (backward: 2 tasks per unit); mask kernel: 5 buffers per unit of its slices
+  const int64_t scans = pl.smem ? 0 : BG * 2 * w.S * (backward ? 2 : 1) * kLinV2FwdBuffers * w.state_stride;
+  const int64_t mask =
+      backward && !pl.smem_mask ? BG * 2 * S_mask * kLinV2BwdBuffers * int64_t(w.sz.W) * d * pl.cs_mask : 0;
+  const int64_t state = std::max(scans, mask);
+  w.state = state ? take(state) : nullptr;
   if (backward) {
     w.dop = take(2 * BG * N * C);
     w.dq_part = take(2 * w.S * BG * N * d);
     w.dk_part = take(2 * w.S * BG * N * d);
     w.dv_part = take(2 * BG * N * C);
-    w.gc_part = take(4 * w.S * BG * N);
+    w.gc_part = take(4 * S_mask * BG * N);
     w.gc_sum = take(2 * BG * N);
   }
   return off;
 }
 
-// Forward: p.w laid out by polyline_linear_attention_v2_workspace(.., false, in_smem, ..) with p.w.cs from
-// polyline_linear_attention_v2_slice, p.w.stats the statistics output.
+// Forward: p.w laid out by polyline_linear_attention_v2_workspace(.., false, pl, ..), p.w.stats the statistics
+// output.
 template <typename scalar_t, typename acc_t>
-inline void launch_polyline_linear_attention_v2_fwd(const LinearAttnParams<scalar_t, acc_t>& p, bool in_smem,
+inline void launch_polyline_linear_attention_v2_fwd(const LinearAttnParams<scalar_t, acc_t>& p, const LinV2Plan& pl,
                                                     cudaStream_t stream) {
   const GridSizes& sz = p.w.sz;
   const int64_t units = polyline_linear_attention_blocks(sz, p.w.C, p.w.cs, false);
-  const int64_t bytes = in_smem ? int64_t(kLinV2FwdBuffers) * sz.W * sz.d * p.w.cs * int64_t(sizeof(acc_t)) : 0;
+  const int64_t bytes = int64_t(kLinV2FwdBuffers) * sz.W * sz.d * p.w.cs * int64_t(sizeof(acc_t));
   const int threads = polyline_linear_attention_v2_threads(int64_t(sz.d) * p.w.cs);
   launch_per_token(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, p, stream);
-  if (in_smem) {
+  if (pl.smem) {
     allow_dynamic_smem(polyline_linear_attention_v2_fwd_kernel<acc_t, true>, size_t(bytes));
     launch_kernel(polyline_linear_attention_v2_fwd_kernel<acc_t, true>, dim3(unsigned(units)), dim3(threads),
                   size_t(bytes), stream, p.w);
@@ -367,30 +422,42 @@ inline void launch_polyline_linear_attention_v2_fwd(const LinearAttnParams<scala
   launch_per_token(polyline_linear_attention_finish_kernel<scalar_t, acc_t>, p, stream);
 }
 
-// Backward: p.w laid out by polyline_linear_attention_v2_workspace(.., true, in_smem, ..), p.w.stats the forward's
-// statistics (contiguous), p.dout set.
+// Backward: p.w laid out by polyline_linear_attention_v2_workspace(.., true, pl, ..), p.w.stats the forward's
+// statistics (contiguous), p.dout set. The mask kernel sees the work buffers with its own slices.
 template <typename scalar_t, typename acc_t>
-inline void launch_polyline_linear_attention_v2_bwd(const LinearAttnParams<scalar_t, acc_t>& p, bool in_smem,
+inline void launch_polyline_linear_attention_v2_bwd(const LinearAttnParams<scalar_t, acc_t>& p, const LinV2Plan& pl,
                                                     cudaStream_t stream) {
   const GridSizes& sz = p.w.sz;
   const int64_t units = polyline_linear_attention_blocks(sz, p.w.C, p.w.cs, false);
-  const int64_t buf = in_smem ? int64_t(sz.W) * sz.d * p.w.cs * int64_t(sizeof(acc_t)) : 0;
-  const int threads = polyline_linear_attention_v2_threads(int64_t(sz.d) * p.w.cs);
+  LinearAttnWork<acc_t> wm = p.w;
+  wm.cs = pl.cs_mask;
+  wm.S = (wm.C + wm.cs - 1) / wm.cs;
+  wm.state_stride = int64_t(sz.W) * sz.d * wm.cs;
+  const int64_t mask_units = polyline_linear_attention_blocks(sz, wm.C, wm.cs, false);
+  const int64_t scan_bytes = int64_t(kLinV2FwdBuffers) * sz.W * sz.d * p.w.cs * int64_t(sizeof(acc_t));
+  const int64_t mask_bytes = int64_t(kLinV2BwdBuffers) * sz.W * sz.d * wm.cs * int64_t(sizeof(acc_t));
   launch_per_token(polyline_linear_attention_pack_kernel<scalar_t, acc_t>, p, stream);
-  if (in_smem) {
-    allow_dynamic_smem(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, true>, size_t(2 * buf));
-    launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, true>, dim3(unsigned(2 * units)), dim3(threads),
-                  size_t(2 * buf), stream, p.w);
-    allow_dynamic_smem(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, true>, size_t(kLinV2BwdBuffers * buf));
-    launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, true>, dim3(unsigned(units)), dim3(threads),
-                  size_t(kLinV2BwdBuffers * buf), stream, p.w);
+  const dim3 scan_grid = dim3(unsigned(2 * units));
+  const dim3 scan_block = dim3(unsigned(polyline_linear_attention_v2_threads(int64_t(sz.d) * p.w.cs)));
+  if (pl.smem) {
+    allow_dynamic_smem(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, true>, size_t(scan_bytes));
+    launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, true>, scan_grid, scan_block,
+                  size_t(scan_bytes), stream, p.w);
   } else {
-    launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, false>, dim3(unsigned(2 * units)),
-                  dim3(threads), 0, stream, p.w);
-    launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, false>, dim3(unsigned(units)), dim3(threads), 0,
-                  stream, p.w);
+    launch_kernel(polyline_linear_attention_v2_bwd_scan_kernel<acc_t, false>, scan_grid, scan_block, 0, stream, p.w);
   }
-  launch_per_token(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, p, stream);
+  const dim3 mask_grid = dim3(unsigned(mask_units));
+  const dim3 mask_block = dim3(unsigned(polyline_linear_attention_v2_threads(int64_t(sz.d) * wm.cs)));
+  if (pl.smem_mask) {
+    allow_dynamic_smem(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, true>, size_t(mask_bytes));
+    launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, true>, mask_grid, mask_block,
+                  size_t(mask_bytes), stream, wm);
+  } else {
+    launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, false>, mask_grid, mask_block, 0, stream, wm);
+  }
+  const int64_t tokens = int64_t(sz.B) * sz.G * sz.H * sz.W;
+  launch_kernel(polyline_linear_attention_v2_reduce_kernel<scalar_t, acc_t>, dim3(unsigned((tokens + 127) / 128)),
+                dim3(128), 0, stream, p, int(wm.S));
   DecayGradParams<acc_t> dg;  // as launch_polyline_linear_attention_bwd
   dg.sz = sz;
   dg.own_r[0] = p.w.gc_sum;

@@ -146,26 +146,19 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   p.w.sz = sz;
   p.w.C = c.dv + (p.normalize ? 1 : 0);
   const int64_t budget = next == 2 ? 0 : kLinV2SmemBudget;
-  auto slice = [&](bool backward) {
-    if (c.slice > 0) return c.slice;
-    return next ? polyline_linear_attention_v2_slice(sz, p.w.C, int(sizeof(A)), backward, budget)
-                : polyline_linear_attention_slice(p.w.C);
-  };
-  auto smem = [&](const LinearAttnWork<A>& w, bool backward) {
-    return polyline_linear_attention_v2_smem(sz, w.cs, int(sizeof(A)), backward, budget) > 0;
-  };
   // poisoned workspace (NaN): a read of an element no kernel wrote shows up in the results
   auto layout = [&](LinearAttnWork<A>& w, bool backward, std::vector<A>& buf) {
-    w.cs = slice(backward);
-    const bool in_smem = next && smem(w, backward);
+    LinV2Plan pl;
     if (next) {
-      buf.assign(polyline_linear_attention_v2_workspace(w, backward, in_smem, static_cast<A*>(nullptr)), A(NAN));
-      polyline_linear_attention_v2_workspace(w, backward, in_smem, buf.data());
+      pl = polyline_linear_attention_v2_plan(sz, w.C, int(sizeof(A)), backward, c.slice, budget);
+      buf.assign(polyline_linear_attention_v2_workspace(w, backward, pl, static_cast<A*>(nullptr)), A(NAN));
+      polyline_linear_attention_v2_workspace(w, backward, pl, buf.data());
     } else {
+      w.cs = c.slice > 0 ? c.slice : polyline_linear_attention_slice(w.C);
       buf.assign(polyline_linear_attention_workspace(w, backward, static_cast<A*>(nullptr)), A(NAN));
       polyline_linear_attention_workspace(w, backward, buf.data());
     }
-    return in_smem;
+    return pl;
   };
   bind_qkv(p, c, q, sq, k, sk, v);
   p.log_alpha = la.data();
@@ -176,9 +169,9 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   p.out = o.data();
   p.w.stats = stats.data();
   std::vector<A> work;
-  const bool fwd_smem = layout(p.w, false, work);
+  const LinV2Plan fwd_plan = layout(p.w, false, work);
   if (next)
-    launch_polyline_linear_attention_v2_fwd(p, fwd_smem, nullptr);
+    launch_polyline_linear_attention_v2_fwd(p, fwd_plan, nullptr);
   else
     launch_polyline_linear_attention_fwd(p, nullptr);
   put(out, o);
@@ -193,9 +186,9 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   b.g_log_alpha = gla.data();
   b.g_log_beta = glb.data();
   std::vector<A> bwork;
-  const bool bwd_smem = layout(b.w, true, bwork);
+  const LinV2Plan bwd_plan = layout(b.w, true, bwork);
   if (next)
-    launch_polyline_linear_attention_v2_bwd(b, bwd_smem, nullptr);
+    launch_polyline_linear_attention_v2_bwd(b, bwd_plan, nullptr);
   else
     launch_polyline_linear_attention_bwd(b, nullptr);
   put(out, dq);
