@@ -5,14 +5,16 @@
 // is where the scan state lives and who touches it:
 //
 //  - Shared memory. The channel slices are as narrow as it takes for a block's row buffers ([W][m] each, m = d x
-//    slice width: 2 in the forward, 5 in the backward) to fit kLinV2SmemBudget bytes of shared memory (more blocks
-//    in the grid, one thread per state element). Only when one channel does not fit (W * d large) does the state
-//    go to global scratch, with the same kernels.
+//    slice width: 2 in the forward and the backward's scans, 5 in the prefix-sum gradients, which take slices of
+//    their own) to fit kLinV2SmemBudget bytes of shared memory (more blocks in the grid, one thread per state
+//    element). Only when one channel does not fit (W * d large) does the state go to global scratch, with the same
+//    kernels.
 //  - One owner per state element. A thread owns element e of every buffer for all W columns: the column step, the
 //    two row recurrences (docs/model.md A.7; row_product of polyline_linear_attention.cuh) and their fusion are
 //    thread-local, so a row step needs a barrier only around the contraction with the tokens' vectors (the one
 //    place that reads other threads' elements): 2 barriers per row step instead of 3 (forward, backward scans) and
-//    2 instead of 6 (the prefix-sum gradients, with a fifth buffer for the strict row product of the column state).
+//    2 instead of 5-6 (the prefix-sum gradients, with a fifth buffer for the strict row product of the column
+//    state).
 //  - The row recurrences stage their operands in registers kRowChunk columns at a time (loads of the chunk, then
 //    the dependent FMAs and stores), over __restrict__ buffers: no load waits on the store before it.
 //
