@@ -2,7 +2,7 @@
 // same schema, outputs and statistics as the CPU kernel). Kernels: csrc/kernels/polyline_linear_attention.cuh (the
 // scan form split into channel slices, one block per (b * heads + g, direction, slice)); this file checks the
 // inputs, allocates the outputs and the one workspace buffer, and launches them on the current stream. With the
-// internal option cuda_next_polyline_linear_attention = 1 (read on every call) it launches the next kernels of
+// internal option cuda_next_polyline_linear_attention = 1 (read at every call) it launches the next kernels of
 // csrc/kernels/polyline_linear_attention_v2.cuh instead (state in shared memory, one owner per state element;
 // docs/cuda-kernels.md), not yet verified on a GPU.
 #include <ATen/ATen.h>
@@ -103,7 +103,7 @@ at::Tensor workspace_v2(P& p, bool backward, const LinV2Plan& pl, const at::Tens
 // which the caller keeps alive until the launches are queued.
 template <typename T, typename A>
 at::Tensor launch_linear(LinearAttnParams<T, A>& p, bool backward, const LinearInputs& in, const at::Tensor& like,
-                  cudaStream_t stream) {
+                         cudaStream_t stream) {
   if (in.next) {
     const LinV2Plan pl = in.plan(backward);
     at::Tensor ws = workspace_v2<A>(p, backward, pl, like);
