@@ -116,6 +116,12 @@ gen() {  # gen <header> <arch> -> instantiation TU on stdout
         echo "template void launch_polyline_linear_attention_fwd<$t, $A>(const LinearAttnParams<$t, $A>&, cudaStream_t);"
         echo "template void launch_polyline_linear_attention_bwd<$t, $A>(const LinearAttnParams<$t, $A>&, cudaStream_t);"
       done ;;
+    polyline_linear_attention_v2.cuh)  # the next kernels (cuda_next_polyline_linear_attention), double too
+      for t in $DT double; do
+        A="AccType<$t>::type"
+        echo "template void launch_polyline_linear_attention_v2_fwd<$t, $A>(const LinearAttnParams<$t, $A>&, const LinV2Plan&, cudaStream_t);"
+        echo "template void launch_polyline_linear_attention_v2_bwd<$t, $A>(const LinearAttnParams<$t, $A>&, const LinV2Plan&, cudaStream_t);"
+      done ;;
     *)
       echo "// no explicit instantiations known for $h: header compiled for syntax only" >&2 ;;
   esac

@@ -103,7 +103,8 @@ def _inputs(shape, dtype, seed, decay_scale=1.0):
 
 def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True, slice_width=0):
     """Runs one op (forward, backward) in the emulator; returns the outputs as float64 tensors. op 2
-    (polyline_linear_attention): path = normalize, scale = eps, slice_width = its channel slices (0: default)."""
+    (polyline_linear_attention): path = normalize + 2 x kernels (0 verified, 1 next, 2 next with the state in global
+    scratch), scale = eps, slice_width = its channel slices (0: default)."""
     B, H, W, G, d, dv = shape
     q, k, v, la, lb, go = ins
     head = struct.pack("12i", op, path, DTYPE_CODE[dtype], B, H, W, G, d, dv, int(backward), layout, slice_width)
@@ -115,7 +116,7 @@ def emulate(runner, op, path, dtype, shape, scale, ins, layout=0, backward=True,
         assert r.returncode == 0, f"emulated kernels failed: {r.stderr[-2000:]}"
         flat = torch.from_numpy(np.fromfile(fout, dtype=np.float64))
     n = B * H * W * G
-    C = dv + path  # polyline_linear_attention: the channels of v' = [v, 1] (normalize) or v
+    C = dv + path % 2  # polyline_linear_attention: the channels of v' = [v, 1] (normalize) or v
     stats = [("stats", n * 2 * C)] if op == 2 else [("lse", n * 2)]
     sizes = [("out", n * dv)] + ([("out_v2h", n * dv)] if op == 0 else []) + stats
     if backward:
@@ -417,13 +418,15 @@ def _linear_stats_ref(ins, normalize, eps):
     return torch.stack(dirs, -2).transpose(1, 2).reshape(B, H, W, G, 2, -1)
 
 
-def check_linear(runner, shape, dtype, normalize, ins, slice_width=0, layout=0, eps=1e-6):
-    res = emulate(runner, 2, int(normalize), dtype, shape, eps, ins, layout=layout, slice_width=slice_width)
+def check_linear(runner, shape, dtype, normalize, ins, slice_width=0, layout=0, eps=1e-6, kernels=0):
+    res = emulate(runner, 2, int(normalize) + 2 * kernels, dtype, shape, eps, ins, layout=layout,
+                  slice_width=slice_width)
     fn = lambda q, k, v, la, lb, e: ref.polyline_linear_attention_ref(q, k, v, la, lb, normalize, e)  # noqa: E731
     check_against_reference(res, fn, ins, eps, dtype)
     # the statistics are accumulated in fp32 / fp64 from the rounded inputs: the forward tolerance of fp32 at most
     err = rel_err(res["stats"], _linear_stats_ref(ins, normalize, eps))
     assert err <= max(TOLERANCES[dtype][0], TOLERANCES[torch.float32][0]), f"stats: relative error {err:.3e}"
+    return res
 
 
 # (B, H, W, heads, d, dv), dtype, normalize, slice width (0: the launcher's), layout of q and k: C = dv + normalize
@@ -464,3 +467,76 @@ def test_polyline_linear_attention_extreme_decays(runner, dtype, normalize):
     la[:, :, 1::3], la[:, :, 2::3] = -math.inf, 0.0
     lb[:, 1::3], lb[:, 2::3] = -1e5, 0.0
     check_linear(runner, shape, dtype, normalize, (q, k, v, la, lb, go), slice_width=4, eps=0.5 if normalize else 1e-6)
+
+
+# The next kernels (csrc/kernels/polyline_linear_attention_v2.cuh, the option cuda_next_polyline_linear_attention):
+# kernels 1 (state in shared memory where it fits, the launcher's choice) and 2 (the same kernels with the state in
+# global scratch). (B, H, W, heads, d, dv), dtype, normalize, slice width (0: the next kernels' own, from the shared-
+# memory budget), layout of q and k, kernels: narrow and wide maps (W = 1, 70: rows longer than the row
+# recurrences' register chunks, W not a multiple of them), odd H, several slices with a narrower last one, d != dv,
+# m = d x slice width not a multiple of 32, several heads and batches, strided q and k, every dtype.
+LINEAR_NEXT_CASES = [
+    ((1, 4, 5, 2, 8, 6), torch.float64, True, 0, 0, 1),
+    ((2, 3, 4, 1, 6, 9), torch.float64, False, 4, 1, 1),   # C = 9: slices 4 + 4 + 1
+    ((1, 5, 1, 2, 8, 8), torch.float32, True, 0, 0, 1),    # W = 1
+    ((1, 1, 6, 1, 8, 5), torch.float32, False, 0, 0, 2),   # H = 1, global state
+    ((1, 3, 19, 1, 16, 40), torch.float32, True, 0, 1, 1),  # C = 41, W = 19: full register chunks and a partial one
+    ((1, 3, 70, 1, 4, 3), torch.float64, True, 0, 0, 2),   # wide map, global state
+    ((1, 4, 3, 2, 8, 8), torch.float16, True, 0, 0, 1),
+    ((2, 3, 4, 1, 8, 8), torch.bfloat16, False, 3, 0, 1),
+    ((1, 5, 9, 1, 12, 7), torch.float32, False, 0, 0, 2),
+    ((1, 2, 70, 1, 16, 5), torch.float64, True, 0, 0, 1),   # the budget binds: scans in slices of 3, mask of 2
+    ((1, 2, 160, 1, 32, 4), torch.float32, True, 0, 0, 1),  # scans in shared memory, the mask kernel's state global
+]
+if FULL:
+    LINEAR_NEXT_CASES += [
+        ((2, 9, 12, 2, 16, 16), torch.float32, True, 0, 0, 1),
+        ((1, 7, 6, 3, 32, 32), torch.bfloat16, True, 0, 1, 1),
+        ((1, 12, 1, 1, 8, 8), torch.float64, True, 2, 0, 2),
+        ((2, 5, 6, 1, 12, 70), torch.float16, False, 0, 0, 1),
+        ((1, 2, 130, 1, 4, 4), torch.float32, True, 0, 0, 1),
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,normalize,slice_width,layout,kernels", LINEAR_NEXT_CASES)
+def test_polyline_linear_attention_next(runner, shape, dtype, normalize, slice_width, layout, kernels):
+    ins = _linear_inputs(shape, dtype, seed=sum(shape) + 5)
+    check_linear(runner, shape, dtype, normalize, ins, slice_width, layout, kernels=kernels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalize", "plain"])
+def test_polyline_linear_attention_next_extreme_decays(runner, dtype, normalize):
+    """As test_polyline_linear_attention_extreme_decays, for the next kernels."""
+    shape = (1, 5, 6, 2, 8, 8)
+    q, k, v, la, lb, go = _linear_inputs(shape, dtype, seed=9)
+    la[:, :, 1::3], la[:, :, 2::3] = -math.inf, 0.0
+    lb[:, 1::3], lb[:, 2::3] = -1e5, 0.0
+    check_linear(runner, shape, dtype, normalize, (q, k, v, la, lb, go), eps=0.5 if normalize else 1e-6, kernels=1)
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalize", "plain"])
+def test_polyline_linear_attention_next_matches_verified(runner, normalize):
+    """The next kernels against the verified ones on the same inputs (fp32, W = 11: two register chunks and a
+    partial one): the forward's terms are the same sums over state rows in the same order (the same bits here), the
+    gradients equal up to the order of the channel slices' partial sums; shared-memory and global state give the
+    same bits, and reruns are bitwise equal."""
+    shape = (2, 5, 11, 2, 8, 9)
+    ins = _linear_inputs(shape, torch.float32, seed=21)
+    path = int(normalize)
+    old = emulate(runner, 2, path, torch.float32, shape, 1e-6, ins)
+    new = emulate(runner, 2, path + 2, torch.float32, shape, 1e-6, ins)
+    glob = emulate(runner, 2, path + 4, torch.float32, shape, 1e-6, ins)
+    again = emulate(runner, 2, path + 2, torch.float32, shape, 1e-6, ins)
+    for name in old:
+        assert torch.isfinite(new[name]).all(), name
+        assert rel_err(new[name], old[name]) < 1e-5, f"{name}: {rel_err(new[name], old[name]):.3e}"
+        assert torch.equal(new[name], again[name]), f"{name}: a rerun differs"
+    # the forward's operations and their order are the verified kernel's (the state's placement and the thread that
+    # owns an element change, not the arithmetic): the same bits on the host
+    for name in ("out", "stats"):
+        assert torch.equal(new[name], old[name]), f"{name}: the next forward differs from the verified one"
+    # the same slices (a small map: the slice width is capped by the threads, not by the shared memory), so the
+    # same operations in the same order wherever the state lives
+    for name in new:
+        assert torch.equal(new[name], glob[name]), f"{name}: shared-memory and global state differ"

@@ -1,7 +1,10 @@
 // CUDA launchers of ppma::polyline_linear_attention and its backward (docs/ops.md "polyline_linear_attention"; the
 // same schema, outputs and statistics as the CPU kernel). Kernels: csrc/kernels/polyline_linear_attention.cuh (the
 // scan form split into channel slices, one block per (b * heads + g, direction, slice)); this file checks the
-// inputs, allocates the outputs and the one workspace buffer, and launches them on the current stream.
+// inputs, allocates the outputs and the one workspace buffer, and launches them on the current stream. With the
+// internal option cuda_next_polyline_linear_attention = 1 (read at every call) it launches the next kernels of
+// csrc/kernels/polyline_linear_attention_v2.cuh instead (state in shared memory, one owner per state element;
+// docs/cuda-kernels.md), not yet verified on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,8 +14,10 @@
 
 #include <tuple>
 
+#include "common/options.h"
 #include "cuda/launch_utils.h"
 #include "kernels/polyline_linear_attention.cuh"
+#include "kernels/polyline_linear_attention_v2.cuh"
 
 namespace ppma {
 namespace cuda {
@@ -41,10 +46,22 @@ struct LinearInputs {
 
   bool empty() const { return q.numel() == 0 || v.numel() == 0; }
 
-  // The largest grid fits the launch limit.
+  // Whether the next kernels run: the option, read once per call.
+  bool next = get_option(Option::kCudaNextPolylineLinearAttention) == 1;
+
+  // The next kernels' slices and state placement (they depend on the map, the head dim and the accumulation dtype
+  // through the shared-memory budget).
+  LinV2Plan plan(bool backward) const {
+    return polyline_linear_attention_v2_plan(sz, int(C), acc == at::kDouble ? 8 : 4, backward);
+  }
+
+  // The largest grid of the kernels that run fits the launch limit.
   void check_blocks(const char* op, bool backward) const {
     const int c = int(C);
-    check_grid(op, polyline_linear_attention_blocks(sz, c, polyline_linear_attention_slice(c), backward), sz);
+    check_grid(op,
+               next ? polyline_linear_attention_v2_blocks(sz, c, plan(backward), backward)
+                    : polyline_linear_attention_blocks(sz, c, polyline_linear_attention_slice(c), backward),
+               sz);
   }
 
   // The input fields of p (sizes, channels and slices, eps, q, k, v, log-decays).
@@ -70,6 +87,37 @@ at::Tensor workspace(P& p, bool backward, const at::Tensor& like) {
   const int64_t n = polyline_linear_attention_workspace(p.w, backward, static_cast<A*>(nullptr));
   at::Tensor ws = at::empty({n}, like.options());
   polyline_linear_attention_workspace(p.w, backward, ws.data_ptr<A>());
+  return ws;
+}
+
+// The next kernels' workspace for a plan: without the state where it fits shared memory.
+template <typename A, typename P>
+at::Tensor workspace_v2(P& p, bool backward, const LinV2Plan& pl, const at::Tensor& like) {
+  const int64_t n = polyline_linear_attention_v2_workspace(p.w, backward, pl, static_cast<A*>(nullptr));
+  at::Tensor ws = at::empty({n}, like.options());
+  polyline_linear_attention_v2_workspace(p.w, backward, pl, ws.data_ptr<A>());
+  return ws;
+}
+
+// Lays out the workspace of the kernels that run and launches them (forward or backward); returns the workspace,
+// which the caller keeps alive until the launches are queued.
+template <typename T, typename A>
+at::Tensor launch_linear(LinearAttnParams<T, A>& p, bool backward, const LinearInputs& in, const at::Tensor& like,
+                         cudaStream_t stream) {
+  if (in.next) {
+    const LinV2Plan pl = in.plan(backward);
+    at::Tensor ws = workspace_v2<A>(p, backward, pl, like);
+    if (backward)
+      launch_polyline_linear_attention_v2_bwd(p, pl, stream);
+    else
+      launch_polyline_linear_attention_v2_fwd(p, pl, stream);
+    return ws;
+  }
+  at::Tensor ws = workspace<A>(p, backward, like);
+  if (backward)
+    launch_polyline_linear_attention_bwd(p, stream);
+  else
+    launch_polyline_linear_attention_fwd(p, stream);
   return ws;
 }
 
@@ -101,8 +149,7 @@ std::tuple<at::Tensor, at::Tensor> polyline_linear_attention_cuda(const at::Tens
     in.set<scalar_t>(p, normalize, eps);
     p.out = cptr<scalar_t>(out);
     p.w.stats = stats.data_ptr<A>();
-    const at::Tensor ws = workspace<A>(p, false, stats);
-    launch_polyline_linear_attention_fwd(p, stream);
+    const at::Tensor ws = launch_linear(p, false, in, stats, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, stats};
@@ -134,8 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> polyline_
     p.dout = cptr<scalar_t>(dout);
     p.sdo = strides4(dout);
     g.bind<scalar_t>(p);
-    const at::Tensor ws = workspace<A>(p, true, stats);
-    launch_polyline_linear_attention_bwd(p, stream);
+    const at::Tensor ws = launch_linear(p, true, in, stats, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return g.result(log_alpha, log_beta);

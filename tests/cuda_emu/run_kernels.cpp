@@ -6,7 +6,9 @@
 //   run_kernels IN OUT
 // IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention, 2 polyline_linear_attention), path
 //     (op 0: 0 CUDA cores, 1 tensor cores, 2 tensor cores with the next backward (polyline_attention_tc_bwd2.cuh,
-//     the option cuda_next_polyline_attention); op 2: normalize 0/1), dtype (0 float32, 1 float64, 2 float16,
+//     the option cuda_next_polyline_attention); op 2: normalize 0/1 + 2 x kernels (0 the verified ones, 1 the next
+//     ones, polyline_linear_attention_v2.cuh, the option cuda_next_polyline_linear_attention, 2 the next ones with
+//     their state in global scratch)), dtype (0 float32, 1 float64, 2 float16,
 //     3 bfloat16), B, H, W, heads, d, dv, backward (0/1), layout of q and k (0 contiguous [B, H, W, heads, d],
 //     1 stored as [B, W, H, heads, d] and passed with the strides of that permutation), op 2: channel slice width
 //     (0: the launcher's choice) else 0}, float64 scale (op 2: eps), then float64 arrays q, k [B*H*W*heads*d],
@@ -22,6 +24,7 @@
 #include "polyline_attention_tc.cuh"
 #include "polyline_attention_tc_bwd2.cuh"
 #include "polyline_linear_attention.cuh"
+#include "polyline_linear_attention_v2.cuh"
 // clang-format on
 
 #include <algorithm>
@@ -128,18 +131,35 @@ void bind_qkv(P& p, const Case& c, const std::vector<T>& q, const Strides4& sq, 
   p.sv = contiguous4(c, c.dv);
 }
 
-// polyline_linear_attention: the launcher's sequence (csrc/cuda/polyline_linear_attention.cu) with its workspace.
+// polyline_linear_attention: the launcher's sequence (csrc/cuda/polyline_linear_attention.cu) with its workspace;
+// next = 0: the verified kernels, 1: the next ones (state in shared memory where it fits, as the launcher), 2: the
+// next ones with the state forced into global scratch.
 template <typename T, typename A>
 void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, const Strides4& sq,
                 const std::vector<T>& k, const Strides4& sk, const std::vector<T>& v, const std::vector<A>& la,
                 const std::vector<A>& lb, const std::vector<T>& go, std::FILE* out) {
   const int64_t n = int64_t(c.B) * c.H * c.W * c.G;
+  const int next = c.path >> 1;
   LinearAttnParams<T, A> p;
-  p.normalize = c.path != 0;
+  p.normalize = (c.path & 1) != 0;
   p.eps = A(c.scale);
   p.w.sz = sz;
   p.w.C = c.dv + (p.normalize ? 1 : 0);
-  p.w.cs = c.slice > 0 ? c.slice : polyline_linear_attention_slice(p.w.C);
+  const int64_t budget = next == 2 ? 0 : kLinV2SmemBudget;
+  // poisoned workspace (NaN): a read of an element no kernel wrote shows up in the results
+  auto layout = [&](LinearAttnWork<A>& w, bool backward, std::vector<A>& buf) {
+    LinV2Plan pl;
+    if (next) {
+      pl = polyline_linear_attention_v2_plan(sz, w.C, int(sizeof(A)), backward, c.slice, budget);
+      buf.assign(polyline_linear_attention_v2_workspace(w, backward, pl, static_cast<A*>(nullptr)), A(NAN));
+      polyline_linear_attention_v2_workspace(w, backward, pl, buf.data());
+    } else {
+      w.cs = c.slice > 0 ? c.slice : polyline_linear_attention_slice(w.C);
+      buf.assign(polyline_linear_attention_workspace(w, backward, static_cast<A*>(nullptr)), A(NAN));
+      polyline_linear_attention_workspace(w, backward, buf.data());
+    }
+    return pl;
+  };
   bind_qkv(p, c, q, sq, k, sk, v);
   p.log_alpha = la.data();
   p.log_beta = lb.data();
@@ -148,10 +168,12 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   std::vector<A> stats(n * 2 * p.w.C), gla(n), glb(n);
   p.out = o.data();
   p.w.stats = stats.data();
-  // poisoned workspace (NaN): a read of an element no kernel wrote shows up in the results
-  std::vector<A> work(polyline_linear_attention_workspace(p.w, false, static_cast<A*>(nullptr)), A(NAN));
-  polyline_linear_attention_workspace(p.w, false, work.data());
-  launch_polyline_linear_attention_fwd(p, nullptr);
+  std::vector<A> work;
+  const LinV2Plan fwd_plan = layout(p.w, false, work);
+  if (next)
+    launch_polyline_linear_attention_v2_fwd(p, fwd_plan, nullptr);
+  else
+    launch_polyline_linear_attention_fwd(p, nullptr);
   put(out, o);
   put(out, stats);
   if (!c.bwd) return;
@@ -163,9 +185,12 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
   b.dv = dv.data();
   b.g_log_alpha = gla.data();
   b.g_log_beta = glb.data();
-  std::vector<A> bwork(polyline_linear_attention_workspace(b.w, true, static_cast<A*>(nullptr)), A(NAN));
-  polyline_linear_attention_workspace(b.w, true, bwork.data());
-  launch_polyline_linear_attention_bwd(b, nullptr);
+  std::vector<A> bwork;
+  const LinV2Plan bwd_plan = layout(b.w, true, bwork);
+  if (next)
+    launch_polyline_linear_attention_v2_bwd(b, bwd_plan, nullptr);
+  else
+    launch_polyline_linear_attention_bwd(b, nullptr);
   put(out, dq);
   put(out, dk);
   put(out, dv);
