@@ -380,9 +380,11 @@ __global__ void polyline_linear_attention_finish_kernel(LinearAttnParams<scalar_
 }
 
 // The backward's partial sums, in a fixed order: dq, dk over (direction, slice), dv' over the directions, and the
-// prefix-sum gradients over (direction, slice) into gc_sum. One thread per (bg, token).
+// prefix-sum gradients over (direction, mask slice) into gc_sum ([2][2][S_mask][BG][N]: S_mask = w.S here, the
+// decay-gradient kernel's own slices in the next kernels of polyline_linear_attention_v2.cuh). One thread per
+// (bg, token).
 template <typename scalar_t, typename acc_t>
-__global__ void polyline_linear_attention_reduce_kernel(LinearAttnParams<scalar_t, acc_t> p) {
+__global__ void polyline_linear_attention_reduce_kernel(LinearAttnParams<scalar_t, acc_t> p, int S_mask) {
   const LinearAttnWork<acc_t>& w = p.w;
   const int G = w.sz.G, d = w.sz.d, dv = w.sz.dv, C = w.C, S = w.S;
   const int64_t N = int64_t(w.sz.H) * w.sz.W, BG = int64_t(w.sz.B) * G;
@@ -404,7 +406,7 @@ __global__ void polyline_linear_attention_reduce_kernel(LinearAttnParams<scalar_
     p.dv[out * dv + c] = from_acc<scalar_t>(w.dv_part[t * C + c] + w.dv_part[(part + t) * C + c]);
   for (int rc = 0; rc < 2; ++rc) {
     acc_t s = 0;
-    for (int u = 0; u < 2 * S; ++u) s += w.gc_part[(rc * 2 * S + u) * part + t];
+    for (int u = 0; u < 2 * S_mask; ++u) s += w.gc_part[(rc * 2 * S_mask + u) * part + t];
     w.gc_sum[rc * part + t] = s;
   }
 }
@@ -574,7 +576,9 @@ inline void launch_polyline_linear_attention_bwd(const LinearAttnParams<scalar_t
                 stream, p.w);
   launch_kernel(polyline_linear_attention_bwd_mask_kernel<acc_t>, dim3(unsigned(units)), dim3(kLinearThreads), 0,
                 stream, p.w);
-  launch_per_token(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, p, stream);
+  const int64_t tokens = int64_t(sz.B) * sz.G * sz.H * sz.W;
+  launch_kernel(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, dim3(unsigned((tokens + 127) / 128)),
+                dim3(128), 0, stream, p, int(p.w.S));
   DecayGradParams<acc_t> dg;  // reverse cumsums of the summed prefix-sum gradients (no cross-term tables)
   dg.sz = sz;
   dg.own_r[0] = p.w.gc_sum;

@@ -332,37 +332,7 @@ __global__ void __launch_bounds__(kLinV2MaxThreads, 1)
 // Host side (no torch)
 // ---------------------------------------------------------------------------------------------
 
-// The backward's partial sums, in a fixed order: as polyline_linear_attention_reduce_kernel, with the prefix-sum
-// gradients laid out over the mask kernel's S_mask slices ([2][2][S_mask][BG][N]).
-template <typename scalar_t, typename acc_t>
-__global__ void polyline_linear_attention_v2_reduce_kernel(LinearAttnParams<scalar_t, acc_t> p, int S_mask) {
-  const LinearAttnWork<acc_t>& w = p.w;
-  const int G = w.sz.G, d = w.sz.d, dv = w.sz.dv, C = w.C, S = w.S;
-  const int64_t N = int64_t(w.sz.H) * w.sz.W, BG = int64_t(w.sz.B) * G;
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // bg * N + token
-  if (t >= BG * N) return;
-  const int64_t bg = t / N, tok = t % N;
-  const int64_t out = token_index(N, G, bg / G, tok, bg % G);
-  const int64_t part = BG * N;  // elements (tokens) per (direction, slice)
-  for (int r = 0; r < d; ++r) {
-    acc_t sq = 0, sk = 0;
-    for (int u = 0; u < 2 * S; ++u) {
-      sq += w.dq_part[(u * part + t) * d + r];
-      sk += w.dk_part[(u * part + t) * d + r];
-    }
-    p.dq[out * d + r] = from_acc<scalar_t>(sq);
-    p.dk[out * d + r] = from_acc<scalar_t>(sk);
-  }
-  for (int c = 0; c < dv; ++c)
-    p.dv[out * dv + c] = from_acc<scalar_t>(w.dv_part[t * C + c] + w.dv_part[(part + t) * C + c]);
-  for (int rc = 0; rc < 2; ++rc) {
-    acc_t s = 0;
-    for (int u = 0; u < 2 * S_mask; ++u) s += w.gc_part[(rc * 2 * S_mask + u) * part + t];
-    w.gc_sum[rc * part + t] = s;
-  }
-}
-
-// Host side (no torch). The work buffers of polyline_linear_attention_workspace for the next kernels (w.sz and C
+// The work buffers of polyline_linear_attention_workspace for the next kernels (w.sz and C
 // set; slices from the plan): the state only where a kernel keeps it in global scratch (one region that the
 // backward's scan and mask kernels use in turn, as in the verified kernels), the prefix-sum partials over the mask
 // kernel's slices. Sets w.cs, w.S (the forward's or the backward scans' slices) and w.state_stride (one buffer of
@@ -458,7 +428,7 @@ inline void launch_polyline_linear_attention_v2_bwd(const LinearAttnParams<scala
     launch_kernel(polyline_linear_attention_v2_bwd_mask_kernel<acc_t, false>, mask_grid, mask_block, 0, stream, wm);
   }
   const int64_t tokens = int64_t(sz.B) * sz.G * sz.H * sz.W;
-  launch_kernel(polyline_linear_attention_v2_reduce_kernel<scalar_t, acc_t>, dim3(unsigned((tokens + 127) / 128)),
+  launch_kernel(polyline_linear_attention_reduce_kernel<scalar_t, acc_t>, dim3(unsigned((tokens + 127) / 128)),
                 dim3(128), 0, stream, p, int(wm.S));
   DecayGradParams<acc_t> dg;  // as launch_polyline_linear_attention_bwd
   dg.sz = sz;
