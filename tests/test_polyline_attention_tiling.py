@@ -1,5 +1,5 @@
 """Float64 prototype of the row-uniform tiling of the polyline_attention tensor-core backward (docs/design.md §4.3,
-"the row-uniform backward"), against the reference's gradients.
+"the row-uniform kernels"), against the reference's gradients.
 
 The kernels of ``csrc/kernels/polyline_attention_tc_bwd2.cuh`` rest on two facts checked here in plain PyTorch,
 before any device code (docs/design.md §5.3):

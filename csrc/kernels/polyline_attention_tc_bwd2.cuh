@@ -1,11 +1,13 @@
-// polyline_attention backward on tensor cores, row-uniform form (docs/design.md §4.3 "The row-uniform backward";
+// polyline_attention backward on tensor cores, row-uniform form (docs/design.md §4.3 "The row-uniform kernels";
 // opt-in through the internal option cuda_next_polyline_attention, docs/configuration.md). Same math, outputs,
 // scratch buffers and ownership as the dq / dkdv kernels of polyline_attention_tc.cuh (read its header first);
 // what changes is how the biases are formed and where the decay-gradient terms are reduced.
 //
 // Row-uniform maps. With 64-token RowTiling tiles, every warp's 16 outer tokens and every n8 block of 8 inner
-// tokens lie in one map row when W is a multiple of 16 or W > 32 (polyline_attention_tc_row_uniform; narrower maps
-// keep the kernels of polyline_attention_tc.cuh). For a (warp, n8 block) pair of query row i and key row k:
+// tokens lie in one map row when W is a multiple of 16 or W > 32 (polyline_attention_tc_row_uniform). For
+// 16 < W < 32 the same kernels run in their two-row form (TWO = true, polyline_attention_tc_two_row: per-lane row
+// select, see there); maps below 16 columns keep the kernels of polyline_attention_tc.cuh. For a (warp, n8 block)
+// pair of query row i and key row k:
 //   * the biases are separable: M = seg(j, l; cr(i,j), cr(i,l)) + e1[l], M' = seg(j, l; cr(k,j), cr(k,l)) + e2[j]
 //     with e1[l] = seg(k, i; cc(k,l), cc(i,l)) and e2[j] = seg(i, k; cc(i,j), cc(k,j)) (seg = line_bias). A lane
 //     reads its two key columns' token data, the two (query row, key column) and the two (key row, query column)
@@ -527,9 +529,8 @@ inline size_t polyline_attention_tc_ru_table_bytes(const GridSizes& sz) {
   return 2 * size_t(RowTiling(sz.H, sz.W, TcTraits<DPAD>::BM).table) * sizeof(float);
 }
 
-// The backward with the row-uniform kernels where they apply (polyline_attention_tc_row_uniform, and their two-row
-// form for polyline_attention_tc_two_row), else that of polyline_attention_tc.cuh. Same buffers as launch_polyline_attention_tc_bwd (the row-uniform kernels write
-// every entry of the x1 / x2 tables; the other kernels need them zeroed).
+// The backward on the row-uniform kernels in the form TWO. Same buffers as launch_polyline_attention_tc_bwd (the
+// row-uniform kernels write every entry of the x1 / x2 tables; the other kernels need them zeroed).
 template <typename T, int DPAD, bool TWO>
 inline void launch_polyline_attention_tc_ru_bwd(const PolylineAttnParams<T, float>& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.sz.B) * p.sz.H * p.sz.W * p.sz.G;
@@ -553,6 +554,8 @@ PPMA_HD bool polyline_attention_tc_next_covers(int W) {
   return polyline_attention_tc_row_uniform(W) || polyline_attention_tc_two_row(W);
 }
 
+// The backward under cuda_next_polyline_attention = 1: the row-uniform kernels (polyline_attention_tc_row_uniform),
+// their two-row form (polyline_attention_tc_two_row), else polyline_attention_tc.cuh's.
 template <typename T, int DPAD>
 inline void launch_polyline_attention_tc_bwd_next(const PolylineAttnParams<T, float>& p, cudaStream_t stream) {
   if (polyline_attention_tc_row_uniform(p.sz.W))

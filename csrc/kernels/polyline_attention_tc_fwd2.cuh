@@ -22,10 +22,18 @@
 
 namespace ppma {
 
+// Keys per tile: the verified forward's by default (then the two give the same bits). With the row-uniform bias
+// 32 at head dim 128 also compiles without spills (sm_90: 241 / 254 registers, TWO = false / true), half the key
+// tiles of 16: a GPU session can time it with -DPPMA_TC_RU_BN_FWD=32.
+#ifndef PPMA_TC_RU_BN_FWD
+#define PPMA_TC_RU_BN_FWD (TcTraits<DPAD>::BN)
+#endif
+
 template <int DPAD>
 struct TcRuFwdSmem {
   using Tr = TcTraits<DPAD>;
-  static constexpr int BN = Tr::BN;  // keys per tile: the verified forward's (PPMA_TC_BN_FWD)
+  static constexpr int BN = PPMA_TC_RU_BN_FWD;
+  static_assert(BN % 16 == 0 && BN <= Tr::BM, "key tiles are multiples of 16 up to BM");
   uint16_t q[Tr::BM * Tr::LD];
   uint16_t k[2][BN * Tr::LD];  // the key tile and the next one
   uint16_t v[2][BN * Tr::LD];
