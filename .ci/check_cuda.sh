@@ -41,8 +41,8 @@ TC_DT="__half __nv_bfloat16"
 TC_DP="16 32 64 128"
 # kernels that must not spill (ptxas -v), and the spills that are known and accepted (kernel-name regex)
 NO_SPILL='polyline_attention_tc_|criss_cross_pack_|criss_cross_tc_|polyline_linear_attention_'
-# 20-36 bytes: dK and dV accumulators of 16 x 128 (the verified dkdv kernel and the row-uniform one)
-SPILL_OK='polyline_attention_tc_(ru_)?dkdv_kernel<[_a-z0-9]+, 128>'
+# 8-36 bytes: dK and dV accumulators of 16 x 128 (the verified dkdv kernel and the row-uniform one, both forms)
+SPILL_OK='polyline_attention_tc_(ru_)?dkdv_kernel<[_a-z0-9]+, 128(, (true|false))?>'
 # the headers of register-budgeted kernels, compiled for sm_80 too
 SM80_HEADERS='polyline_attention_tc*.cuh|criss_cross_attention*.cuh|polyline_linear_attention*.cuh|warp_mma.h'
 gen() {  # gen <header> <arch> -> instantiation TU on stdout
@@ -75,6 +75,12 @@ gen() {  # gen <header> <arch> -> instantiation TU on stdout
     polyline_attention_tc_bwd2.cuh)  # the row-uniform backward (cuda_next_polyline_attention)
       for t in $TC_DT; do for d in $TC_DP; do
         echo "template void launch_polyline_attention_tc_bwd_next<$t, $d>(const PolylineAttnParams<$t, float>&, cudaStream_t);"
+      done; done ;;
+    polyline_attention_tc_fwd2.cuh)  # the row-uniform forward (cuda_next_polyline_attention), both forms
+      for t in $TC_DT; do for d in $TC_DP; do
+        for two in false true; do
+          echo "template __global__ void polyline_attention_tc_ru_fwd_kernel<$t, $d, $two>(PolylineAttnParams<$t, float>);"
+        done
       done; done ;;
     warp_mma.h)
       echo "static_assert(sizeof(uint32_t) == 4, \"\");" ;;

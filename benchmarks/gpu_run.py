@@ -121,6 +121,8 @@ CHECK_CASES = [
     ("polyline_attention", (8, 64, 64, 4, 32), "bfloat16"),
     ("polyline_attention", (8, 48, 48, 4, 32), "bfloat16"),
     ("polyline_attention", (64, 14, 14, 8, 32), "bfloat16"),
+    ("polyline_attention", (64, 28, 28, 4, 32), "bfloat16"),  # next kernels: two-row form (16 < W < 32)
+    ("polyline_attention", (2, 9, 17, 2, 128), "float16"),
     ("polyline_attention", (2, 96, 96, 4, 64), "bfloat16"),
     ("polyline_attention", (2, 13, 37, 2, 24), "float16"),
     ("polyline_attention", (2, 20, 9, 2, 32), "float32"),
@@ -146,6 +148,7 @@ SMOKE_CHECK_CASES = [
 TIME_CASES = [
     ("polyline_attention", (8, 64, 64, 4, 32), "bfloat16"),
     ("polyline_attention", (8, 32, 32, 4, 32), "bfloat16"),
+    ("polyline_attention", (64, 28, 28, 4, 32), "bfloat16"),
     ("polyline_attention", (64, 14, 14, 8, 32), "bfloat16"),
     ("polyline_attention", (64, 7, 7, 16, 32), "bfloat16"),
     ("criss_cross_attention", (64, 56, 56, 4, 16), "bfloat16"),

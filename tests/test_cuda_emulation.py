@@ -206,7 +206,7 @@ def test_polyline_attention_tensor_cores(runner, shape, dtype, layout):
 # The row-uniform backward (csrc/kernels/polyline_attention_tc_bwd2.cuh, path 2 = the option
 # cuda_next_polyline_attention): maps whose 64-token tiles keep every warp in one map row (W a multiple of 16, or
 # W > 32: several rows per tile, one partial row per tile, row segments and their groups), and narrow maps, which
-# keep the verified kernels (W = 7, 20).
+# keep the verified kernels (W = 7). W = 17-31: the two-row cases below.
 NEXT_CASES = [
     ((1, 4, 16, 2, 32, 32), torch.bfloat16, 0),  # 4 rows per tile, one per warp
     ((2, 3, 32, 1, 16, 16), torch.float16, 1),   # 2 rows per tile, odd H, strided q and k
@@ -220,7 +220,7 @@ if FULL:
         ((1, 1, 300, 1, 16, 16), torch.bfloat16, 0),  # 5 segments: backward CTAs own 2 and 1 segments
         ((1, 3, 130, 1, 64, 64), torch.float16, 0),
         ((2, 4, 56, 2, 32, 32), torch.bfloat16, 1),
-        ((1, 5, 20, 1, 32, 32), torch.float16, 0),   # general path (a warp across two rows)
+        ((1, 5, 20, 1, 32, 32), torch.float16, 0),   # two-row kernels (a warp across two rows)
         ((1, 9, 64, 1, 8, 8), torch.bfloat16, 0),     # DPAD = 16, one full row per tile
     ]
 
@@ -246,6 +246,63 @@ def test_polyline_attention_tensor_cores_next_matches_verified(runner):
     for name in ("q", "k", "v", "log_alpha", "log_beta"):
         assert rel_err(a[name], b[name]) < 1e-4, name
     again = emulate(runner, 0, 2, torch.bfloat16, shape, 0.2, ins)
+    for name in a:
+        assert torch.equal(a[name], again[name]), f"{name}: a rerun differs"
+
+
+# The next kernels on two-row maps (16 < W < 32, csrc/kernels/polyline_attention_tc_bwd2.cuh TWO = true, and the
+# forward of polyline_attention_tc_fwd2.cuh), and the next forward on row-uniform maps: a lane's two rows in two
+# map rows, its two columns in two map rows (odd W), 2-3 rows per tile, odd H, every head-dim path (at 128 the
+# dkdv kernel's 16-query inner tiles are row segments of 16 + W - 16), d != dv, strided q and k, wide maps (row
+# segments, W > 128).
+TWO_ROW_CASES = [
+    ((1, 3, 28, 2, 32, 32), torch.bfloat16, 0),  # PPMA-T's stage 2 width: 2 rows (56 tokens) per tile
+    ((2, 5, 20, 1, 16, 16), torch.float16, 1),   # 3 rows per tile, odd H, strided q and k
+    ((1, 3, 17, 1, 64, 64), torch.bfloat16, 0),  # 3 rows (51 tokens) per tile
+    ((1, 3, 31, 1, 128, 128), torch.float16, 0),  # DPAD = 128
+    ((1, 2, 28, 1, 24, 40), torch.bfloat16, 0),  # d != dv
+    ((1, 2, 150, 1, 32, 32), torch.float16, 0),  # row-uniform, wide: segments of 64, 64, 22
+]
+if FULL:
+    TWO_ROW_CASES += [
+        ((1, 5, 20, 1, 128, 128), torch.bfloat16, 0),
+        ((2, 4, 31, 1, 64, 64), torch.float16, 1),
+        ((1, 3, 17, 2, 16, 16), torch.float16, 0),
+        ((1, 3, 28, 1, 128, 64), torch.bfloat16, 0),
+        ((1, 2, 300, 1, 64, 64), torch.bfloat16, 0),
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,layout", TWO_ROW_CASES)
+def test_polyline_attention_tensor_cores_next_two_row(runner, shape, dtype, layout):
+    ins = _inputs(shape, dtype, seed=sum(shape) + 13)
+    scale = shape[4] ** -0.5
+    res = emulate(runner, 0, 2, dtype, shape, scale, ins, layout=layout)
+    check_against_reference(res, ref.polyline_attention_ref, ins, scale, dtype)
+    check_lse(res, ins, scale)
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((1, 3, 28, 1, 32, 32), torch.bfloat16),   # two-row
+    ((1, 4, 17, 1, 16, 16), torch.float16),    # two-row, odd W
+    ((1, 2, 31, 1, 128, 128), torch.bfloat16),  # two-row, DPAD = 128
+    ((1, 3, 32, 1, 64, 64), torch.float16),    # row-uniform, 2 rows per tile
+    ((1, 2, 150, 1, 32, 32), torch.bfloat16),  # row-uniform, row segments
+])
+def test_polyline_attention_tensor_cores_next_matches_verified_two_row(runner, shape, dtype):
+    """The next kernels (forward and backward) against the verified tensor-core kernels on the same inputs: the
+    forward bit for bit (same key-tile order and arithmetic), gradients equal up to summation order; two runs of
+    the next kernels bitwise equal."""
+    ins = _inputs(shape, dtype, seed=sum(shape) + 3)
+    a = emulate(runner, 0, 2, dtype, shape, 0.2, ins)
+    b = emulate(runner, 0, 1, dtype, shape, 0.2, ins)
+    for name in ("out", "out_v2h", "lse"):
+        assert torch.equal(a[name], b[name]), name
+    # dq, dk, dv are stored in the 16-bit dtype: a different summation order flips some roundings (bf16: 2^-8)
+    tol = max(1e-4, 0.05 * torch.finfo(dtype).eps)
+    for name in ("q", "k", "v", "log_alpha", "log_beta"):
+        assert rel_err(a[name], b[name]) < tol, name
+    again = emulate(runner, 0, 2, dtype, shape, 0.2, ins)
     for name in a:
         assert torch.equal(a[name], again[name]), f"{name}: a rerun differs"
 

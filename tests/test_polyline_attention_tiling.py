@@ -1,5 +1,5 @@
 """Float64 prototype of the row-uniform tiling of the polyline_attention tensor-core backward (docs/design.md §4.3,
-"the row-uniform backward"), against the reference's gradients.
+"the row-uniform kernels"), against the reference's gradients.
 
 The kernels of ``csrc/kernels/polyline_attention_tc_bwd2.cuh`` rest on two facts checked here in plain PyTorch,
 before any device code (docs/design.md §5.3):
@@ -15,7 +15,9 @@ before any device code (docs/design.md §5.3):
   block pair for the cc terms). Summed per row and reverse-cumsummed they give the log-decay gradients.
 
 The block structure follows RowTiling (csrc/kernels/common.cuh) with 64-token tiles, as the kernels do; the tests
-assert that each block lies in one row for the maps the fast path takes (W a multiple of 16, or W > 32).
+assert that each block lies in one row for the maps the fast path takes (W a multiple of 16, or W > 32), and in at
+most two rows for W = 17-31 (the two-row kernels), where the blocks are split into their row parts: each pair of
+parts is row-uniform, which is what the kernels' per-lane row select computes.
 """
 
 from __future__ import annotations
@@ -56,9 +58,22 @@ def sgn(a):
     return torch.sign(a).to(torch.float64)
 
 
-def tiled_backward(q, k, v, la, lb, go, scale):
+def parts(blks: list[list[int]], W: int, max_rows: int):
+    """The map-row parts of each block, as (token indices, row) pairs: the whole block where it lies in one row (the
+    row-uniform kernels), else one part per row it spans (the two-row kernels: a lane selects the row of each of
+    its elements). Asserts that no block spans more than max_rows rows."""
+    for b in blks:
+        rows = sorted({t // W for t in b})
+        assert len(rows) <= max_rows, f"a block spans {len(rows)} rows"
+        for r in rows:
+            yield torch.tensor([t for t in b if t // W == r]), r
+
+
+def tiled_backward(q, k, v, la, lb, go, scale, max_rows=1):
     """out and the five gradients of polyline_attention for one (b, head) ([H, W, d] inputs), from the separable
-    biases of row-uniform block pairs and the row-owner assignment of the decay-gradient terms."""
+    biases of row-uniform block pairs and the row-owner assignment of the decay-gradient terms. max_rows: the map
+    rows a 16-token warp block or an 8-token n8 block may span (1: the row-uniform kernels; 2: W = 17-31, the
+    two-row kernels, where each (query part, key part) pair of two blocks is row-uniform)."""
     H, W, d = q.shape
     N = H * W
     cr = ref.prefix_sum_excl_first(la, dim=1)  # [H, W]
@@ -73,15 +88,9 @@ def tiled_backward(q, k, v, la, lb, go, scale):
     M2 = torch.full((N, N), float("nan"), dtype=torch.float64)
     tiles = row_tiles(H, W)
     qblocks, kblocks = blocks(tiles, 16), blocks(tiles, 8)
-    for qb in qblocks:
-        qb_ = torch.tensor(qb)
-        i = int(row[qb_[0]])
-        assert (row[qb_] == i).all(), "a warp block spans two rows"
+    for qb_, i in parts(qblocks, W, max_rows):
         j = col[qb_]
-        for kb in kblocks:
-            kb_ = torch.tensor(kb)
-            kr = int(row[kb_[0]])
-            assert (row[kb_] == kr).all(), "an n8 block spans two rows"
+        for kb_, kr in parts(kblocks, W, max_rows):
             l = col[kb_]
             cr_il, cc_il = cr[i, l], cc[i, l]  # per column: (query row, key column)
             cr_kj, cc_kj = cr[kr, j], cc[kr, j]  # per query: (key row, query column)
@@ -106,12 +115,10 @@ def tiled_backward(q, k, v, la, lb, go, scale):
     # decay-gradient terms, owned by the outer row of each kernel
     g_cr = torch.zeros(H, W, dtype=torch.float64)
     g_cc = torch.zeros(H, W, dtype=torch.float64)
-    for qb in qblocks:  # dq kernel: query row i owns (i, j) and (i, l)
-        qb_ = torch.tensor(qb)
-        i, j = int(row[qb_[0]]), col[qb_]
-        for kb in kblocks:
-            kb_ = torch.tensor(kb)
-            kr, l = int(row[kb_[0]]), col[kb_]
+    for qb_, i in parts(qblocks, W, max_rows):  # dq kernel: query row i owns (i, j) and (i, l)
+        j = col[qb_]
+        for kb_, kr in parts(kblocks, W, max_rows):
+            l = col[kb_]
             g1, g2 = G1[qb_[:, None], kb_[None, :]], G2[qb_[:, None], kb_[None, :]]
             s_jl = sgn(j[:, None] - l[None, :])
             sig = float(sgn(torch.tensor(i - kr)))  # uniform over the block pair
@@ -119,12 +126,10 @@ def tiled_backward(q, k, v, la, lb, go, scale):
             g_cc[i, j] += sig * g2.sum(1)  # C_j(i,k) on (i,j)
             g_cr[i, l] += (-s_jl * g1).sum(0)  # R_i(j,l) on (i,l): per-column sum
             g_cc[i, l] += sig * g1.sum(0)  # C_l(i,k) on (i,l)
-    for kb in blocks(tiles, 16):  # dkdv kernel: key row k owns (k, l) and (k, j)
-        kb_ = torch.tensor(kb)
-        kr, l = int(row[kb_[0]]), col[kb_]
-        for qb in blocks(tiles, 8):
-            qb_ = torch.tensor(qb)
-            i, j = int(row[qb_[0]]), col[qb_]
+    for kb_, kr in parts(qblocks, W, max_rows):  # dkdv kernel: key row k owns (k, l) and (k, j)
+        l = col[kb_]
+        for qb_, i in parts(kblocks, W, max_rows):
+            j = col[qb_]
             g1, g2 = G1[qb_[:, None], kb_[None, :]].T, G2[qb_[:, None], kb_[None, :]].T  # [keys, queries]
             s_lj = sgn(l[:, None] - j[None, :])
             sig = float(sgn(torch.tensor(kr - i)))
@@ -145,9 +150,7 @@ def tiled_backward(q, k, v, la, lb, go, scale):
 SHAPES = [(5, 16), (3, 32), (3, 40), (2, 56), (2, 70), (1, 130)]
 
 
-@pytest.mark.parametrize("H,W", SHAPES)
-def test_row_uniform_tiling_matches_reference(H, W):
-    assert fast_path(W)
+def check_tiling(H, W, max_rows):
     g = torch.Generator().manual_seed(H * 1000 + W)
     d, dv = 8, 6
     q = torch.randn(1, H, W, 1, d, generator=g, dtype=torch.float64)
@@ -164,17 +167,45 @@ def test_row_uniform_tiling_matches_reference(H, W):
     want = ref.polyline_attention_ref(*leaves, scale)
     wgrads = torch.autograd.grad(want, leaves, go)
     got = tiled_backward(q[0, :, :, 0], k[0, :, :, 0], v[0, :, :, 0], la[0, :, :, 0], lb[0, :, :, 0],
-                         go[0, :, :, 0], scale)
+                         go[0, :, :, 0], scale, max_rows)
     for name, a, b in zip(("out", "q", "k", "v", "log_alpha", "log_beta"), got,
                           (want,) + tuple(wgrads)):
         b = b[0, :, :, 0]
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("W", [7, 14, 20, 28])
+@pytest.mark.parametrize("H,W", SHAPES)
+def test_row_uniform_tiling_matches_reference(H, W):
+    assert fast_path(W)
+    check_tiling(H, W, max_rows=1)
+
+
+def two_row_path(W: int) -> bool:
+    """The launcher's condition for the two-row kernels (csrc/kernels/polyline_attention_tc_bwd2.cuh,
+    polyline_attention_tc_two_row): 16 < W < 32, not a multiple of 16."""
+    return not fast_path(W) and 16 < W < 32
+
+
+# (H, W): PPMA-T's stage 2 at 224² (W = 28), 3 rows per tile (17, 20), a warp block across two rows at every
+# offset (31), odd H.
+TWO_ROW_SHAPES = [(3, 17), (5, 20), (4, 28), (3, 31)]
+
+
+@pytest.mark.parametrize("H,W", TWO_ROW_SHAPES)
+def test_two_row_tiling_matches_reference(H, W):
+    """W = 17-31: a 16-token warp block or an 8-token n8 block spans at most two map rows; split into its row
+    parts, every (query part, key part) pair is row-uniform, so the same separable biases and row-owner sums hold
+    with the query row and key row chosen per element (the kernel's per-lane row select)."""
+    assert two_row_path(W)
+    tiles = row_tiles(H, W)
+    assert any(len({t // W for t in b}) == 2 for b in blocks(tiles, 16)), "expected a warp block across two rows"
+    check_tiling(H, W, max_rows=2)
+
+
+@pytest.mark.parametrize("W", [7, 9, 14])
 def test_narrow_maps_take_the_general_path(W):
-    """Maps whose 64-token tiles put a warp block across two rows are not for the row-uniform kernels."""
-    assert not fast_path(W)
+    """Maps below 16 columns (a warp block across two or three rows) keep the verified kernels."""
+    assert not fast_path(W) and not two_row_path(W)
     tiles = row_tiles(4, W)
     spans = [b for b in blocks(tiles, 16) if len({t // W for t in b}) > 1]
     assert spans, "expected a warp block across two rows"

@@ -3,8 +3,9 @@
 // csrc/kernels/polyline_attention_tc.cuh (tensor cores: fp16 / bf16, d and dv multiples of 8 up to 128, sm_80+;
 // see use_tensor_cores) and csrc/kernels/polyline_attention_{fwd,bwd}.cuh (CUDA cores: every other case). With the
 // internal option cuda_next_polyline_attention = 1 (read on every call, so it can be toggled between calls) the
-// tensor-core backward takes the row-uniform kernels of csrc/kernels/polyline_attention_tc_bwd2.cuh where they apply
-// (W a multiple of 16, or 32 < W <= 2048; docs/design.md §4.3), not yet verified on a GPU.
+// tensor-core forward and backward take the row-uniform kernels of csrc/kernels/polyline_attention_tc_fwd2.cuh and
+// _bwd2.cuh where they apply (polyline_attention_tc_next_covers: W a multiple of 16, 16 < W < 32 in their two-row
+// form, or 32 < W <= 2048; docs/design.md §4.3), not yet verified on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,6 +26,7 @@
 #include "kernels/polyline_attention_fwd.cuh"
 #include "kernels/polyline_attention_tc.cuh"
 #include "kernels/polyline_attention_tc_bwd2.cuh"
+#include "kernels/polyline_attention_tc_fwd2.cuh"
 
 namespace ppma {
 namespace cuda {
@@ -91,6 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at:
   const bool tc = use_tensor_cores(q, sz);
   const int dpad = tc ? tc_head_dim(sz) : padded_head_dim(op, sz.d, sz.dv);
   const at::Tensor qk = tc ? aligned_rows(q) : q, kk = tc ? aligned_rows(k) : k, vk = tc ? aligned_rows(v) : v;
+  const bool next = tc && get_option(Option::kCudaNextPolylineAttention) != 0;
   at::Tensor cr, cc;
   std::tie(cr, cc) = prefix_sums(sz, log_alpha, log_beta, acc, stream);
 
@@ -106,7 +109,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cuda(const at:
         tc, dpad,
         [&](auto D) {
           check_grid(op, polyline_attention_tc_blocks<decltype(D)::value>(sz), sz);
-          launch_polyline_attention_tc_fwd<T, decltype(D)::value>(p, stream);
+          if (next)  // same grid and outputs as the verified forward
+            launch_polyline_attention_tc_fwd_next<T, decltype(D)::value>(p, stream);
+          else
+            launch_polyline_attention_tc_fwd<T, decltype(D)::value>(p, stream);
         },
         [&](auto D) {
           check_grid(op, polyline_attention_fwd_blocks<T, decltype(D)::value>(sz), sz);

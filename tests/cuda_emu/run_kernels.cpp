@@ -5,12 +5,13 @@
 //
 //   run_kernels IN OUT
 // IN: int32 header[12] = {op (0 polyline_attention, 1 criss_cross_attention, 2 polyline_linear_attention), path
-//     (op 0: 0 CUDA cores, 1 tensor cores, 2 tensor cores with the next backward (polyline_attention_tc_bwd2.cuh,
-//     the option cuda_next_polyline_attention); op 2: normalize 0/1 + 2 x kernels (0 the verified ones, 1 the next
-//     ones, polyline_linear_attention_v2.cuh, the option cuda_next_polyline_linear_attention, 2 the next ones with
-//     their state in global scratch)), dtype (0 float32, 1 float64, 2 float16,
-//     3 bfloat16), B, H, W, heads, d, dv, backward (0/1), layout of q and k (0 contiguous [B, H, W, heads, d],
-//     1 stored as [B, W, H, heads, d] and passed with the strides of that permutation), op 2: channel slice width
+//     (op 0: 0 CUDA cores, 1 tensor cores, 2 tensor cores with the next forward and backward
+//     (polyline_attention_tc_fwd2.cuh, _bwd2.cuh: the option cuda_next_polyline_attention); op 2: normalize 0/1
+//     + 2 x kernels (0 the verified ones, 1 the next ones, polyline_linear_attention_v2.cuh, the option
+//     cuda_next_polyline_linear_attention, 2 the next ones with their state in global scratch)), dtype (0 float32,
+//     1 float64, 2 float16, 3 bfloat16), B, H, W, heads, d, dv, backward (0/1), layout of q and k (0 contiguous
+//     [B, H, W, heads, d], 1 stored as [B, W, H, heads, d] and passed with the strides of that permutation), op 2:
+//     channel slice width
 //     (0: the launcher's choice) else 0}, float64 scale (op 2: eps), then float64 arrays q, k [B*H*W*heads*d],
 //     v [...*dv], log_alpha, log_beta [B*H*W*heads], grad_out [...*dv] (values already rounded to dtype).
 // OUT: float64 arrays out, out_v2h (polyline_attention only), lse [B*H*W*heads*2] (polyline_linear_attention: stats
@@ -23,6 +24,7 @@
 #include "polyline_attention_fwd.cuh"
 #include "polyline_attention_tc.cuh"
 #include "polyline_attention_tc_bwd2.cuh"
+#include "polyline_attention_tc_fwd2.cuh"
 #include "polyline_linear_attention.cuh"
 #include "polyline_linear_attention_v2.cuh"
 // clang-format on
@@ -204,7 +206,7 @@ void run_linear(const Case& c, const GridSizes& sz, const std::vector<T>& q, con
 template <typename T, typename A>
 void run_tc_bwd_next(PolylineAttnParams<T, A>& p, int dp, std::vector<A>& tabs) {
   if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
-    if (polyline_attention_tc_row_uniform(p.sz.W)) std::fill(tabs.begin(), tabs.end(), A(NAN));
+    if (polyline_attention_tc_next_covers(p.sz.W)) std::fill(tabs.begin(), tabs.end(), A(NAN));
     tc_switch(dp, [&](auto D) { launch_polyline_attention_tc_bwd_next<T, D()>(p, nullptr); });
   } else {
     throw std::runtime_error("the tensor-core path takes float16 / bfloat16");
@@ -289,7 +291,10 @@ void run(const Case& c, std::FILE* out) {
     if (c.path == 1 || c.path == 2) {
       if constexpr (std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value) {
         tc_switch(dp, [&](auto D) {
-          launch_polyline_attention_tc_fwd<T, D()>(p, nullptr);
+          if (c.path == 2)  // the launcher's forward under cuda_next_polyline_attention = 1
+            launch_polyline_attention_tc_fwd_next<T, D()>(p, nullptr);
+          else
+            launch_polyline_attention_tc_fwd<T, D()>(p, nullptr);
           tile = polyline_attention_tc_bwd_tile<D()>();
         });
       } else {
