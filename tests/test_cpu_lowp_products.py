@@ -3,7 +3,8 @@ the CPU"): ppma's own SIMD products (internal option ``cpu_lowp_products=1``) an
 (``=2``, the default on CPUs with AMX), each forced here so that both run on every machine: the training op (out,
 out_v2h, lse), the inference op and the five gradients against the float64 reference within the 16-bit tolerance,
 over narrow and wide maps, odd sizes, head dims 16 / 32 / 64 and several heads; bitwise the same for 1, 2 and 3
-threads; and a bf16-autocast training step of a tiny PPMA-T on those products."""
+threads; and a bf16-autocast training step of a tiny PPMA-T on those products. On the default SIMD path of the machine;
+``PPMA_CPU_CAPABILITY=avx2`` / ``default`` in the environment run the same tests on the narrower paths."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ DTYPES = [torch.bfloat16, torch.float16]
 MULT = {torch.bfloat16: 0.25, torch.float16: 0.05}
 
 # (B, H, W, heads, d, dv): a wide single row, a single column, odd sizes (d = 33, dv = 7), more than one query tile
-# per (batch, head) (N = 65, 144), head dims 16, 32 and 64, one to four heads.
+# per (batch, head) (N = 65, 144), head dims 16, 32 and 64, one to four heads; W = 40, wider than the backward's
+# regrouped prefix-sum gradients take (W <= 32 on the avx512 path: per-key-row sums instead).
 SHAPES = [(1, 1, 23, 2, 16, 8), (1, 11, 1, 2, 32, 16), (1, 3, 17, 2, 16, 16), (2, 9, 7, 2, 32, 32),
-          (1, 8, 9, 4, 33, 7), (1, 13, 5, 3, 64, 64), (1, 12, 12, 1, 64, 64)]
+          (1, 8, 9, 4, 33, 7), (1, 13, 5, 3, 64, 64), (1, 12, 12, 1, 64, 64), (1, 3, 40, 2, 16, 16)]
 
 
 def _inputs(shape, dtype, seed=0):
