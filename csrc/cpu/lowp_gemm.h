@@ -1,7 +1,9 @@
 // The bf16 / fp16 products of the CPU attention kernels through torch's CPU batch-reduce GEMM
 // (at::native::cpublas::brgemm; docs/performance.md "bf16 and fp16 on the CPU"): operands in bf16 or fp16, results
-// and accumulation in float32. The kernels call it inside their own tasks (one call per product, single-threaded
-// there), so results do not depend on the thread count.
+// and accumulation in float32. The kernels call it inside their own tasks, one call per product on the task's own
+// operands and outputs; the results do not depend on the thread count (tests/test_cpu_lowp_products.py: bitwise the
+// same for 1, 2 and 3 threads on this path, also where a single task runs outside a parallel region and the library
+// may split a product over threads).
 //
 // The operands are plain row-major matrices (is_vnni = false): torch's brgemm then runs its bf16 / fp16 GEMM with
 // float32 output (MKL or oneDNN, which use the CPU's matrix unit: AMX tiles, AVX-512 BF16 or AVX-512), on every
