@@ -5,6 +5,7 @@ The CPU kernels are built for baseline x86-64 and carry AVX2 and AVX-512 variant
     ppma.backends.cpu_capability()             # the path the kernels run: "default", "avx2" or "avx512"
     ppma.backends.cpu_capabilities_available() # every path this machine can run, e.g. ["default", "avx2", "avx512"]
     ppma.backends.cpu_bf16_dot()                # whether bf16 inputs use the AVX-512 BF16 dot products
+    ppma.backends.cpu_lowp_gemm(torch.bfloat16) # whether bf16 inputs' attention products run on torch's CPU BLAS
 
 The environment variable ``PPMA_CPU_CAPABILITY=default|avx2|avx512`` caps the path, like PyTorch's
 ``ATEN_CPU_CAPABILITY``: the kernels run the lower of the cap and the best path the CPU has (a cap never turns
@@ -15,6 +16,10 @@ bf16: the fused ops take bf16 inputs (what they see under ``torch.autocast("cpu"
 accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the forward products of
 ``polyline_attention`` and ``criss_cross_attention`` multiply bf16 values with the CPU's ``vdpbf16ps``
 instruction instead of converting them to float32 first (docs/ops.md says which intermediates are rounded).
+Where :func:`cpu_lowp_gemm` is true for the inputs' dtype (bf16 or fp16), every product of ``polyline_attention``,
+forward and backward, multiplies bf16 (fp16) operands on torch's CPU batch-reduce GEMM instead (MKL / oneDNN: AMX
+tiles where the CPU has them); by default on CPUs with AMX, forced either way by the internal option
+``cpu_lowp_products`` (docs/configuration.md, docs/performance.md "bf16 and fp16 on the CPU").
 
 The matrix unit: under bf16 autocast the model's linear layers and convolutions run oneDNN's bf16 kernels, whose speed
 depends on the unit the CPU has for bf16 products: Intel's AMX tiles, the AVX-512 BF16 dot products (AMD Zen 4,
@@ -37,7 +42,8 @@ import torch
 from ppma import _ext, config
 
 __all__ = ["CPU_CAPABILITIES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
-           "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_name", "cpu_matrix_unit",
+           "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_lowp_gemm", "cpu_name",
+           "cpu_matrix_unit",
            "cpu_matrix_units", "cpu_summary"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
@@ -88,6 +94,17 @@ def cpu_bf16_dot_supported() -> bool:
     ``PPMA_CPU_CAPABILITY`` says: :func:`cpu_bf16_dot` is true under the avx512 path exactly then."""
     _require_ext()
     return bool(torch.ops.ppma.cpu_bf16_dot_supported())
+
+
+def cpu_lowp_gemm(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``polyline_attention``'s products of ``dtype`` inputs (``torch.bfloat16`` or ``torch.float16``),
+    forward and backward, run on torch's CPU batch-reduce GEMM (``at::native::cpublas::brgemm``: bf16 / fp16
+    operands, float32 accumulation; MKL or oneDNN pick AMX, AVX-512 BF16 or AVX-512). By default true where torch
+    packs ``dtype`` for its batch-reduce micro-kernels (AMX, as its own CPU flash attention decides); the internal
+    option ``cpu_lowp_products`` (1: never, 2: always) overrides it. Otherwise ppma's own SIMD products run
+    (:func:`cpu_bf16_dot`). False for other dtypes."""
+    _require_ext()
+    return bool(torch.ops.ppma.cpu_lowp_gemm(dtype))
 
 
 #: The units bf16 matrix products can run on, fastest first (see :func:`cpu_matrix_unit`).
@@ -184,8 +201,8 @@ def cpu_matrix_unit() -> str:
       older CPU) and ATen's own bf16 GEMM runs.
 
     A cap in ``ONEDNN_MAX_CPU_ISA`` (oneDNN's variable, e.g. ``AVX512_CORE_BF16``) lowers the answer as it lowers
-    oneDNN's choice. ppma's own attention kernels do not use AMX; :func:`cpu_bf16_dot` says whether they use the
-    AVX-512 BF16 dot products."""
+    oneDNN's choice. ppma's own attention kernels reach AMX through torch's CPU BLAS where :func:`cpu_lowp_gemm`
+    holds; :func:`cpu_bf16_dot` says whether they use the AVX-512 BF16 dot products otherwise."""
     flags = _cpu_flags()
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
@@ -211,7 +228,8 @@ def cpu_matrix_units() -> dict:
     ``matrix_unit`` (:func:`cpu_matrix_unit`), the flags ``amx_bf16``, ``amx_fp16``, ``amx_usable`` (AMX bf16 tiles
     granted by the OS), ``avx512_bf16``, ``avx512_fp16``, ``avx512_vnni``; ``onednn_bf16`` and ``onednn_fp16``
     (whether torch's oneDNN has bf16 / fp16 kernels on this CPU); and, where ``ppma._C`` is built,
-    ``ppma_kernels`` (:func:`cpu_capability`) and ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`), else None."""
+    ``ppma_kernels`` (:func:`cpu_capability`), ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`) and ``ppma_lowp_gemm``
+    (:func:`cpu_lowp_gemm` for bf16), else None."""
     flags = _cpu_flags()
     mkldnn = torch.backends.mkldnn.is_available()
     info = {
@@ -227,10 +245,12 @@ def cpu_matrix_units() -> dict:
         "onednn_fp16": bool(mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported()),
         "ppma_kernels": None,
         "ppma_bf16_dot": None,
+        "ppma_lowp_gemm": None,
     }
     if _ext.has_ext():
         info["ppma_kernels"] = cpu_capability()
         info["ppma_bf16_dot"] = cpu_bf16_dot()
+        info["ppma_lowp_gemm"] = cpu_lowp_gemm(torch.bfloat16)
     return info
 
 
@@ -246,10 +266,13 @@ _UNIT_WORDS = {
 def cpu_summary() -> str:
     """One line naming the CPU and its matrix unit, e.g. ``"CPU: Intel(R) Xeon(R) ... (family 6, model 106);
     bf16 products (oneDNN): AVX-512, bf16 emulated in float32 (no AMX, no AVX-512 BF16); ppma kernels: avx512,
-    bf16 via float32"``: what ``ppma-benchmark --device cpu`` prints beside its figures."""
+    attention bf16 products via float32"``: what ``ppma-benchmark --device cpu`` prints beside its figures."""
     info = cpu_matrix_units()
     line = f"CPU: {info['cpu']}; bf16 products (oneDNN): {_UNIT_WORDS[info['matrix_unit']]}"
     if info["ppma_kernels"] is not None:
-        dot = "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32"
-        line += f"; ppma kernels: {info['ppma_kernels']}, bf16 via {dot}"
+        if info["ppma_lowp_gemm"]:
+            dot = "torch's CPU batch-reduce GEMM"
+        else:
+            dot = "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32"
+        line += f"; ppma kernels: {info['ppma_kernels']}, attention bf16 products via {dot}"
     return line

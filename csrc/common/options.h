@@ -22,6 +22,11 @@ enum class Option : int {
   kCudaNextPolylineAttention,
   kCudaNextCrissCrossAttention,
   kCudaNextPolylineLinearAttention,
+  // The products of bf16 / fp16 q, k, v in the CPU attention kernels (docs/configuration.md "Internal options",
+  // docs/performance.md "bf16 and fp16 on the CPU"): 0 by the CPU's matrix unit (torch's CPU batch-reduce GEMM
+  // where torch can pack for it, i.e. AMX; ppma's own SIMD products elsewhere), 1 ppma's own SIMD products, 2 torch's
+  // CPU batch-reduce GEMM (at::native::cpublas::brgemm). Read on every call.
+  kCpuLowpProducts,
   kCount
 };
 
@@ -38,6 +43,7 @@ inline constexpr OptionSpec kOptionSpecs[] = {
     {"cuda_next_polyline_attention", 0, 0, 1},
     {"cuda_next_criss_cross_attention", 0, 0, 1},
     {"cuda_next_polyline_linear_attention", 0, 0, 1},
+    {"cpu_lowp_products", 0, 0, 2},
 };
 static_assert(sizeof(kOptionSpecs) / sizeof(kOptionSpecs[0]) == static_cast<int>(Option::kCount),
               "one OptionSpec per Option");
@@ -46,7 +52,7 @@ static_assert(sizeof(kOptionSpecs) / sizeof(kOptionSpecs[0]) == static_cast<int>
 inline std::atomic<int>* option_values() {
   static std::atomic<int> values[] = {
       kOptionSpecs[0].default_value, kOptionSpecs[1].default_value, kOptionSpecs[2].default_value,
-      kOptionSpecs[3].default_value, kOptionSpecs[4].default_value,
+      kOptionSpecs[3].default_value, kOptionSpecs[4].default_value, kOptionSpecs[5].default_value,
   };
   static_assert(sizeof(values) / sizeof(values[0]) == static_cast<int>(Option::kCount), "one value per Option");
   return values;

@@ -5,11 +5,17 @@
 //   ppma::cpu_capability_supported() -> str  the best path this CPU can run, whatever the environment says;
 //   ppma::cpu_bf16_dot() -> bool             whether bf16 inputs take the AVX-512 BF16 dot-product path
 //                                             (the avx512 path is selected and the CPU has avx512bf16);
-//   ppma::cpu_bf16_dot_supported() -> bool   whether the CPU has them, whatever the environment says.
+//   ppma::cpu_bf16_dot_supported() -> bool   whether the CPU has them, whatever the environment says;
+//   ppma::cpu_lowp_gemm(ScalarType dtype) -> bool  whether the attention kernels' products of bf16 / fp16 inputs of
+//                                             that dtype run on torch's CPU batch-reduce GEMM (cpu/lowp_gemm.h:
+//                                             the internal option cpu_lowp_products, or the CPU's matrix unit);
+//   ppma::cpu_lowp_gemm_native(ScalarType dtype) -> bool  whether torch packs that dtype for its batch-reduce
+//                                             micro-kernels on this CPU (AMX), the default choice of the above.
 #include <torch/library.h>
 
 #include <string>
 
+#include "cpu/lowp_gemm.h"
 #include "cpu/simd.h"
 
 namespace ppma {
@@ -24,6 +30,10 @@ bool cpu_bf16_dot_op() { return cpu_bf16_dot(); }
 
 bool cpu_bf16_dot_supported_op() { return cpu_supports_avx512_bf16(); }
 
+bool cpu_lowp_gemm_op(at::ScalarType dtype) { return use_lowp_gemm(dtype); }
+
+bool cpu_lowp_gemm_native_op(at::ScalarType dtype) { return lowp_gemm_native(dtype); }
+
 }  // namespace
 }  // namespace cpu
 }  // namespace ppma
@@ -33,4 +43,6 @@ TORCH_LIBRARY_FRAGMENT(ppma, m) {
   m.def("cpu_capability_supported() -> str", &ppma::cpu::cpu_capability_supported_op);
   m.def("cpu_bf16_dot() -> bool", &ppma::cpu::cpu_bf16_dot_op);
   m.def("cpu_bf16_dot_supported() -> bool", &ppma::cpu::cpu_bf16_dot_supported_op);
+  m.def("cpu_lowp_gemm(ScalarType dtype) -> bool", &ppma::cpu::cpu_lowp_gemm_op);
+  m.def("cpu_lowp_gemm_native(ScalarType dtype) -> bool", &ppma::cpu::cpu_lowp_gemm_native_op);
 }

@@ -7,8 +7,12 @@
 // and one with the H2V bias M'[p, s] = M[s, p] = R_k(j, l) + C_j(i, k) (query p = (i, j), key s = (k, l)).
 // Biases come from the prefix sums on the fly; no N x N tensor exists, in forward or backward.
 //
-// bf16 q, k, v where cpu_bf16_dot() (the avx512 path on a CPU with AVX-512 BF16): the forward's q k^T and P v are
-// bf16 products with float32 accumulation (forward_kernel_bf16); elsewhere bf16 inputs are converted to float32.
+// bf16 / fp16 q, k, v where use_lowp_gemm() (cpu/lowp_gemm.h: by default where torch packs for its CPU batch-reduce
+// GEMM, i.e. AMX; the internal option cpu_lowp_products forces either way): every product of the forward and the
+// backward multiplies bf16 (fp16) operands with float32 accumulation through torch's CPU BLAS (forward_kernel_lowp,
+// forward_inference_kernel_lowp, backward_kernel_lowp). Otherwise bf16 q, k, v where cpu_bf16_dot() (the avx512 path
+// on a CPU with AVX-512 BF16): the forward's q k^T and P v are bf16 products with float32 accumulation
+// (forward_kernel_bf16); elsewhere bf16 / fp16 inputs are converted to float32.
 //
 // Backward (flash-style, from lse / out / out_v2h): each task owns a query block range of one (batch,
 // head) and writes dq directly; dk, dv and the prefix-sum gradients go to the task's own partial buffer,
@@ -25,6 +29,7 @@
 
 #include "common/checks.h"
 #include "common/math.h"
+#include "cpu/lowp_gemm.h"
 #include "cpu/simd.h"
 #include "cpu/utils.h"
 
@@ -483,6 +488,141 @@ void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at:
 }
 #endif
 
+// bf16 / fp16 q, k, v on torch's CPU batch-reduce GEMM (cpu/lowp_gemm.h; where use_lowp_gemm()): the forward's
+// q k^T and P v are products of bf16 (fp16) operands with float32 accumulation; biases, softmax and statistics are
+// float32 as on every path. P, the unnormalised softmax in [0, 1], is rounded to the inputs' dtype for P v. The keys
+// of a (batch, head) are transposed once per task and held while the task's (batch, head) does not change.
+template <typename Lp>
+struct LowpScratch {
+  std::vector<float> f;
+  std::vector<Lp> h;
+  int64_t kt_bg = -1;  // the (batch, head) whose keys Kt holds
+};
+
+// The logits of a query tile: X1 = scale q k^T (then the biases, as logits_block); Kt: the keys [d][N].
+template <int L, typename Lp>
+inline void logits_block_lowp(Lanes<L> ln, const PAData<float>& D, const Lp* q, int64_t bg, int64_t p0, int64_t tq,
+                              const Lp* Kt, float* X1, float* X2, float* mx1, float* mx2) {
+  const int64_t N = D.N, G = D.G, d = D.d, b = bg / G, g = bg % G;
+  lowp_gemm(tq, N, d, q + token_index(N, G, b, p0, g) * d, G * d, Kt, N, X1, N, false);
+  const float scale = D.scale;
+#pragma omp simd
+  for (int64_t e = 0; e < tq * N; ++e) X1[e] *= scale;
+  add_biases(ln, D, bg, p0, tq, X1, X2, mx1, mx2);
+}
+
+// forward_kernel on the lowp products: out, out_v2h float32 [B, N, G, dv], lse [B, N, G, 2].
+template <typename Lp>
+void forward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const Lp* v, float* out, float* out_v2h,
+                         float* lse) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv;
+  const int64_t nqb = ceil_div(N, TQ);
+  parallel_tasks(
+      D.B * G * nqb,
+      [&] {
+        return LowpScratch<Lp>{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<Lp>(d * N + 2 * TQ * N)};
+      },
+      [&](int64_t task, LowpScratch<Lp>& S) {
+    with_lanes([&](auto ln) {
+      float* X1 = S.f.data();
+      float* X2 = X1 + TQ * N;
+      float* O1 = X2 + TQ * N;
+      float* O2 = O1 + TQ * dv;
+      Lp* Kt = S.h.data();     // [d][N]
+      Lp* Pb1 = Kt + d * N;    // [tq][N] P1 rounded
+      Lp* Pb2 = Pb1 + TQ * N;  // [tq][N] P2 rounded
+      const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
+      const int64_t b = bg / G, g = bg % G;
+      if (S.kt_bg != bg) {
+        transpose_rows(N, d, k + token_index(N, G, b, 0, g) * d, G * d, Kt, N);
+        S.kt_bg = bg;
+      }
+      float mx1[TQ], mx2[TQ], inv1[TQ], inv2[TQ];
+      logits_block_lowp(ln, D, q, bg, p0, tq, Kt, X1, X2, mx1, mx2);
+      for (int64_t a = 0; a < tq; ++a) {
+        softmax_pair_row(ln, N, X1 + a * N, X2 + a * N, mx1[a], mx2[a], inv1 + a, inv2 + a,
+                         lse + token_index(N, G, b, p0 + a, g) * 2);
+        to_lowp(N, X1 + a * N, Pb1 + a * N);
+        to_lowp(N, X2 + a * N, Pb2 + a * N);
+      }
+      const Lp* vb = v + token_index(N, G, b, 0, g) * dv;
+      lowp_gemm(tq, dv, N, Pb1, N, vb, G * dv, O1, dv, false);  // P1 v (unnormalised)
+      lowp_gemm(tq, dv, N, Pb2, N, vb, G * dv, O2, dv, false);  // P2 v
+      for (int64_t a = 0; a < tq; ++a) {
+        const int64_t o = token_index(N, G, b, p0 + a, g);
+        average_pair_row(dv, O1 + a * dv, O2 + a * dv, inv1[a], inv2[a], out_v2h + o * dv, out + o * dv);
+      }
+    });
+  });
+}
+
+// forward_inference_kernel on the lowp products (the averaged map rounded once for its single P v product):
+// out in Lp [B, N, G, dv], each row's float32 product rounded once.
+template <typename Lp>
+void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const Lp* v, Lp* out) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv;
+  const int64_t nqb = ceil_div(N, TQ);
+  parallel_tasks(
+      D.B * G * nqb,
+      [&] { return LowpScratch<Lp>{std::vector<float>(TQ * N + N + TQ * dv), std::vector<Lp>(d * N + TQ * N)}; },
+      [&](int64_t task, LowpScratch<Lp>& S) {
+    with_lanes([&](auto ln) {
+      float* X = S.f.data();  // [tq][N]: the V2H logits, then the averaged map
+      float* x2 = X + TQ * N;  // [N]: one row of H2V logits
+      float* O = x2 + N;       // [tq][dv]: P v before its rounding
+      Lp* Kt = S.h.data();     // [d][N]
+      Lp* Pb = Kt + d * N;     // [tq][N] the map rounded
+      const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
+      const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
+      if (S.kt_bg != bg) {
+        transpose_rows(N, d, k + token_index(N, G, b, 0, g) * d, G * d, Kt, N);
+        S.kt_bg = bg;
+      }
+      lowp_gemm(tq, N, d, q + row0 * d, G * d, Kt, N, X, N, false);
+      const float scale = D.scale;
+#pragma omp simd
+      for (int64_t e = 0; e < tq * N; ++e) X[e] *= scale;
+      for (int64_t a = 0; a < tq; ++a) {
+        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, static_cast<float*>(nullptr));
+        to_lowp(N, X + a * N, Pb + a * N);
+      }
+      lowp_gemm(tq, dv, N, Pb, N, v + token_index(N, G, b, 0, g) * dv, G * dv, O, dv, false);  // P v
+      for (int64_t a = 0; a < tq; ++a) to_lowp(dv, O + a * dv, out + (row0 + a * G) * dv);
+    });
+  });
+}
+
+PAData<float> lowp_data(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cr, const at::Tensor& cc,
+                        double scale) {
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  return PAData<float>{nullptr, nullptr, nullptr, cr.data_ptr<float>(), cc.data_ptr<float>(), B, G, H, W, H * W, d,
+                       dv, static_cast<float>(scale)};
+}
+
+// Forward of bf16 / fp16 q, k, v (one dtype) on the lowp products: forward_kernel_lowp (out, out_v2h, lse float32),
+// or forward_inference_kernel_lowp when out_v2h and lse are null (the inference op; out in the inputs' dtype).
+void polyline_attention_lowp(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
+                             const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor* out_v2h,
+                             at::Tensor* lse) {
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const PAData<float> D = lowp_data(q, v, cr, cc, scale);
+  dispatch_lowp(q.scalar_type(), [&](auto tag) {
+    using Lp = decltype(tag);
+    const Lp* qp = static_cast<const Lp*>(qc.data_ptr());
+    const Lp* kp = static_cast<const Lp*>(kc.data_ptr());
+    const Lp* vp = static_cast<const Lp*>(vc.data_ptr());
+    if (out_v2h == nullptr) {
+      forward_inference_kernel_lowp<Lp>(D, qp, kp, vp, static_cast<Lp*>(out.data_ptr()));
+    } else {
+      forward_kernel_lowp<Lp>(D, qp, kp, vp, out.data_ptr<float>(), out_v2h->data_ptr<float>(), lse->data_ptr<float>());
+    }
+  });
+}
+
+bool lowp_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && use_lowp_gemm(q.scalar_type());
+}
+
 // Prefix-sum gradients of one query row a against one key-row segment, k != i (rows differ, so the
 // four target lines never alias). g1 = dS1 (flows to M), g2 = dS2 (flows to M').
 template <typename T>
@@ -845,6 +985,129 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
   });
 }
 
+// backward_kernel on the lowp products (cpu/lowp_gemm.h) for bf16 / fp16 q, k, v, grad_out (go_lp): the logits
+// (q k^T), DP = 0.5 dO v^T, dq = scale dS k, dk += scale dS^T q and dv += (P1 + P2)^T (0.5 dO) multiply operands of
+// the inputs' dtype with float32 accumulation; dS is rounded as scale * dS and the dv operand as 0.5 (P1 + P2) (the
+// factor 0.5 exact). The softmax gradients, the rows' D terms (from go, out, out_v2h in float32) and the prefix-sum
+// gradients are float32, as backward_kernel<float> forms them; the same tasks and partial buffers (deterministic).
+template <typename Lp>
+void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const Lp* v, const Lp* go_lp,
+                          const float* go, const float* out, const float* out_v2h, const float* lse, int64_t nchunk,
+                          float* dq, float* part) {
+  using T = float;
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, W = D.W;
+  const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
+  const int64_t part_size = N * (d + dv + 2);
+  const T scale = D.scale;
+  const int64_t short_sums = ShortSums::fits(W) ? ShortSums::floats(D.H, W) : 0;
+  parallel_tasks(
+      D.B * G * nchunk,
+      [&] {
+        return LowpScratch<Lp>{std::vector<T>(4 * TQ * N + short_sums),
+                               std::vector<Lp>((d + dv) * N + 3 * TQ * N)};
+      },
+      [&](int64_t task, LowpScratch<Lp>& S) {
+    with_lanes([&](auto ln) {
+    constexpr int L = decltype(ln)::value;
+    T* X1 = S.f.data();
+    T* X2 = X1 + TQ * N;
+    T* DP = X2 + TQ * N;
+    T* G1 = DP + TQ * N;
+    Lp* Kt = S.h.data();      // the keys of the task's (batch, head) transposed, [d][N]
+    Lp* Vt = Kt + d * N;      // its values transposed, [dv][N]
+    Lp* DS = Vt + dv * N;     // [tq][N] scale * dS rounded
+    Lp* DSt = DS + TQ * N;    // [N][TQ] the same, transposed
+    Lp* PSt = DSt + TQ * N;   // [N][TQ] 0.5 (P1 + P2) rounded, transposed
+    constexpr bool masked_path = L == ShortSums::L;
+    const bool short_rows = masked_path && ShortSums::fits(W);
+    const ShortSums sums(G1 + TQ * N, D.H, W);
+    const int64_t bg = task / nchunk, chunk = task % nchunk;
+    const int64_t b = bg / G, g = bg % G;
+    T* pdk = part + (bg * nchunk + chunk) * part_size;
+    std::fill(pdk, pdk + part_size, T(0));
+    T* pdv = pdk + N * d;
+    T* gcr = pdv + N * dv;
+    T* gcc = gcr + N;
+    const Lp* kb = k + token_index(N, G, b, 0, g) * d;
+    const Lp* vb = v + token_index(N, G, b, 0, g) * dv;
+    transpose_rows(N, d, kb, G * d, Kt, N);
+    transpose_rows(N, dv, vb, G * dv, Vt, N);
+    const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
+    for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
+      const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
+      const int64_t row0 = token_index(N, G, b, p0, g);
+      logits_block_lowp(ln, D, q, bg, p0, tq, Kt, X1, X2, static_cast<T*>(nullptr), static_cast<T*>(nullptr));
+      // DP = 0.5 dO v^T
+      const Lp* gob = go_lp + row0 * dv;
+      lowp_gemm(tq, N, dv, gob, G * dv, Vt, N, DP, N, false);
+#pragma omp simd
+      for (int64_t e = 0; e < tq * N; ++e) DP[e] *= T(0.5);
+      T Dr1[TQ], Dr2[TQ];
+      for (int64_t a = 0; out_v2h && a < tq; ++a) {
+        const int64_t o = row0 + a * G;
+        const T* ga = go + o * dv;
+        const T* oa = out + o * dv;
+        const T* va = out_v2h + o * dv;
+        T D1 = 0, D2 = 0;
+#pragma omp simd reduction(+ : D1, D2)
+        for (int64_t e = 0; e < dv; ++e) {
+          D1 += ga[e] * va[e];
+          D2 += ga[e] * (T(2) * oa[e] - va[e]);
+        }
+        Dr1[a] = T(0.5) * D1;
+        Dr2[a] = T(0.5) * D2;
+      }
+      for (int64_t a = 0; a < tq; ++a) {
+        const int64_t o = row0 + a * G;
+        T* __restrict x1 = X1 + a * N;
+        T* __restrict x2 = X2 + a * N;
+        T* __restrict dp = DP + a * N;
+        T* __restrict g1 = G1 + a * N;
+        Lp* __restrict ds = DS + a * N;
+        exp_shift(ln, N, x1, lse[o * 2 + 0]);  // P1
+        exp_shift(ln, N, x2, lse[o * 2 + 1]);  // P2
+        const T D1 = out_v2h ? Dr1[a] : dot_lanes(ln, N, x1, dp), D2 = out_v2h ? Dr2[a] : dot_lanes(ln, N, x2, dp);
+#pragma omp simd
+        for (int64_t c = 0; c < N; ++c) {
+          const T p1 = x1[c], p2 = x2[c];
+          const T dpc = dp[c];
+          const T d1 = p1 * (dpc - D1), d2 = p2 * (dpc - D2);
+          g1[c] = d1;
+          x2[c] = d2;                                  // dS2
+          ds[c] = static_cast<Lp>(scale * (d1 + d2));  // scale dS, the gradient of the shared logits
+          x1[c] = T(0.5) * (p1 + p2);                  // 0.5 (P1 + P2) for dv
+        }
+        for (int64_t c = 0; c < N; ++c) {
+          DSt[c * TQ + a] = ds[c];
+          PSt[c * TQ + a] = static_cast<Lp>(x1[c]);
+        }
+        const int64_t p = p0 + a, i = p / W, j = p % W;
+        if constexpr (masked_path) {
+          if (short_rows) {
+            with_row_vectors(W, [&](auto nv) {
+              bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+            });
+            continue;
+          }
+        }
+        for (int64_t kr = 0; kr < D.H; ++kr)
+          bias_grad_row(ln, W, j, kr, i, g1 + kr * W, x2 + kr * W, gcr + i * W, gcc + i * W, gcr + kr * W,
+                        gcc + kr * W);
+      }
+      // dq = (scale dS) k; dk += (scale dS)^T q; dv += (0.5 (P1 + P2))^T dO
+      lowp_gemm(tq, d, N, DS, N, kb, G * d, dq + row0 * d, G * d, false);
+      lowp_gemm(N, d, tq, DSt, TQ, q + row0 * d, G * d, pdk, d, true);
+      lowp_gemm(N, dv, tq, PSt, TQ, gob, G * dv, pdv, dv, true);
+    }
+    if constexpr (masked_path) {
+      if (short_rows) {
+        with_row_vectors(W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, W, gcr, gcc, sums); });
+      }
+    }
+    });
+  });
+}
+
 // Sums the partial buffers in chunk order and turns prefix-sum gradients into log-decay gradients.
 template <typename T>
 void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T* dv_out, T* gla, T* glb) {
@@ -903,6 +1166,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> polyline_attention_cpu(const at::
   at::Tensor out = at::empty({B, H, W, G, dv}, q.options().dtype(acc));
   at::Tensor out_v2h = at::empty_like(out);
   at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
+  if (out.numel() > 0 && lowp_inputs(q, k, v)) {
+    auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+    polyline_attention_lowp(q, k, v, cr, cc, scale, out, &out_v2h, &lse);
+    return {out.to(v.scalar_type()), out_v2h.to(v.scalar_type()), lse};
+  }
 #ifdef PPMA_SIMD_X86
   if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
       v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
@@ -951,6 +1219,11 @@ at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tenso
   const auto acc = acc_type(q);
   if (B * H * W * G * dv == 0) return at::empty({B, H, W, G, dv}, v.options());
   auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+  if (lowp_inputs(q, k, v)) {
+    at::Tensor outl = at::empty({B, H, W, G, dv}, v.options());  // written in the inputs' dtype by the kernel
+    polyline_attention_lowp(q, k, v, cr, cc, scale, outl, nullptr, nullptr);
+    return outl;
+  }
 #ifdef PPMA_SIMD_X86
   if (q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
       cpu_bf16_dot()) {
@@ -981,7 +1254,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   at::Tensor dv_ = at::empty({B, H, W, G, dv}, opts);
   at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
   if (dq.numel() > 0) {
-    at::Tensor qc = q.to(acc).contiguous(), kc = k.to(acc).contiguous(), vc = v.to(acc).contiguous();
+    const bool lowp = lowp_inputs(q, k, v);
+    // lowp: q, k, v and grad_out stay in their dtype for the products (grad_out also in float32 for the D terms)
+    at::Tensor qc = lowp ? q.contiguous() : q.to(acc).contiguous(), kc = lowp ? k.contiguous() : k.to(acc).contiguous(),
+               vc = lowp ? v.contiguous() : v.to(acc).contiguous();
     at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
     at::Tensor oc = out ? out->to(acc).contiguous() : at::Tensor();
     at::Tensor ovc = out_v2h ? out_v2h->to(acc).contiguous() : at::Tensor();
@@ -990,16 +1266,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     const int64_t nqb = ceil_div(N, TQ);
     const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(nqb, ceil_div(32, B * G)));
     at::Tensor part = at::empty({B * G, nchunk, N * (d + dv + 2)}, opts);  // zeroed by the tasks
-    AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_backward_cpu", [&] {
-      PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                         cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, N, d, dv,
-                         static_cast<scalar_t>(scale)};
-      backward_kernel<scalar_t>(D, goc.data_ptr<scalar_t>(), out ? oc.data_ptr<scalar_t>() : nullptr,
-                                out_v2h ? ovc.data_ptr<scalar_t>() : nullptr, lsec.data_ptr<scalar_t>(), nchunk,
-                                dq.data_ptr<scalar_t>(), part.data_ptr<scalar_t>());
-      reduce_partials<scalar_t>(D, nchunk, part.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                                dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
-    });
+    if (lowp) {
+      const at::Tensor gol = grad_out.to(q.scalar_type()).contiguous();
+      const PAData<float> D = lowp_data(q, v, cr, cc, scale);
+      dispatch_lowp(q.scalar_type(), [&](auto tag) {
+        using Lp = decltype(tag);
+        backward_kernel_lowp<Lp>(D, static_cast<const Lp*>(qc.data_ptr()), static_cast<const Lp*>(kc.data_ptr()),
+                                 static_cast<const Lp*>(vc.data_ptr()), static_cast<const Lp*>(gol.data_ptr()),
+                                 goc.data_ptr<float>(), out ? oc.data_ptr<float>() : nullptr,
+                                 out_v2h ? ovc.data_ptr<float>() : nullptr, lsec.data_ptr<float>(), nchunk,
+                                 dq.data_ptr<float>(), part.data_ptr<float>());
+      });
+      reduce_partials<float>(D, nchunk, part.data_ptr<float>(), dk.data_ptr<float>(), dv_.data_ptr<float>(),
+                             gla.data_ptr<float>(), glb.data_ptr<float>());
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(acc, "ppma_polyline_attention_backward_cpu", [&] {
+        PAData<scalar_t> D{qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                           cr.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), B, G, H, W, N, d, dv,
+                           static_cast<scalar_t>(scale)};
+        backward_kernel<scalar_t>(D, goc.data_ptr<scalar_t>(), out ? oc.data_ptr<scalar_t>() : nullptr,
+                                  out_v2h ? ovc.data_ptr<scalar_t>() : nullptr, lsec.data_ptr<scalar_t>(), nchunk,
+                                  dq.data_ptr<scalar_t>(), part.data_ptr<scalar_t>());
+        reduce_partials<scalar_t>(D, nchunk, part.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                                  dv_.data_ptr<scalar_t>(), gla.data_ptr<scalar_t>(), glb.data_ptr<scalar_t>());
+      });
+    }
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv_.to(v.scalar_type()),
           gla.to(log_alpha.scalar_type()), glb.to(log_beta.scalar_type())};
