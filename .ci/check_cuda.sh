@@ -45,7 +45,9 @@ TC_DP="16 32 64 128"
 NO_SPILL='polyline_attention_tc_|criss_cross_pack_|criss_cross_tc_|polyline_linear_attention_'
 # 8-36 bytes: dK and dV accumulators of 16 x 128 (the verified dkdv kernel and the row-uniform one, both forms)
 SPILL_OK='polyline_attention_tc_(ru_)?dkdv_kernel<[_a-z0-9]+, 128(, (true|false))?>'
-# the headers of register-budgeted kernels, compiled for sm_80 too
+# the headers of register-budgeted kernels, compiled for sm_80 too; budgeted_only <arch>: whether <arch> compiles
+# those kernels alone
+budgeted_only() { [ "$1" = sm_80 ] && [ "${PPMA_CHECK_CUDA_SM80_ALL:-0}" != 1 ]; }
 SM80_HEADERS='polyline_attention_tc*.cuh|criss_cross_attention*.cuh|polyline_linear_attention*.cuh|warp_mma.h'
 gen() {  # gen <header> <arch> -> instantiation TU on stdout
   local h=$1 arch=$2
@@ -87,7 +89,7 @@ gen() {  # gen <header> <arch> -> instantiation TU on stdout
     warp_mma.h)
       echo "static_assert(sizeof(uint32_t) == 4, \"\");" ;;
     criss_cross_attention.cuh)
-      if [ "$arch" = sm_80 ] && [ "${PPMA_CHECK_CUDA_SM80_ALL:-0}" != 1 ]; then  # the packed (budgeted) kernels
+      if budgeted_only "$arch"; then  # the packed kernels
         for t in $DT; do for d in 16 32; do
           for m in 0 1 2; do
             echo "template __global__ void criss_cross_pack_fwd_kernel<$t, $d, $m>(CrissCrossParams<$t, float>, int);"
@@ -96,13 +98,12 @@ gen() {  # gen <header> <arch> -> instantiation TU on stdout
             echo "template __global__ void criss_cross_pack_bwd_kernel<$t, $d, $rf>(CrissCrossParams<$t, float>, LineBwdIO<float>, int);"
           done
         done; done
-        echo "}"
-        return
-      fi
-      for t in $DT; do for d in $DP; do
-        echo "template void launch_criss_cross_fwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
-        echo "template void launch_criss_cross_bwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
-      done; done ;;
+      else
+        for t in $DT; do for d in $DP; do
+          echo "template void launch_criss_cross_fwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
+          echo "template void launch_criss_cross_bwd<$t, $d>(const CrissCrossParams<$t, AccType<$t>::type>&, cudaStream_t);"
+        done; done
+      fi ;;
     criss_cross_attention_tc.cuh)  # the tensor-core kernels alone (their launchers fall back on the header above),
       for t in $TC_DT; do for d in 16 32; do for z in "$t" float; do  # with 16-bit and fp32 scratch
         for m in 0 1 2; do
@@ -151,7 +152,7 @@ for path in csrc/kernels/*.cuh csrc/kernels/*.h; do
   [ -n "${PPMA_CHECK_CUDA_ONLY:-}" ] && [[ $h != ${PPMA_CHECK_CUDA_ONLY} ]] && continue
   for arch in sm_80 sm_90; do
     # shellcheck disable=SC2053
-    if [ "$arch" = sm_80 ] && [ "${PPMA_CHECK_CUDA_SM80_ALL:-0}" != 1 ] && ! [[ $h == @($SM80_HEADERS) ]]; then
+    if budgeted_only "$arch" && ! [[ $h == @($SM80_HEADERS) ]]; then
       continue
     fi
     gen "$h" "$arch" >"$TMP/${h}.${arch}.cu"

@@ -43,8 +43,7 @@ from ppma import _ext, config
 
 __all__ = ["CPU_CAPABILITIES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
            "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_lowp_gemm", "cpu_name",
-           "cpu_matrix_unit",
-           "cpu_matrix_units", "cpu_summary"]
+           "cpu_matrix_unit", "cpu_matrix_units", "cpu_summary"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
 CPU_CAPABILITIES: tuple[str, ...] = config.CPU_CAPABILITIES
@@ -270,9 +269,7 @@ def cpu_summary() -> str:
     info = cpu_matrix_units()
     line = f"CPU: {info['cpu']}; bf16 products (oneDNN): {_UNIT_WORDS[info['matrix_unit']]}"
     if info["ppma_kernels"] is not None:
-        if info["ppma_lowp_gemm"]:
-            dot = "torch's CPU batch-reduce GEMM"
-        else:
-            dot = "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32"
+        dot = ("torch's CPU batch-reduce GEMM" if info["ppma_lowp_gemm"]
+               else "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32")
         line += f"; ppma kernels: {info['ppma_kernels']}, attention bf16 products via {dot}"
     return line
