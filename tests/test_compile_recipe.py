@@ -1,11 +1,15 @@
 """``ppma.compile.compile_model`` (docs/compile.md): the compiled model equals the eager one (fp32 tight; bf16
 autocast within 2e-2 of the fp32 logits), inference freezes and packs the weights, training compiles without the
-frozen wrapper, and the arguments are checked."""
+frozen wrapper and gives eager's loss and gradients, the compiled graphs call ppma's CPU kernels for the model's
+glue (layer norms, path decays, depthwise convolutions), and the arguments are checked."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ppma
 from ppma.compile import FrozenInference, compile_model
@@ -25,6 +29,13 @@ def _images(batch=2, size=64):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
 
 
+def _ops_called(fn) -> set[str]:
+    """The names of the ops ``fn()`` calls (the profiler's events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
 def test_inference_fp32_equals_eager_and_packs_weights():
     from torch._dynamo.utils import counters
     from torch._inductor import config
@@ -40,6 +51,9 @@ def test_inference_fp32_equals_eager_and_packs_weights():
         got = fast(x)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fast(_images()), ref, rtol=1e-4, atol=1e-4)  # the cached graph
+        called = _ops_called(lambda: fast(x))
+    # the glue runs ppma's kernels as opaque graph nodes, not Inductor's generated code (docs/compile.md)
+    assert {"ppma::layer_norm", "ppma::path_decay", "ppma::rope"} <= called, sorted(called)
     # frozen: Inductor packed the linear layers' weights (the point of the recipe), and the global switch is back
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
     assert config.freezing is False
@@ -58,6 +72,34 @@ def test_inference_bf16_autocast_within_2e2_of_fp32():
             got = fast(x).float()
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-2)
     torch.testing.assert_close(got, eager_bf16, rtol=0, atol=2e-2)
+
+
+def test_training_equals_eager_and_runs_ppma_kernels():
+    """A compiled training step (forward, loss, backward) gives the eager step's loss and gradients, and its graphs
+    call ppma's training kernels (path decays, the FFN's GELU + depthwise convolution, the LePE's weight gradient)."""
+    torch._dynamo.reset()
+    model = ppma.create_model("ppma_tiny", **KW, drop_path_rate=0.0).train()
+    twin = copy.deepcopy(model)
+    step = compile_model(twin)
+    assert not isinstance(step, FrozenInference)
+    x, y = _images(), torch.tensor([1, 7])
+
+    def train_step(m):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        return loss.detach()
+
+    ref = train_step(model)
+    train_step(step)  # compiles
+    twin.zero_grad(set_to_none=True)
+    got = []
+    called = _ops_called(lambda: got.append(train_step(step)))
+    torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    want = {"ppma::path_decay", "ppma::path_decay_backward", "ppma::gelu_depthwise_conv2d_residual_forward",
+            "ppma::gelu_depthwise_conv2d_residual_backward", "ppma::depthwise_conv2d_backward"}
+    assert want <= called, sorted(want - called)
 
 
 def test_arguments_are_checked():

@@ -20,6 +20,7 @@ from ppma.ops.cpu.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_res
 from ppma.ops.cpu.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
 from ppma.ops.cpu.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 from ppma.ops.cpu.layer_norm import layer_norm as _layer_norm_op
+from ppma.ops.cpu.layer_norm import uses_kernel as _layer_norm_uses_kernel
 from ppma.ops import _dispatch
 
 __all__ = ["DWConv2d", "DropPath", "LayerNorm", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead",
@@ -302,13 +303,18 @@ class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (the same parameters and state dict). Fused (:func:`ppma.nn.fuse_for_inference`; over the
     last dimension, with a weight and a bias) it runs ppma's kernel, :func:`ppma.ops.cpu.layer_norm` (float32; 2x
     torch's at PPMA-T's widths, docs/ops.md "layer_norm"), the same numbers up to rounding. PPMABlock's ``norm1``
-    and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes its norms as the eager one does."""
+    and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes its norms as the eager one does.
+    Under ``torch.compile`` without gradients (compiled inference) it runs that kernel too, as one opaque graph node:
+    Inductor's generated layer norms ran slower than the kernel (docs/compile.md)."""
 
     fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             _fused_dtype(self, x)
+            return _layer_norm_op(x, self.weight, self.bias, self.eps)
+        if (torch.compiler.is_compiling() and len(self.normalized_shape) == 1 and self.weight is not None
+                and self.bias is not None and _layer_norm_uses_kernel(x, self.weight, self.bias)):
             return _layer_norm_op(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
@@ -468,11 +474,13 @@ class PatchMerging(nn.Module):
         if self.fused:
             # the BatchNorm folded once (oneDNN's convolution on the channels-last view, no copies)
             x = _fused_conv(x.permute(0, 3, 1, 2), self.conv, _fused_dtype(self, x))
-        elif _channels_last_convs(x) and x.numel() >= self.conv.weight.numel():
+        elif (_channels_last_convs(x) and not torch.compiler.is_compiling()
+              and x.numel() >= self.conv.weight.numel()):
             # the channels-last view as it is: no copy in, and the output's permute below is contiguous already.
             # Only where the map outweighs the weight, which each call converts to channels-last (a copy): at
             # PPMA-T's last merging (256 -> 512 channels, 14² or 32² maps) NCHW is faster (24.5 against 18.4 ms
-            # forward + backward at b8@224)
+            # forward + backward at b8@224). Not under torch.compile: the size test would be a guard on the shapes
+            # (with dynamic shapes, a graph for each side of it)
             x = self.norm(self.conv(x.permute(0, 3, 1, 2)))
         else:
             # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
@@ -494,9 +502,11 @@ def _channels_last_convs(x: torch.Tensor) -> bool:
     these modules return are channels-last anyway, so the permute copies vanish too: 1.5-3 % of a PPMA-T training
     step (README, "Whole model on the CPU"). PatchMerging does so only where its input map has at least as many elements as its
     convolution's weight, which every call converts to channels-last. The same modules and calls, so the numbers
-    equal the NCHW path's up to oneDNN's rounding. With the "reference" implementation they run on NCHW maps, as the
-    official code does."""
-    return _fused_eager_cpu(x)
+    equal the NCHW path's up to oneDNN's rounding. Under ``torch.compile`` too (the convolutions and their backward
+    stay oneDNN's ATen calls in Inductor's graphs, docs/compile.md). With the "reference" implementation they run on
+    NCHW maps, as the official code does."""
+    return _fused_eager_cpu(x) or (
+        torch.compiler.is_compiling() and _dispatch.get_impl() == "fused" and x.device.type == "cpu")
 
 
 GLOBAL_POOLS = ("avg", "")

@@ -93,7 +93,8 @@ def depthwise_conv2d_ref(
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`depthwise_conv2d` takes its weight and bias gradients from the ppma kernel for these
     tensors: a built kernel, the "fused" implementation, CPU tensors of float32/float64, a kernel of at least
-    ``MIN_KERNEL`` taps, no autocast, outside torch.compile, and a gradient to compute."""
+    ``MIN_KERNEL`` taps, no autocast, and a gradient to compute (also under torch.compile: one opaque graph node,
+    docs/compile.md)."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
@@ -103,7 +104,6 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.shape[-1] >= MIN_KERNEL
         and records_grad(x, weight)
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
     )
 
 
@@ -227,8 +227,8 @@ def _gelu_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def uses_gelu_kernel(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`gelu_depthwise_conv2d_residual` takes its gradients from
     ``torch.ops.ppma.gelu_depthwise_conv2d_residual_backward``: a built kernel, the "fused" implementation, CPU
-    tensors of float32/float64 with the weight and bias in ``h``'s dtype, a gradient to compute, no autocast, outside
-    torch.compile."""
+    tensors of float32/float64 with the weight and bias in ``h``'s dtype, a gradient to compute, no autocast (also
+    under torch.compile: one opaque graph node each way, docs/compile.md)."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
@@ -238,7 +238,6 @@ def uses_gelu_kernel(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         and (bias is None or bias.dtype == h.dtype)
         and records_grad(h, weight, *(() if bias is None else (bias,)))
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
     )
 
 

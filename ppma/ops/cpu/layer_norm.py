@@ -49,7 +49,8 @@ def _check(x, weight, bias, eps, residual=None, op="ppma.ops.cpu.layer_norm") ->
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> bool:
     """Whether :func:`layer_norm` / :func:`add_layer_norm_` run the ppma kernel on these tensors: a built kernel,
-    the "fused" implementation, contiguous float32 CPU tensors, no gradient recorded, and outside torch.compile."""
+    the "fused" implementation, contiguous float32 CPU tensors and no gradient recorded; under torch.compile
+    :func:`layer_norm` only (one opaque graph node, docs/compile.md), not the in-place :func:`add_layer_norm_`."""
     ts = (x, weight, bias) if residual is None else (x, weight, bias, residual)
     return (
         _HAS_OP
@@ -57,7 +58,7 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, resid
         and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
         and x.is_contiguous()
         and not records_grad(*ts)
-        and not torch.compiler.is_compiling()
+        and (residual is None or not torch.compiler.is_compiling())
     )
 
 

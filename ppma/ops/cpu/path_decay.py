@@ -57,8 +57,9 @@ def path_decay_ref(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor,
 def uses_path_decay_kernel(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> bool:
     """Whether :func:`path_decay` runs ``torch.ops.ppma.path_decay`` (and its backward) on these tensors: a built
     kernel, the "fused" implementation, CPU tensors all of float32 or all of float64, at most ``MAX_DIRECTIONS``
-    directions, no autocast (whose bf16 linear layer the kernel would not round like), outside torch.compile and with
-    no dispatch mode active (FLOP counters and tracers see torch's ops)."""
+    directions, no autocast (whose bf16 linear layer the kernel would not round like) and no dispatch mode active
+    (FLOP counters and tracers see torch's ops). Under torch.compile the op is one opaque graph node with its fake
+    kernel and autograd formula (docs/compile.md)."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
@@ -68,8 +69,7 @@ def uses_path_decay_kernel(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch
         and 1 <= weight.shape[0] <= MAX_DIRECTIONS
         and type(x) is torch.Tensor
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-        and not torch._C._len_torch_dispatch_stack()
+        and (torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack())
     )
 
 
