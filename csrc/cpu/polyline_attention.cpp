@@ -619,10 +619,6 @@ void polyline_attention_lowp(const at::Tensor& q, const at::Tensor& k, const at:
   });
 }
 
-bool lowp_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && use_lowp_gemm(q.scalar_type());
-}
-
 // Prefix-sum gradients of one query row a against one key-row segment, k != i (rows differ, so the
 // four target lines never alias). g1 = dS1 (flows to M), g2 = dS2 (flows to M').
 template <typename T>
