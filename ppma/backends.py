@@ -16,10 +16,10 @@ bf16: the fused ops take bf16 inputs (what they see under ``torch.autocast("cpu"
 accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the forward products of
 ``polyline_attention`` and ``criss_cross_attention`` multiply bf16 values with the CPU's ``vdpbf16ps``
 instruction instead of converting them to float32 first (docs/ops.md says which intermediates are rounded).
-Where :func:`cpu_lowp_gemm` is true for the inputs' dtype (bf16 or fp16), every product of ``polyline_attention``,
-forward and backward, multiplies bf16 (fp16) operands on torch's CPU batch-reduce GEMM instead (MKL / oneDNN: AMX
-tiles where the CPU has them); by default on CPUs with AMX, forced either way by the internal option
-``cpu_lowp_products`` (docs/configuration.md, docs/performance.md "bf16 and fp16 on the CPU").
+Where :func:`cpu_lowp_gemm` is true for the inputs' dtype (bf16 or fp16), every product of ``polyline_attention``
+and ``criss_cross_attention``, forward and backward, multiplies bf16 (fp16) operands on torch's CPU batch-reduce GEMM
+instead (MKL / oneDNN: AMX tiles where the CPU has them); by default on CPUs with AMX, forced either way by the
+internal option ``cpu_lowp_products`` (docs/configuration.md, docs/performance.md "bf16 and fp16 on the CPU").
 
 The matrix unit: under bf16 autocast the model's linear layers and convolutions run oneDNN's bf16 kernels, whose speed
 depends on the unit the CPU has for bf16 products: Intel's AMX tiles, the AVX-512 BF16 dot products (AMD Zen 4,
@@ -96,9 +96,10 @@ def cpu_bf16_dot_supported() -> bool:
 
 
 def cpu_lowp_gemm(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether ``polyline_attention``'s products of ``dtype`` inputs (``torch.bfloat16`` or ``torch.float16``),
-    forward and backward, run on torch's CPU batch-reduce GEMM (``at::native::cpublas::brgemm``: bf16 / fp16
-    operands, float32 accumulation; MKL or oneDNN pick AMX, AVX-512 BF16 or AVX-512). By default true where torch
+    """Whether the products of ``polyline_attention`` and ``criss_cross_attention`` for ``dtype`` inputs
+    (``torch.bfloat16`` or ``torch.float16``), forward and backward, run on torch's CPU batch-reduce GEMM
+    (``at::native::cpublas::brgemm``: bf16 / fp16 operands, float32 accumulation; MKL or oneDNN pick AMX, AVX-512
+    BF16 or AVX-512). By default true where torch
     packs ``dtype`` for its batch-reduce micro-kernels (AMX, as its own CPU flash attention decides); the internal
     option ``cpu_lowp_products`` (1: never, 2: always) overrides it. Otherwise ppma's own SIMD products run
     (:func:`cpu_bf16_dot`). False for other dtypes."""

@@ -21,8 +21,8 @@ CPU SIMD path cap           (environment only: read by the first         ``PPMA_
 Internal options, for comparisons and for kernels not yet verified on a GPU (:func:`set_internal_option`;
 environment ``PPMA_INTERNAL_OPTIONS="name=value,..."``): ``cuda_tensor_cores`` (0: polyline_attention's CUDA-core
 kernels only), ``cuda_next_<op>`` (1: the next generation of that op's CUDA kernel) and ``cpu_lowp_products`` (0, 1,
-2: which products bf16 / fp16 inputs take in polyline_attention's CPU kernels). Their names and ranges are
-those of ``csrc/common/options.h``.
+2: which products bf16 / fp16 inputs take in the CPU kernels of polyline_attention and criss_cross_attention). Their
+names and ranges are those of ``csrc/common/options.h``.
 
 Everything the op wrappers read on their traced path is a plain module-level value, so ``torch.compile``
 (fullgraph) traces them and guards on the values it read (changing a switch recompiles).
@@ -193,7 +193,7 @@ def set_internal_option(name: str, value: int) -> int:
     "Internal options") and return its previous value: ``cuda_tensor_cores`` (0: polyline_attention's CUDA-core
     kernels only, to compare them with the tensor-core ones), ``cuda_next_<op>`` (1: the next generation of the
     op's CUDA kernel, before it is verified on a GPU) or ``cpu_lowp_products`` (the products of bf16 / fp16 inputs in
-    polyline_attention's CPU kernels: 0 by the CPU's matrix unit, 1 ppma's own SIMD products, 2 torch's CPU
+    the CPU kernels of polyline_attention and criss_cross_attention: 0 by the CPU's matrix unit, 1 ppma's own SIMD products, 2 torch's CPU
     batch-reduce GEMM; ``ppma.backends.cpu_lowp_gemm``). Raises ``ValueError`` for an unknown name or a value out of
     range, ``RuntimeError`` without the compiled library."""
     _require_library()

@@ -1,10 +1,14 @@
-"""bf16 / fp16 ``polyline_attention`` on the CPU with each choice of products (docs/performance.md "bf16 and fp16 on
-the CPU"): ppma's own SIMD products (internal option ``cpu_lowp_products=1``) and torch's CPU batch-reduce GEMM
-(``=2``, the default on CPUs with AMX), each forced here so that both run on every machine: the training op (out,
-out_v2h, lse), the inference op and the five gradients against the float64 reference within the 16-bit tolerance,
-over narrow and wide maps, odd sizes, head dims 16 / 32 / 64 and several heads; bitwise the same for 1, 2 and 3
-threads; and a bf16-autocast training step of a tiny PPMA-T on those products. On the default SIMD path of the machine;
-``PPMA_CPU_CAPABILITY=avx2`` / ``default`` in the environment run the same tests on the narrower paths."""
+"""bf16 / fp16 ``polyline_attention`` and ``criss_cross_attention`` on the CPU with each choice of products
+(docs/performance.md "bf16 and fp16 on the CPU"): ppma's own SIMD products (internal option ``cpu_lowp_products=1``)
+and torch's CPU batch-reduce GEMM (``=2``, the default on CPUs with AMX), each forced here so that both run on every
+machine. polyline_attention: the training op (out, out_v2h, lse), the inference op and the five gradients (of both
+backward ops) against the float64 reference within the 16-bit tolerance, over narrow and wide maps, odd sizes, head
+dims 16 / 32 / 64 and several heads. criss_cross_attention: out and the five gradients against the float64 reference
+over single rows and columns, odd and unequal H and W, lines past 32 tokens, head dims 16 / 32 / 33 / 64, value dims
+unlike the key dims and several heads; its groups of (batch, head) pairs and its row maps recomputed where they are
+not kept. For both: bitwise the same for 1, 2 and 3 threads; and a bf16-autocast training step of a tiny PPMA-T on
+those products. On the default SIMD path of the machine; ``PPMA_CPU_CAPABILITY=avx2`` / ``default`` in the environment
+run the same tests on the narrower paths."""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ import torch
 
 from op_utils import assert_close, make_attention_inputs, needs_ext, shape_id
 from ppma import backends, config
-from ppma.ops.reference import polyline_attention_ref
+from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref
 
 # option value -> name in the test ids
 PRODUCTS = {1: "simd", 2: "brgemm"}
 DTYPES = [torch.bfloat16, torch.float16]
 # Tighter than the table's 16-bit tolerance (2e-2): the float32 result rounded to bf16 is ~1.7e-3 off the float64
-# one, to fp16 ~2e-4; either choice of products stays within about twice that (measured: <= 2.5e-3 and 3e-4).
+# one, to fp16 ~2e-4; either choice of products stays within about twice that (measured: polyline_attention
+# <= 2.5e-3 and 3e-4, criss_cross_attention <= 3.2e-3 and 4e-4, forward and gradients).
 MULT = {torch.bfloat16: 0.25, torch.float16: 0.05}
 
 # (B, H, W, heads, d, dv): a wide single row, a single column, odd sizes (d = 33, dv = 7), more than one query tile
@@ -33,10 +38,10 @@ def _inputs(shape, dtype, seed=0):
     return make_attention_inputs(shape, dtype, requires_grad=False, decay_scale=1.0, seed=seed)
 
 
-def _reference(inputs, scale, go=None):
-    """The float64 reference on the 16-bit inputs' values: the output, and with ``go`` the five gradients."""
+def _reference(inputs, scale, go=None, ref=polyline_attention_ref):
+    """The float64 reference ``ref`` on the 16-bit inputs' values: the output, and with ``go`` the five gradients."""
     ref_in = [t.detach().double().requires_grad_(go is not None) for t in inputs]
-    out = polyline_attention_ref(*ref_in, scale)
+    out = ref(*ref_in, scale)
     if go is None:
         return out.detach(), None
     return out.detach(), torch.autograd.grad(out, ref_in, go.double())
@@ -146,15 +151,17 @@ def test_thread_count_invariant(shape, products, dtype):
 
 
 @needs_ext
-def test_autocast_bf16_train_step_on_brgemm_products():
+@pytest.mark.parametrize("mixer", ["full", "criss_cross"])
+def test_autocast_bf16_train_step_on_brgemm_products(mixer):
     """A training step of the tiny PPMA-T under ``torch.autocast("cpu", torch.bfloat16)`` on torch's batch-reduce
-    GEMM products: finite gradients close to the float32 step's (the model's bf16 rounding everywhere bounds how
-    close), and the same as the step on ppma's own products within bf16 rounding."""
+    GEMM products, every stage polyline_attention (``mixer="full"``) or criss_cross_attention: finite gradients close
+    to the float32 step's (the model's bf16 rounding everywhere bounds how close), and the same as the step on ppma's
+    own products within bf16 rounding, but not bitwise (the forced products ran)."""
     import ppma
 
     torch.manual_seed(0)
-    # every stage polyline attention (mixer "full"), small widths: the stages' maps are 16x16 down to 2x2 at 64x64
-    model = ppma.create_model("ppma_tiny", num_classes=10, mixer="full", embed_dims=(32, 64, 96, 128),
+    # small widths: the stages' maps are 16x16 down to 2x2 at 64x64
+    model = ppma.create_model("ppma_tiny", num_classes=10, mixer=mixer, embed_dims=(32, 64, 96, 128),
                               depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4))
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
     y = torch.tensor([1, 3])
@@ -176,3 +183,129 @@ def test_autocast_bf16_train_step_on_brgemm_products():
     assert cos > 0.98, f"bf16 (batch-reduce GEMM) vs float32 gradients: cosine {cos:.4f}"
     cos_s = torch.nn.functional.cosine_similarity(gb.double(), gs.double(), dim=0).item()
     assert cos_s > 0.99, f"bf16 batch-reduce GEMM vs SIMD products: cosine {cos_s:.4f}"
+    assert not torch.equal(gb, gs)
+
+
+# ------------------------------------------------------------------------------------------------
+# criss_cross_attention
+# ------------------------------------------------------------------------------------------------
+
+# (B, H, W, heads, d, dv): one token, a single row (a single task in the row phases), a single column, odd and unequal
+# H and W, head dims 16 / 32 / 64 and an odd one (33) with an odd value dim (7), dv unlike d, one to four heads, and
+# lines of 40 tokens.
+CC_SHAPES = [(1, 1, 1, 1, 16, 16), (1, 1, 23, 2, 16, 8), (1, 11, 1, 2, 32, 16), (1, 5, 9, 3, 16, 16),
+             (2, 9, 7, 2, 32, 32), (1, 8, 9, 4, 33, 7), (1, 13, 5, 3, 64, 64), (1, 12, 12, 1, 64, 24),
+             (1, 3, 40, 2, 16, 16)]
+GRAD_NAMES = ["dq", "dk", "dv", "dlog_alpha", "dlog_beta"]
+
+
+def _run_cc(inputs, scale, go):
+    """criss_cross_attention's out and lse, and the five gradients of its backward."""
+    out, lse = torch.ops.ppma.criss_cross_attention(*inputs, scale)
+    grads = torch.ops.ppma.criss_cross_attention_backward(go, *inputs, lse, scale)
+    return out, lse, grads
+
+
+def _grad_out(shape, dtype, seed):
+    return torch.randn(shape[:4] + (shape[5],), generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=PRODUCTS.get)
+@pytest.mark.parametrize("shape", CC_SHAPES, ids=shape_id)
+def test_criss_cross_matches_reference(shape, products, dtype):
+    """out and the five gradients against the float64 reference of the 16-bit inputs, within the 16-bit tolerance;
+    the dtypes of the op's contract (out, dq, dk, dv in the inputs' dtype; lse and the log-decay gradients float32)."""
+    inputs = _inputs(shape, dtype)
+    scale = 0.8 * shape[4] ** -0.5
+    go = _grad_out(shape, dtype, 1)
+    with config.internal_option("cpu_lowp_products", products):
+        assert backends.cpu_lowp_gemm(dtype) == (products == 2)
+        out, lse, grads = _run_cc(inputs, scale, go)
+    want, want_grads = _reference(inputs, scale, go, ref=criss_cross_attention_ref)
+    what = f"{PRODUCTS[products]}, {dtype}"
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == shape[:4] + (2,)
+    assert torch.isfinite(lse).all()
+    assert_close(out, want, dtype, f"{what}: out", mult=MULT[dtype])
+    for name, g, w in zip(GRAD_NAMES, grads, want_grads):
+        assert g.dtype == (dtype if name in ("dq", "dk", "dv") else torch.float32), name
+        assert_close(g, w, dtype, f"{what}: {name}", grad=True, mult=MULT[dtype])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 9, 7, 2, 32, 32), (1, 12, 12, 1, 64, 24)], ids=shape_id)
+def test_criss_cross_brgemm_and_simd_products_agree(shape, dtype):
+    """The two choices of products differ in rounding only: lse from float32 logits of the same 16-bit q, k (up to
+    the products' summation order), outputs and gradients within the 16-bit tolerance of each other."""
+    inputs = _inputs(shape, dtype, seed=4)
+    go = _grad_out(shape, dtype, 2)
+    res = {}
+    for products in PRODUCTS:
+        with config.internal_option("cpu_lowp_products", products):
+            res[products] = _run_cc(inputs, shape[4] ** -0.5, go)
+    a, b = res[1], res[2]
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-4)
+    assert_close(b[0], a[0], dtype, "out")
+    for g1, g2 in zip(a[2], b[2]):
+        assert_close(g2, g1, dtype, "gradient", grad=True)
+
+
+def _cc_threads(inputs, go, products, scale=0.3, threads=(1, 2, 3, 2)):
+    """_run_cc's results (flattened) for each thread count."""
+    n = torch.get_num_threads()
+    runs = []
+    try:
+        with config.internal_option("cpu_lowp_products", products):
+            for t in threads:
+                torch.set_num_threads(t)
+                out, lse, grads = _run_cc(inputs, scale, go)
+                runs.append([out, lse, *grads])
+    finally:
+        torch.set_num_threads(n)
+    return runs
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=PRODUCTS.get)
+@pytest.mark.parametrize("shape", [(2, 9, 13, 2, 32, 16), (1, 1, 9, 1, 64, 16), (1, 7, 1, 1, 16, 8)], ids=shape_id)
+def test_criss_cross_thread_count_invariant(shape, products, dtype):
+    """Bitwise the same results for 1, 2 and 3 threads and across runs (each line is a task writing its own outputs;
+    the products run inside the tasks). Shapes: 4 (batch, head) pairs of several lines each; a single row and a single
+    column (the row or the column phases a single task: its products then run outside a parallel region)."""
+    runs = _cc_threads(_inputs(shape, dtype, seed=7), _grad_out(shape, dtype, 8), products)
+    for r in runs[1:]:
+        for x, y in zip(r, runs[0]):
+            assert torch.equal(x, y)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_criss_cross_brgemm_groups_and_recomputed_maps(dtype):
+    """On the batch-reduce GEMM: the phases run per group of (batch, head) pairs whose row maps fit 2 MiB (64 x 64
+    maps: 4 pairs a group in the forward, 2 in the backward, whose maps are float32; 6 pairs make full and partial
+    groups), and a pair's results do not depend on which pairs share its group; lines too long to keep (104 x 104:
+    one pair's maps > 2 MiB) are recomputed from their statistics (forward) or from lse (backward), within the
+    tolerance of the reference and the same for any thread count."""
+    shape = (3, 64, 64, 2, 8, 8)
+    inputs, go = _inputs(shape, dtype, seed=2), _grad_out(shape, dtype, 3)
+    with config.internal_option("cpu_lowp_products", 2):
+        out, lse, grads = _run_cc(inputs, 0.4, go)
+        for b in range(3):
+            for g in range(2):
+                part = lambda t: t[b:b + 1, :, :, g:g + 1]  # noqa: E731
+                o1, l1, g1 = _run_cc([part(t) for t in inputs], 0.4, part(go))
+                for x, y in zip([o1, l1, *g1], [out, lse, *grads]):
+                    assert torch.equal(x, part(y)), (b, g)
+    shape = (1, 104, 104, 1, 4, 4)
+    inputs, go = _inputs(shape, dtype, seed=3), _grad_out(shape, dtype, 4)
+    runs = _cc_threads(inputs, go, 2, scale=0.4, threads=(1, 2, 3))
+    for r in runs[1:]:
+        for x, y in zip(r, runs[0]):
+            assert torch.equal(x, y)
+    want, want_grads = _reference(inputs, 0.4, go, ref=criss_cross_attention_ref)
+    assert_close(runs[0][0], want, dtype, "out", mult=MULT[dtype])
+    for name, g, w in zip(GRAD_NAMES, runs[0][2:], want_grads):
+        assert_close(g, w, dtype, name, grad=True, mult=MULT[dtype])

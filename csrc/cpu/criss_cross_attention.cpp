@@ -18,21 +18,29 @@
 // The math of the lines is docs/ops.md "criss_cross_attention"; the vector code lives in cpu/simd.h, and every
 // task runs at the lane width with_lanes() chooses (line kernels take it as their first argument).
 //
-// bf16 q, k, v where cpu_bf16_dot() (the avx512 path on a CPU with AVX-512 BF16): the forward's line products
-// (q k^T, and the four map applies A v, B z1, B v, A z2) are bf16 products with float32 accumulation
-// (forward_kernel_bf16); the inputs are read in place, each line gathered into per-thread scratch in the pair
-// layouts of small_gemm_bf16. Elsewhere (and in the backward) bf16 inputs are read in place too and widened to
-// float32 as each line is gathered (the float32 kernels' numbers, without float32 copies of q, k, v).
+// bf16 / fp16 q, k, v where use_lowp_gemm() (cpu/lowp_gemm.h: by default where torch packs for its CPU batch-reduce
+// GEMM, i.e. AMX; the internal option cpu_lowp_products forces either way): every line product of the forward and
+// the backward multiplies bf16 (fp16) operands with float32 accumulation through torch's CPU BLAS, in the same
+// phases and tasks (forward_kernel_lowp, backward_kernel_lowp; docs/performance.md "bf16 and fp16 on the CPU",
+// docs/ops.md "criss_cross_attention" says what is rounded). Otherwise bf16 q, k, v where cpu_bf16_dot() (the avx512
+// path on a CPU with AVX-512 BF16): the forward's line products (q k^T, and the four map applies A v, B z1, B v,
+// A z2) are bf16 products with float32 accumulation (forward_kernel_bf16); the inputs are read in place, each line
+// gathered into per-thread scratch in the pair layouts of small_gemm_bf16. Elsewhere (and in the backward) bf16
+// inputs are read in place too and widened to float32 as each line is gathered (the float32 kernels' numbers,
+// without float32 copies of q, k, v); fp16 inputs are converted to float32 (kernel_input).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <vector>
 
 #include "common/checks.h"
 #include "common/math.h"
+#include "cpu/lowp_gemm.h"
 #include "cpu/simd.h"
 #include "cpu/utils.h"
 
@@ -155,18 +163,10 @@ inline void line_apply_t(Lanes<L> ln, int64_t n, int64_t dv, const T* P, const T
   small_gemm(ln, n, dv, n, P, 1, n, Gm, gs, out, os, accumulate);
 }
 
-// Backward of one line's softmax attention, given the map P [n][n] and the gradient of the map
-// dP[j][l] = <Gm_j, U_l> over 2 dv columns (Gm [n][2 dv] with row stride gs holds two operands side by
-// side, Ut [2 dv][n] the two matching ones transposed and stacked: dP = G1 U1^T + G2 U2^T in one product):
-//   dX = P * (dP - rowsum(P * dP)) (written into dP's scratch DX),
-//   prefix-sum gradient of the line into gc (sign rule sgn_diff of common/math.h, branch hoisted),
-//   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) scale * sum_j dX[j][l] Q_j (Q, K rows at strides qs, ks; dq, dk
-//   rows at strides dqs / dks; written, or added to what is there when accumulate).
+// The softmax backward of one line's map P [n][n], given dP in DX: DX = P * (dP - rowsum(P * dP)) in place, and the
+// prefix-sum gradient of the line into gc (sign rule sgn_diff of common/math.h, branch hoisted).
 template <int L, typename T>
-inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T* P, const T* Gm, int64_t gs,
-                          const T* Ut, const T* Q, int64_t qs, const T* K, int64_t ks, T scale, T* DX, T* gc, T* dq,
-                          int64_t dqs, T* dk, int64_t dks, bool accumulate) {
-  small_gemm(ln, n, n, 2 * dv, Gm, gs, 1, Ut, n, DX, n, false);  // dP, one product over 2 dv
+inline void line_softmax_backward(Lanes<L> ln, int64_t n, const T* P, T* DX, T* gc) {
   std::fill(gc, gc + n, T(0));
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = DX + j * n;
@@ -210,6 +210,21 @@ inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T
       gc[j] += sneg - spos;
     }
   }
+}
+
+// Backward of one line's softmax attention, given the map P [n][n] and the gradient of the map
+// dP[j][l] = <Gm_j, U_l> over 2 dv columns (Gm [n][2 dv] with row stride gs holds two operands side by
+// side, Ut [2 dv][n] the two matching ones transposed and stacked: dP = G1 U1^T + G2 U2^T in one product):
+//   dX = P * (dP - rowsum(P * dP)) (written into dP's scratch DX) and the prefix-sum gradient into gc
+//   (line_softmax_backward),
+//   dq_j (=|+=) scale * sum_l dX[j][l] K_l, dk_l (=|+=) scale * sum_j dX[j][l] Q_j (Q, K rows at strides qs, ks; dq, dk
+//   rows at strides dqs / dks; written, or added to what is there when accumulate).
+template <int L, typename T>
+inline void line_backward(Lanes<L> ln, int64_t n, int64_t d, int64_t dv, const T* P, const T* Gm, int64_t gs,
+                          const T* Ut, const T* Q, int64_t qs, const T* K, int64_t ks, T scale, T* DX, T* gc, T* dq,
+                          int64_t dqs, T* dk, int64_t dks, bool accumulate) {
+  small_gemm(ln, n, n, 2 * dv, Gm, gs, 1, Ut, n, DX, n, false);  // dP, one product over 2 dv
+  line_softmax_backward(ln, n, P, DX, gc);
   small_gemm(ln, n, d, n, DX, n, 1, K, ks, dq, dqs, accumulate, scale);  // dq (+)= scale dX K
   small_gemm(ln, n, d, n, DX, 1, n, Q, qs, dk, dks, accumulate, scale);  // dk (+)= scale dX^T Q
 }
@@ -724,11 +739,230 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* dq, T*
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 / fp16 q, k, v on torch's CPU batch-reduce GEMM (cpu/lowp_gemm.h; where use_lowp_gemm()): forward_kernel's
+// and backward_kernel's three phases, with the same tasks and groups of pairs, and every product of a line on
+// lowp_gemm: operands of the inputs' dtype Lp, float32 accumulation. The queries, keys, values and grad_out are read
+// in place (the keys of a line transposed into scratch). Biases, softmax, lse, the softmax gradients and the
+// prefix-sum gradients are float32 as on the other paths; dq, dk, dv accumulate in float32 (the column phase, then
+// the row phase) before their one rounding. Roundings to Lp besides the inputs' (each once, from float32):
+//   forward:  each map A, B (the normalised softmax, in [0, 1]) before its products A v, B z1, B v, A z2; z1 = A v
+//             and z2 = B v, held in Lp (they only feed B z1 and A z2); out = 0.5 (B z1 + A z2), summed in float32;
+//   backward: each map, and its transpose, before A v, A^T g, P^T dz, B v, B^T g; g = 0.5 grad_out (halved in
+//             float32: exact); z1, z2, dz1 = B^T g, dz2 = A^T g, held in Lp (they only feed dP = g z^T + dz v^T and
+//             grad v += P^T dz); scale dX before dq = (scale dX) k and dk = (scale dX)^T q.
+// ---------------------------------------------------------------------------------------------
+
+// Per-thread scratch of the lowp line kernels for lines of up to n tokens (n = max(H, W)), each buffer 64-byte
+// aligned (the library then sees the same alignment of a task's operands whichever thread runs it).
+template <typename Lp>
+struct LineScratchLowp {
+  std::vector<char> buf;
+  float *X, *O, *mx;  // the map [n][n] (float32), a product [n][dv] before its rounding, the rows' maxima
+  float *DX, *gc;     // backward: the map's gradient [n][n], the line's prefix-sum gradients
+  Lp *kt, *pb;        // the keys transposed [d][n], the map rounded [n][n]
+  Lp *pbt, *ds, *dst, *gu, *ut;  // backward: pb transposed, scale dX [n][n] and transposed, [g | dz] [n][2 dv] and
+                                 // [z^T ; v^T] [2 dv][n]
+  LineScratchLowp(int64_t n, int64_t d, int64_t dv, bool backward) {
+    constexpr int64_t kAlign = 64;
+    const int64_t nn = n * n, bw = backward ? 1 : 0, f = sizeof(float), h = sizeof(Lp);
+    const int64_t bytes[] = {nn * f, n * dv * f, n * f, bw * nn * f, bw * n * f, d * n * h, nn * h,
+                             bw * nn * h,   bw * nn * h, bw * nn * h, bw * 2 * n * dv * h, bw * 2 * dv * n * h};
+    int64_t total = kAlign;
+    for (int64_t b : bytes) total += ceil_div(b, kAlign) * kAlign;
+    buf.resize(total);
+    char* p = buf.data() + (kAlign - reinterpret_cast<uintptr_t>(buf.data()) % kAlign) % kAlign;
+    char* at[std::size(bytes)];
+    for (size_t i = 0; i < std::size(bytes); ++i) {
+      at[i] = p;
+      p += ceil_div(bytes[i], kAlign) * kAlign;
+    }
+    X = reinterpret_cast<float*>(at[0]), O = reinterpret_cast<float*>(at[1]), mx = reinterpret_cast<float*>(at[2]);
+    DX = reinterpret_cast<float*>(at[3]), gc = reinterpret_cast<float*>(at[4]);
+    kt = reinterpret_cast<Lp*>(at[5]), pb = reinterpret_cast<Lp*>(at[6]), pbt = reinterpret_cast<Lp*>(at[7]);
+    ds = reinterpret_cast<Lp*>(at[8]), dst = reinterpret_cast<Lp*>(at[9]), gu = reinterpret_cast<Lp*>(at[10]);
+    ut = reinterpret_cast<Lp*>(at[11]);
+  }
+};
+
+// parallel_lines on the lowp line kernels' scratch.
+template <typename Lp, typename Body>
+inline void parallel_lines_lowp(const CCData<float, Lp>& D, int64_t ntasks, bool backward, const Body& body) {
+  parallel_tasks(
+      ntasks, [&] { return LineScratchLowp<Lp>(std::max(D.H, D.W), D.d, D.dv, backward); },
+      [&](int64_t t, LineScratchLowp<Lp>& scratch) { with_lanes([&](auto ln) { body(ln, t, scratch); }); });
+}
+
+// The logits of a line into X: scale (q k^T) + bias, the rows' maxima into S.mx where maxima; given lse, the map
+// exp(logits - lse) instead (times inv where given: add_line_bias).
+template <int L, typename Lp>
+inline void line_scores_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line<float>& li, LineScratchLowp<Lp>& S,
+                             float* X, bool maxima, const float* lse = nullptr, int64_t ls = 0,
+                             const float* inv = nullptr) {
+  const int64_t n = li.n, d = D.d;
+  transpose_rows(n, d, li.at(D.k, d), li.ld(d), S.kt, n);
+  lowp_gemm(n, n, d, li.at(D.q, d), li.ld(d), S.kt, n, X, n, false);
+  scale_inplace(n * n, X, D.scale);
+  add_line_bias(ln, n, li.c, X, maxima ? S.mx : nullptr, lse, ls, inv);
+}
+
+// The map X [n][n] rounded to Lp into pb, and transposed into pbt where given.
+template <typename Lp>
+inline void map_to_lowp(int64_t n, const float* X, Lp* pb, Lp* pbt = nullptr) {
+  to_lowp(n * n, X, pb);
+  if (pbt) transpose_rows(n, n, pb, n, pbt, n);
+}
+
+// z (n rows of dv at stride zs, Lp) = P src (P [n][n] in Lp; src: n rows at stride ss), the float32 product (in O,
+// [n][dv]) rounded once.
+template <typename Lp>
+inline void apply_to_lowp(int64_t n, int64_t dv, const Lp* P, const Lp* src, int64_t ss, float* O, Lp* z,
+                          int64_t zs) {
+  lowp_gemm(n, dv, n, P, n, src, ss, O, dv, false);
+  for (int64_t j = 0; j < n; ++j) to_lowp(dv, O + j * dv, z + j * zs);
+}
+
+// forward_kernel on the lowp products: lse float32, out in Lp. Per group of pairs (pair_groups), Z: z1, then z2 in
+// place (column by column), in Lp, and O1: B z1 in float32, [N][pair][dv] each (GroupLine). The row maps are kept
+// in Lp (as rounded for their products) for the groups of pairs of kRowMapBytes, else recomputed from the rows' m
+// and 1 / s (the same logits from the same product: the same map). Phase 3 adds A z2 to each row's copy of O1 and
+// writes 0.5 times the sum rounded to Lp into out.
+template <typename Lp>
+void forward_kernel_lowp(const CCData<float, Lp>& D, float* lse, Lp* out) {
+  const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
+  const Groups gr = pair_groups(BG, H, nn, sizeof(Lp), D.N * dv * (sizeof(Lp) + sizeof(float)));
+  const int64_t group = gr.size;
+  const bool keep = gr.keep;
+  auto maps = uninit<Lp>(keep ? group * H * nn : 0);      // the group's row maps in Lp, [pair][row][W][W]
+  auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);  // else the rows' m and 1 / s, [N][pair][2]
+  auto Z = uninit<Lp>(group * D.N * dv);
+  auto O1 = uninit<float>(group * D.N * dv);
+  for (int64_t g0 = 0; g0 < BG; g0 += group) {
+    const int64_t gn = std::min(group, BG - g0);
+    // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+    parallel_lines_lowp(D, gn * H, false, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
+      const Line<float> r(D, true, group_line(g0, gn, H, u));
+      const GroupLine zr(W, gn, true, u);
+      Lp* pb = keep ? maps.get() + u * nn : S.pb;
+      line_scores_lowp(ln, D, r, S, S.X, true);
+      line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
+      map_to_lowp(r.n, S.X, pb);
+      apply_to_lowp(r.n, dv, pb, r.at(D.v, dv), r.ld(dv), S.O, zr.at(Z.get(), dv), zr.ld(dv));
+    });
+    // Phase 2: columns. B, lse1, O1 = B z1, then z2 = B v in place of z1.
+    parallel_lines_lowp(D, gn * W, false, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
+      const Line<float> c(D, false, group_line(g0, gn, W, u));
+      const GroupLine zc(W, gn, false, u);
+      line_scores_lowp(ln, D, c, S, S.X, true);
+      line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
+      map_to_lowp(c.n, S.X, S.pb);
+      lowp_gemm(c.n, dv, c.n, S.pb, c.n, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false);
+      apply_to_lowp(c.n, dv, S.pb, c.at(D.v, dv), c.ld(dv), S.O, zc.at(Z.get(), dv), zc.ld(dv));
+    });
+    // Phase 3: rows again, A kept or recomputed; out = Lp(0.5 (O1 + A z2)).
+    parallel_lines_lowp(D, gn * H, false, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
+      const Line<float> r(D, true, group_line(g0, gn, H, u));
+      const GroupLine zr(W, gn, true, u);
+      const Lp* pb = keep ? maps.get() + u * nn : S.pb;
+      if (!keep) {
+        const float* st = zr.at(stats.get(), 2);
+        line_scores_lowp(ln, D, r, S, S.X, false, st, zr.ld(2), st + 1);
+        map_to_lowp(r.n, S.X, S.pb);
+      }
+      gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
+      lowp_gemm(r.n, dv, r.n, pb, r.n, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true);
+      scale_inplace(r.n * dv, S.O, 0.5f);
+      for (int64_t j = 0; j < r.n; ++j) to_lowp(dv, S.O + j * dv, r.at(out, dv) + j * r.ld(dv));
+    });
+  }
+}
+
+// g = 0.5 go for n rows of dv (go at stride gs) into dst (row stride ds), in Lp (the halving exact).
+template <typename Lp>
+inline void half_rows(int64_t n, int64_t dv, const Lp* go, int64_t gs, Lp* __restrict dst, int64_t ds) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t e = 0; e < dv; ++e) dst[j * ds + e] = static_cast<Lp>(0.5f * static_cast<float>(go[j * gs + e]));
+}
+
+// line_grads on the lowp products: the map P (the kept float32 map X where given, else recomputed into S.X from
+// lse + side) rounded into S.pb and S.pbt; dP = [g | dz] [z^T ; v^T] (one product over 2 dv), the softmax gradient
+// (line_softmax_backward, float32), dq (=|+=) (scale dX) k, dk (=|+=) (scale dX)^T q, grad v (=|+=) P^T dz and the
+// line's log-decay gradients. Leaves [g | dz] in S.gu.
+template <int L, typename Lp>
+inline void line_grads_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line<float>& li, LineScratchLowp<Lp>& S,
+                            const Lp* go, const float* lse, int side, const GroupLine& zl, const Lp* z, const Lp* dz,
+                            float* dq, float* dk, float* gv, float* gdecay, bool accumulate,
+                            const float* X = nullptr) {
+  const int64_t n = li.n, d = D.d, dv = D.dv;
+  if (!X) {
+    line_scores_lowp(ln, D, li, S, S.X, false, li.at(lse, 2) + side, li.ld(2));
+    X = S.X;
+  }
+  map_to_lowp(n, X, S.pb, S.pbt);
+  half_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv);  // [g | dz], row stride 2 dv
+  gather_rows(n, dv, zl.at(dz, dv), zl.ld(dv), S.gu + dv, 2 * dv);
+  transpose_rows(n, dv, zl.at(z, dv), zl.ld(dv), S.ut, n);  // [z^T ; v^T]
+  transpose_rows(n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n, n);
+  lowp_gemm(n, n, 2 * dv, S.gu, 2 * dv, S.ut, n, S.DX, n, false);  // dP
+  line_softmax_backward(ln, n, X, S.DX, S.gc);
+  scale_inplace(n * n, S.DX, D.scale);
+  map_to_lowp(n, S.DX, S.ds, S.dst);  // scale dX, and transposed
+  lowp_gemm(n, d, n, S.ds, n, li.at(D.k, d), li.ld(d), li.at(dq, d), li.ld(d), accumulate);
+  lowp_gemm(n, d, n, S.dst, n, li.at(D.q, d), li.ld(d), li.at(dk, d), li.ld(d), accumulate);
+  lowp_gemm(n, dv, n, S.pbt, n, S.gu + dv, 2 * dv, li.at(gv, dv), li.ld(dv), accumulate);
+  decay_grads_from_prefix(n, S.gc, 1, gdecay + li.tok, li.ts);
+}
+
+// backward_kernel on the lowp products (go: grad_out in Lp). The same phases, groups and kept row maps (float32, for
+// the softmax gradient; rounded again for their products, the same bits); ZA, ZB: the group's (z1, dz2) after the
+// rows, replaced by (z2, dz1) column by column, in Lp.
+template <typename Lp>
+void backward_kernel_lowp(const CCData<float, Lp>& D, const Lp* go, const float* lse, float* dq, float* dk,
+                          float* dv_out, float* gla, float* glb) {
+  const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
+  const Groups gr = pair_groups(BG, H, nn, sizeof(float), 2 * D.N * dv * sizeof(Lp));
+  const int64_t group = gr.size;
+  const bool keep = gr.keep;
+  auto maps = uninit<float>(keep ? group * H * nn : 0);  // the group's row maps, [pair][row][W][W]
+  auto ZA = uninit<Lp>(group * D.N * dv), ZB = uninit<Lp>(group * D.N * dv);
+  Lp *za = ZA.get(), *zb = ZB.get();
+  for (int64_t g0 = 0; g0 < BG; g0 += group) {
+    const int64_t gn = std::min(group, BG - g0);
+    // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
+    parallel_lines_lowp(D, gn * H, true, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
+      const Line<float> r(D, true, group_line(g0, gn, H, u));
+      const GroupLine zr(W, gn, true, u);
+      float* X = keep ? maps.get() + u * nn : S.X;
+      line_scores_lowp(ln, D, r, S, X, false, r.at(lse, 2), r.ld(2));
+      map_to_lowp(r.n, X, S.pb, S.pbt);
+      apply_to_lowp(r.n, dv, S.pb, r.at(D.v, dv), r.ld(dv), S.O, zr.at(za, dv), zr.ld(dv));
+      half_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv);
+      apply_to_lowp(r.n, dv, S.pbt, S.gu, dv, S.O, zr.at(zb, dv), zr.ld(dv));
+    });
+    // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
+    // replace z1 and dz2 of this column.
+    parallel_lines_lowp(D, gn * W, true, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
+      const Line<float> c(D, false, group_line(g0, gn, W, u));
+      const GroupLine zc(W, gn, false, u);
+      line_grads_lowp(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
+      apply_to_lowp(c.n, dv, S.pb, c.at(D.v, dv), c.ld(dv), S.O, zc.at(za, dv), zc.ld(dv));
+      apply_to_lowp(c.n, dv, S.pbt, S.gu, 2 * dv, S.O, zc.at(zb, dv), zc.ld(dv));
+    });
+    // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
+    parallel_lines_lowp(D, gn * H, true, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
+      line_grads_lowp(ln, D, Line<float>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0,
+                      GroupLine(W, gn, true, u), za, zb, dq, dk, dv_out, gla, true,
+                      keep ? static_cast<const float*>(maps.get() + u * nn) : static_cast<const float*>(nullptr));
+    });
+  }
+}
+
 constexpr const char* kOp = "criss_cross_attention";
 constexpr const char* kOpBwd = "criss_cross_attention_backward";
 
-// The kernels' view of the contiguous inputs qc, kc, vc: of the accumulation dtype T (I = T), or bf16 read as
-// their bits (I = uint16_t, T = float; widened as each line is gathered).
+// The kernels' view of the contiguous inputs qc, kc, vc: of the accumulation dtype T (I = T), bf16 read as their
+// bits (I = uint16_t, T = float; widened as each line is gathered), or bf16 / fp16 for the lowp kernels (I = Lp,
+// T = float).
 template <typename T, typename I = T>
 CCData<T, I> make_data(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& cr,
                        const at::Tensor& cct, double scale) {
@@ -736,7 +970,7 @@ CCData<T, I> make_data(const at::Tensor& qc, const at::Tensor& kc, const at::Ten
     if constexpr (std::is_same<T, I>::value) {
       return t.data_ptr<T>();
     } else {
-      return reinterpret_cast<const I*>(t.data_ptr<at::BFloat16>());
+      return static_cast<const I*>(t.data_ptr());
     }
   };
   return CCData<T, I>{in(qc),     in(kc),     in(vc),     cr.data_ptr<T>(), cct.data_ptr<T>(), qc.size(0),
@@ -759,6 +993,18 @@ std::tuple<at::Tensor, at::Tensor> criss_cross_attention_cpu(const at::Tensor& q
   auto opts = q.options().dtype(acc);
   at::Tensor out = at::empty({B, H, W, G, dv}, opts);
   at::Tensor lse = at::empty({B, H, W, G, 2}, opts);
+  if (out.numel() > 0 && lowp_inputs(q, k, v)) {
+    // bf16 / fp16 q, k, v read in place on the lowp products; out in their dtype.
+    at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
+    at::Tensor outl = at::empty({B, H, W, G, dv}, v.options());
+    dispatch_lowp(q.scalar_type(), [&](auto tag) {
+      using Lp = decltype(tag);
+      forward_kernel_lowp<Lp>(make_data<float, Lp>(qc, kc, vc, cr, cct, scale), lse.data_ptr<float>(),
+                              static_cast<Lp*>(outl.data_ptr()));
+    });
+    return {outl, lse};
+  }
 #ifdef PPMA_SIMD_X86
   if (out.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
       v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
@@ -804,7 +1050,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
   at::Tensor dq = at::empty({B, H, W, G, d}, opts), dk = at::empty_like(dq);
   at::Tensor dv_ = at::empty({B, H, W, G, dv}, opts);
   at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
-  if (dq.numel() > 0) {
+  if (dq.numel() > 0 && lowp_inputs(q, k, v)) {
+    // bf16 / fp16 q, k, v and grad_out (in their dtype) read in place on the lowp products.
+    at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+    at::Tensor gol = grad_out.to(q.scalar_type()).contiguous(), lsec = lse.to(acc).contiguous();
+    auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
+    dispatch_lowp(q.scalar_type(), [&](auto tag) {
+      using Lp = decltype(tag);
+      backward_kernel_lowp<Lp>(make_data<float, Lp>(qc, kc, vc, cr, cct, scale), static_cast<const Lp*>(gol.data_ptr()),
+                               lsec.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(),
+                               dv_.data_ptr<float>(), gla.data_ptr<float>(), glb.data_ptr<float>());
+    });
+  } else if (dq.numel() > 0) {
     at::Tensor qc = kernel_input(q, acc), kc = kernel_input(k, acc), vc = kernel_input(v, acc);
     at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);

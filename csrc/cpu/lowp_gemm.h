@@ -43,6 +43,11 @@ inline bool use_lowp_gemm(at::ScalarType t) {
   return o == 2 || (o == 0 && lowp_gemm_native(t));
 }
 
+// Whether an attention op's products of q, k, v run on lowp_gemm: one dtype, bf16 or fp16, where use_lowp_gemm.
+inline bool lowp_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && use_lowp_gemm(q.scalar_type());
+}
+
 // f(Lp{}) for Lp the C++ type of t (bf16 or fp16; the caller checks).
 template <typename F>
 inline void dispatch_lowp(at::ScalarType t, F&& f) {

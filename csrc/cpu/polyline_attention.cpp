@@ -619,10 +619,6 @@ void polyline_attention_lowp(const at::Tensor& q, const at::Tensor& k, const at:
   });
 }
 
-bool lowp_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && use_lowp_gemm(q.scalar_type());
-}
-
 // Prefix-sum gradients of one query row a against one key-row segment, k != i (rows differ, so the
 // four target lines never alias). g1 = dS1 (flows to M), g2 = dS2 (flows to M').
 template <typename T>
@@ -872,6 +868,29 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
   }
 }
 
+// The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> of a query tile (tq rows from row0, G rows
+// apart in the [B, N, G, dv] layouts of go, out, out_v2h) into Dr1, Dr2, in one tight loop (three rows of the large
+// tensors per query: their loads overlap here). Nothing where out_v2h is null (polyline_attention_lse_backward: the
+// D terms come from the maps).
+template <typename T>
+inline void rows_d_terms(int64_t tq, int64_t row0, int64_t G, int64_t dv, const T* go, const T* out, const T* out_v2h,
+                         T* Dr1, T* Dr2) {
+  for (int64_t a = 0; out_v2h && a < tq; ++a) {
+    const int64_t o = row0 + a * G;
+    const T* ga = go + o * dv;
+    const T* oa = out + o * dv;
+    const T* va = out_v2h + o * dv;
+    T D1 = 0, D2 = 0;
+#pragma omp simd reduction(+ : D1, D2)
+    for (int64_t e = 0; e < dv; ++e) {
+      D1 += ga[e] * va[e];
+      D2 += ga[e] * (T(2) * oa[e] - va[e]);
+    }
+    Dr1[a] = T(0.5) * D1;
+    Dr2[a] = T(0.5) * D2;
+  }
+}
+
 // grad_out, out, out_v2h: [B, N, G, dv] (contiguous, accumulation dtype); lse: [B, N, G, 2]. out and out_v2h null
 // (polyline_attention_lse_backward): the rows' D1, D2 come from the maps, sum_s P1[s] DP[s] and sum_s P2[s] DP[s].
 // part: [BG, nchunk, N * (d + dv + 2)] partial sums (dk, dv, grad cr, grad cc), each task's zeroed by the task.
@@ -919,23 +938,8 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         // DP = 0.5 dO v^T
         const T* gob = go + row0 * dv;
         small_gemm(ln, tq, N, dv, gob, G * dv, int64_t(1), Vt, N, DP, N, false, T(0.5));
-        // The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> first, in one tight loop (three rows of
-        // the large [B, N, G, dv] tensors per query: their loads overlap here)
         T Dr1[TQ], Dr2[TQ];
-        for (int64_t a = 0; out_v2h && a < tq; ++a) {
-          const int64_t o = row0 + a * G;
-          const T* ga = go + o * dv;
-          const T* oa = out + o * dv;
-          const T* va = out_v2h + o * dv;
-          T D1 = 0, D2 = 0;
-#pragma omp simd reduction(+ : D1, D2)
-          for (int64_t e = 0; e < dv; ++e) {
-            D1 += ga[e] * va[e];
-            D2 += ga[e] * (T(2) * oa[e] - va[e]);
-          }
-          Dr1[a] = T(0.5) * D1;
-          Dr2[a] = T(0.5) * D2;
-        }
+        rows_d_terms(tq, row0, G, dv, go, out, out_v2h, Dr1, Dr2);
         for (int64_t a = 0; a < tq; ++a) {
           const int64_t o = row0 + a * G;
           const T ls1 = lse[o * 2 + 0], ls2 = lse[o * 2 + 1];
@@ -1043,20 +1047,7 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
 #pragma omp simd
       for (int64_t e = 0; e < tq * N; ++e) DP[e] *= T(0.5);
       T Dr1[TQ], Dr2[TQ];
-      for (int64_t a = 0; out_v2h && a < tq; ++a) {
-        const int64_t o = row0 + a * G;
-        const T* ga = go + o * dv;
-        const T* oa = out + o * dv;
-        const T* va = out_v2h + o * dv;
-        T D1 = 0, D2 = 0;
-#pragma omp simd reduction(+ : D1, D2)
-        for (int64_t e = 0; e < dv; ++e) {
-          D1 += ga[e] * va[e];
-          D2 += ga[e] * (T(2) * oa[e] - va[e]);
-        }
-        Dr1[a] = T(0.5) * D1;
-        Dr2[a] = T(0.5) * D2;
-      }
+      rows_d_terms(tq, row0, G, dv, go, out, out_v2h, Dr1, Dr2);
       for (int64_t a = 0; a < tq; ++a) {
         const int64_t o = row0 + a * G;
         T* __restrict x1 = X1 + a * N;
