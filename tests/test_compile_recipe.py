@@ -76,7 +76,8 @@ def test_inference_bf16_autocast_within_2e2_of_fp32():
 
 def test_training_equals_eager_and_runs_ppma_kernels():
     """A compiled training step (forward, loss, backward) gives the eager step's loss and gradients, and its graphs
-    call ppma's training kernels (path decays, the FFN's GELU + depthwise convolution, the LePE's weight gradient)."""
+    call ppma's training kernels (path decays, the FFN's GELU + depthwise convolution, the LePE's weight gradient)
+    and the block norms as one node each way (``ppma.ops.cpu.layer_norm_node``)."""
     torch._dynamo.reset()
     model = ppma.create_model("ppma_tiny", **KW, drop_path_rate=0.0).train()
     twin = copy.deepcopy(model)
@@ -98,7 +99,8 @@ def test_training_equals_eager_and_runs_ppma_kernels():
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     want = {"ppma::path_decay", "ppma::path_decay_backward", "ppma::gelu_depthwise_conv2d_residual_forward",
-            "ppma::gelu_depthwise_conv2d_residual_backward", "ppma::depthwise_conv2d_backward"}
+            "ppma::gelu_depthwise_conv2d_residual_backward", "ppma::depthwise_conv2d_backward",
+            "ppma::layer_norm_node", "ppma::layer_norm_node_backward"}
     assert want <= called, sorted(want - called)
 
 

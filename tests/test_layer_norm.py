@@ -209,3 +209,34 @@ def test_layer_norm_module():
     assert list(mod.state_dict()) == list(ref.state_dict())
     two = ppma.nn.fuse_for_inference(ppma.nn.LayerNorm((5, 32)))  # over two dimensions: stays unfused
     assert not two.fused
+
+
+def test_layer_norm_node():
+    """``ppma.ops.cpu.layer_norm_node`` (torch's layer norm as one opaque op, for compiled training): bit for bit
+    ``F.layer_norm`` and its gradients, fp64 gradcheck, the op checks (fake kernel, autograd registration), argument
+    errors, and its gate (only while torch.compile traces, with a gradient recorded, float32 / float64 on the CPU)."""
+    from ppma.ops.cpu.layer_norm import layer_norm_node, uses_layer_norm_node
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 24, generator=g, requires_grad=True)
+    w = torch.randn(24, generator=g, requires_grad=True)
+    b = torch.randn(24, generator=g, requires_grad=True)
+    go = torch.randn(2, 3, 5, 24, generator=g)
+    y = layer_norm_node(x, w, b, 1e-6)
+    grads = torch.autograd.grad(y, (x, w, b), go)
+    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+    yr = F.layer_norm(xr, (24,), wr, br, 1e-6)
+    assert torch.equal(y, yr)
+    for a, e in zip(grads, torch.autograd.grad(yr, (xr, wr, br), go)):
+        assert torch.equal(a, e)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    assert torch.autograd.gradcheck(lambda *t: layer_norm_node(*t, 1e-6), (xd, wd, bd))
+    torch.library.opcheck(torch.ops.ppma.layer_norm_node, (xd, wd, bd, 1e-6))
+    with pytest.raises(ValueError, match=r"weight must be \[C\] = \(24,\)"):
+        layer_norm_node(x, w[:-1], b)
+    assert not uses_layer_norm_node(x, w, b)  # eager: not traced
+    seen = []
+    torch.compile(lambda t: seen.append(uses_layer_norm_node(t, w, b)) or t, backend="eager", fullgraph=True)(x)
+    torch.compile(lambda t: seen.append(uses_layer_norm_node(t, w.detach(), b.detach())) or t, backend="eager",
+                  fullgraph=True)(x.detach())
+    assert seen == [True, False]

@@ -20,6 +20,7 @@ from ppma.ops.cpu.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_res
 from ppma.ops.cpu.depthwise_conv2d import gelu_depthwise_conv2d_residual, uses_gelu_kernel
 from ppma.ops.cpu.depthwise_conv2d import uses_kernel as depthwise_conv2d_uses_kernel
 from ppma.ops.cpu.layer_norm import layer_norm as _layer_norm_op
+from ppma.ops.cpu.layer_norm import layer_norm_node, uses_layer_norm_node
 from ppma.ops.cpu.layer_norm import uses_kernel as _layer_norm_uses_kernel
 from ppma.ops import _dispatch
 
@@ -304,8 +305,9 @@ class LayerNorm(nn.LayerNorm):
     last dimension, with a weight and a bias) it runs ppma's kernel, :func:`ppma.ops.cpu.layer_norm` (float32; 2x
     torch's at PPMA-T's widths, docs/ops.md "layer_norm"), the same numbers up to rounding. PPMABlock's ``norm1``
     and ``norm2``; it is an FX leaf (ppma.models.timm), so a traced model computes its norms as the eager one does.
-    Under ``torch.compile`` without gradients (compiled inference) it runs that kernel too, as one opaque graph node:
-    Inductor's generated layer norms ran slower than the kernel (docs/compile.md)."""
+    Under ``torch.compile`` it stays one opaque graph node: that kernel without gradients (compiled inference), torch's
+    own layer norm as :func:`ppma.ops.cpu.layer_norm_node` with them (compiled training); Inductor's generated layer
+    norms ran slower than either (docs/compile.md)."""
 
     fused = False
 
@@ -313,9 +315,12 @@ class LayerNorm(nn.LayerNorm):
         if self.fused:
             _fused_dtype(self, x)
             return _layer_norm_op(x, self.weight, self.bias, self.eps)
-        if (torch.compiler.is_compiling() and len(self.normalized_shape) == 1 and self.weight is not None
-                and self.bias is not None and _layer_norm_uses_kernel(x, self.weight, self.bias)):
-            return _layer_norm_op(x, self.weight, self.bias, self.eps)
+        if torch.compiler.is_compiling() and len(self.normalized_shape) == 1 and self.weight is not None \
+                and self.bias is not None:
+            if _layer_norm_uses_kernel(x, self.weight, self.bias):  # compiled inference: ppma's kernel
+                return _layer_norm_op(x, self.weight, self.bias, self.eps)
+            if uses_layer_norm_node(x, self.weight, self.bias):  # compiled training: ATen's kernels, one node
+                return layer_norm_node(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
     def _fuse(self) -> None:

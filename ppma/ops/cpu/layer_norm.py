@@ -4,8 +4,12 @@ and the block's residual sum followed by its norm in one pass (docs/ops.md "laye
 The kernels (``torch.ops.ppma.layer_norm``, ``torch.ops.ppma.add_layer_norm_``; float32, contiguous ``x``) normalise
 one row of ``C`` channels at a time in AVX-512/AVX2 vectors; ``add_layer_norm_`` first adds ``residual`` into ``x``
 in place, reading ``x`` once for both. They have no autograd formula: where a gradient is recorded (or on other
-devices and dtypes, under torch.compile, or with ``ppma.ops.set_impl("reference")``) the functions run
+devices and dtypes, or with ``ppma.ops.set_impl("reference")``) the functions run
 ``torch.nn.functional.layer_norm`` (and ``x.add_(residual)``), the same numbers up to float32 rounding.
+
+``layer_norm_node`` is torch's own layer norm (ATen's CPU kernels, forward and backward) as one opaque custom op,
+``ppma::layer_norm_node``, for compiled training: Inductor would otherwise decompose the norm and its backward into
+generated loops fused with the neighbouring sums, which ran slower than ATen's kernels (docs/compile.md).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from ppma import _ext
 from ppma.ops import _dispatch
 from ppma.ops._validate import check_floating_on_one_device, check_no_overlap, check_same_device, records_grad
 
-__all__ = ["layer_norm", "add_layer_norm_", "uses_kernel"]
+__all__ = ["layer_norm", "add_layer_norm_", "uses_kernel", "layer_norm_node", "uses_layer_norm_node"]
 
 _HAS_OP = _ext.has_ext()
 
@@ -122,3 +126,79 @@ def _fake_add(x, residual, weight, bias, eps):
 if _HAS_OP:
     torch.library.register_fake("ppma::layer_norm")(_fake)
     torch.library.register_fake("ppma::add_layer_norm_")(_fake_add)
+
+
+# ------------------------------------------------------------------ torch's layer norm as one node (compiled training)
+@torch.library.custom_op("ppma::layer_norm_node", mutates_args=())
+def _layer_norm_node(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
+
+
+@_layer_norm_node.register_fake
+def _layer_norm_node_fake(x, weight, bias, eps):
+    stats = x.new_empty((*x.shape[:-1], 1))
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("ppma::layer_norm_node_backward", mutates_args=())
+def _layer_norm_node_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                              weight: torch.Tensor, bias: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.ops.aten.native_layer_norm_backward(grad, x, [x.shape[-1]], mean, rstd, weight, bias,
+                                                     [True, True, True])
+
+
+@_layer_norm_node_backward.register_fake
+def _layer_norm_node_backward_fake(grad, x, mean, rstd, weight, bias):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            torch.empty_like(bias))
+
+
+def _node_setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, mean, rstd, weight, bias)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _node_backward(ctx, grad_out, grad_mean, grad_rstd):
+    x, mean, rstd, weight, bias = ctx.saved_tensors
+    gx, gw, gb = torch.ops.ppma.layer_norm_node_backward(grad_out, x, mean, rstd, weight, bias)
+    return gx, gw, gb, None
+
+
+_layer_norm_node.register_autograd(_node_backward, setup_context=_node_setup_context)
+
+
+def uses_layer_norm_node(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether ``ppma.nn.LayerNorm`` runs :func:`layer_norm_node`: traced by torch.compile, the "fused"
+    implementation, CPU tensors of one dtype, float32 or float64, and a gradient recorded (compiled training; compiled
+    inference runs :func:`layer_norm`'s kernel)."""
+    return (
+        torch.compiler.is_compiling()
+        and _dispatch.get_impl() == "fused"
+        and all(t.device.type == "cpu" and t.dtype == x.dtype for t in (x, weight, bias))
+        and x.dtype in (torch.float32, torch.float64)
+        and records_grad(x, weight, bias)
+    )
+
+
+def layer_norm_node(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm(x, (C,), weight, bias, eps)`` over the last dimension ``C`` as one opaque
+    op (``torch.ops.ppma.layer_norm_node``, ATen's ``native_layer_norm`` inside; its backward
+    ``torch.ops.ppma.layer_norm_node_backward``, ATen's ``native_layer_norm_backward``), so that torch.compile keeps
+    ATen's kernels instead of generating the norm (docs/compile.md). The same numbers as torch's layer norm, bit
+    for bit, in eager mode too.
+
+    Args:
+        x: ``[..., C]``.
+        weight, bias: ``[C]``, in ``x``'s dtype.
+        eps: added to the variance.
+
+    Returns:
+        ``[..., C]``, a new contiguous tensor in ``x``'s dtype.
+    """
+    _check(x, weight, bias, eps, op="ppma.ops.cpu.layer_norm_node")
+    check_same_device("layer_norm_node", x=x, weight=weight, bias=bias)
+    return _layer_norm_node(x, weight, bias, float(eps))[0]
