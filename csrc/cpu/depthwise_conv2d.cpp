@@ -11,7 +11,8 @@
 // the k rows around the current one in a ring of zero-padded rows (per-thread scratch) before it overwrites that
 // row. Each output is written by one task in one fixed order: deterministic and independent of the thread count.
 //
-// ppma::gelu_depthwise_conv2d_residual_forward (training, float32): out = a + conv(a) + bias with a = GELU(h), the
+// ppma::gelu_depthwise_conv2d_residual_forward (training; float32, or bf16 maps with float32 weight and bias under
+// bf16 autocast, float32 math and each output rounded once): out = a + conv(a) + bias with a = GELU(h), the
 // same ring walk from h into a new map, GELU applied to each row as it enters the ring (docs/ops.md
 // "gelu_depthwise_conv2d_residual"; its backward is the last kernel of this file).
 //
@@ -21,7 +22,12 @@
 // (x zero outside the map). One pass over grad_out and x: every task owns a group of channels and sums its
 // k * k + 1 partial vectors over a fixed chunk of rows, and the chunks are added in a fixed order, so the result
 // does not depend on the thread count. torch's CPU backward of a 5 x 5 depthwise convolution takes 10-35x its
-// forward (PPMA-T's LePE shapes); this pass about 1.5x (row_taps: the sums of a tap row in registers).
+// forward (PPMA-T's LePE shapes); this pass about 1.5x (row_taps: the sums of a tap row in registers). bf16 maps
+// (bf16 autocast, float32 parameters) are widened as they are read; the sums and gradients are float32.
+//
+// Under bf16 autocast the training kernels read and write bf16 maps and keep every sum in float32 with the float32
+// weight and bias (docs/ops.md "depthwise_conv2d", "gelu_depthwise_conv2d_residual"): each bf16 output (the FFN
+// middle's output and its input gradient) is rounded once.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -44,30 +50,57 @@ constexpr int64_t CB = 16;
 // Channels of a slot of the residual convolution's rings, at most (a multiple of CB).
 constexpr int64_t kMaxSlot = 64;
 
+// The maps' element types: float, double, or the bits of bf16 (uint16_t), which are widened to float exactly as
+// they are read and rounded once (to nearest even) where an output is stored; the sums are float (double for
+// double maps).
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+inline float widen(float v) { return v; }
+inline double widen(double v) { return v; }
+inline void put(float* p, float v) { *p = v; }
+inline void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
+template <int L>
+PPMA_SIMD_INLINE vec<L> load_map(const float* p) {
+  return load<L>(p);
+}
+template <int L>
+PPMA_SIMD_INLINE vec<L> load_map(const uint16_t* p) {
+  return load_bf16<L>(p);
+}
+template <int L>
+PPMA_SIMD_INLINE void store_map(float* p, vec<L> v) {
+  store<L>(p, v);
+}
+template <int L>
+PPMA_SIMD_INLINE void store_map(uint16_t* p, vec<L> v) {
+  store_bf16<L>(p, v);
+}
+
 // Adds g[c] * x[c] to acc[c] for the n <= CB channels of a block: whole vectors of the task's lane width for a
-// full float block, a plain loop otherwise (double, the last block of a C that is not a multiple of CB).
-template <int L, typename T>
-PPMA_SIMD_INLINE void fma_block(Lanes<L>, int64_t n, const T* __restrict g, const T* __restrict x,
+// full block of float sums (float or bf16 maps), a plain loop otherwise (double, the last block of a C that is not
+// a multiple of CB).
+template <int L, typename T, typename X>
+PPMA_SIMD_INLINE void fma_block(Lanes<L>, int64_t n, const X* __restrict g, const X* __restrict x,
                                 T* __restrict acc) {
   if constexpr (std::is_same_v<T, float>) {
     if (n == CB) {
-      for (int64_t c = 0; c < CB; c += L) store<L>(acc + c, load<L>(acc + c) + load<L>(g + c) * load<L>(x + c));
+      for (int64_t c = 0; c < CB; c += L)
+        store<L>(acc + c, load<L>(acc + c) + load_map<L>(g + c) * load_map<L>(x + c));
       return;
     }
   }
-  for (int64_t c = 0; c < n; ++c) acc[c] += g[c] * x[c];
+  for (int64_t c = 0; c < n; ++c) acc[c] += widen(g[c]) * widen(x[c]);
 }
 
 // Adds g[c] to acc[c] for the n <= CB channels of a block (the bias gradient).
-template <int L, typename T>
-PPMA_SIMD_INLINE void add_block(Lanes<L>, int64_t n, const T* __restrict g, T* __restrict acc) {
+template <int L, typename T, typename X>
+PPMA_SIMD_INLINE void add_block(Lanes<L>, int64_t n, const X* __restrict g, T* __restrict acc) {
   if constexpr (std::is_same_v<T, float>) {
     if (n == CB) {
-      for (int64_t c = 0; c < CB; c += L) store<L>(acc + c, load<L>(acc + c) + load<L>(g + c));
+      for (int64_t c = 0; c < CB; c += L) store<L>(acc + c, load<L>(acc + c) + load_map<L>(g + c));
       return;
     }
   }
-  for (int64_t c = 0; c < n; ++c) acc[c] += g[c];
+  for (int64_t c = 0; c < n; ++c) acc[c] += widen(g[c]);
 }
 
 // Channels per task group (CG / CB blocks; the k * k + 1 sums of a group stay in L1) and the fixed number of
@@ -83,33 +116,33 @@ constexpr int64_t kChunks = 8;
 // the row's W positions (x zero outside it; g and x rows at stride C per position), and ab[c] += sum_w g[w][c].
 // Each vector of channels keeps its K sums of a tap row in registers while it walks the row (one load of x and one
 // FMA per tap and position), instead of loading and storing the sums at every position. KC = K at compile time
-// (3, 5 or 7).
-template <int KC, int L>
-PPMA_SIMD_INLINE void row_taps(Lanes<L>, int64_t W, int64_t C, const float* g, const float* const* xr, float* acc,
+// (3, 5 or 7). X: float, or bf16 bits (widened as they are loaded).
+template <int KC, int L, typename X>
+PPMA_SIMD_INLINE void row_taps(Lanes<L>, int64_t W, int64_t C, const X* g, const X* const* xr, float* acc,
                                int64_t ts, float* ab) {
   constexpr int64_t P = KC / 2;
   const int64_t lo = std::min<int64_t>(P, W), hi = std::max<int64_t>(lo, W - P);  // all taps inside for [lo, hi)
   for (int64_t c = 0; c < CB; c += L) {
     vec<L> sb = load<L>(ab + c);
-    for (int64_t w = 0; w < W; ++w) sb += load<L>(g + w * C + c);
+    for (int64_t w = 0; w < W; ++w) sb += load_map<L>(g + w * C + c);
     store<L>(ab + c, sb);
     for (int64_t i = 0; i < KC; ++i) {
       if (!xr[i]) continue;
-      const float* x = xr[i] + c;
+      const X* x = xr[i] + c;
       vec<L> a[KC];
       for (int64_t j = 0; j < KC; ++j) a[j] = vec<L>{};
       auto edge = [&](int64_t w) {  // a position near the row's ends: only the taps inside it
-        const vec<L> gv = load<L>(g + w * C + c);
+        const vec<L> gv = load_map<L>(g + w * C + c);
         for (int64_t j = 0; j < KC; ++j) {
           const int64_t u = w + j - P;
-          if (u >= 0 && u < W) a[j] += gv * load<L>(x + u * C);
+          if (u >= 0 && u < W) a[j] += gv * load_map<L>(x + u * C);
         }
       };
       for (int64_t w = 0; w < lo; ++w) edge(w);
       for (int64_t w = lo; w < hi; ++w) {
-        const vec<L> gv = load<L>(g + w * C + c);
-        const float* xw = x + (w - P) * C;
-        for (int64_t j = 0; j < KC; ++j) a[j] += gv * load<L>(xw + j * C);
+        const vec<L> gv = load_map<L>(g + w * C + c);
+        const X* xw = x + (w - P) * C;
+        for (int64_t j = 0; j < KC; ++j) a[j] += gv * load_map<L>(xw + j * C);
       }
       for (int64_t w = hi; w < W; ++w) edge(w);
       float* ar = acc + i * KC * ts + c;
@@ -137,10 +170,11 @@ void sum_partials(const T* part, int64_t C, int64_t KK, int64_t n, int64_t ps, i
   }
 }
 
-// go, x: [B, H, W, C] contiguous; gw: [C, K, K]; gb: [C]. Full float blocks with k = 3, 5 or 7 run row_taps; the
-// rest (double, a last block of fewer than CB channels, other k) sums position by position.
-template <typename T>
-void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64_t C, int64_t K, T* gw, T* gb) {
+// go, x: [B, H, W, C] contiguous, of X (T, or bf16 bits with T = float); gw: [C, K, K]; gb: [C], of T. Full float
+// blocks with k = 3, 5 or 7 run row_taps; the rest (double, a last block of fewer than CB channels, other k) sums
+// position by position.
+template <typename T, typename X = T>
+void weight_grad(const X* go, const X* x, int64_t B, int64_t H, int64_t W, int64_t C, int64_t K, T* gw, T* gb) {
   const int64_t P = K / 2, KK = K * K, ngrp = ceil_div(C, CG), R = B * H;
   const int64_t nchunk = std::min(R, kChunks), rows_per = ceil_div(R, nchunk);
   const int64_t psize = (KK + 1) * CS;
@@ -158,14 +192,14 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
         const int64_t n = std::min(CB, cgn - c);
         if constexpr (std::is_same_v<T, float>) {
           if (n == CB && (K == 3 || K == 5 || K == 7)) {
-            const float* xr[7];
+            const X* xr[7];
             for (int64_t r = r0; r < r1; ++r) {
               const int64_t b = r / H, h = r % H;
               for (int64_t i = 0; i < K; ++i) {
                 const int64_t hi = h + i - P;
                 xr[i] = hi < 0 || hi >= H ? nullptr : x + (b * H + hi) * W * C + cg0 + c;
               }
-              const float* gp = go + r * W * C + cg0 + c;
+              const X* gp = go + r * W * C + cg0 + c;
               if (K == 3) {
                 row_taps<3>(ln, W, C, gp, xr, acc + c, CS, ab + c);
               } else if (K == 5) {
@@ -181,11 +215,11 @@ void weight_grad(const T* go, const T* x, int64_t B, int64_t H, int64_t W, int64
           const int64_t b = r / H, h = r % H;
           const int64_t i0 = std::max<int64_t>(0, P - h), i1 = std::min<int64_t>(K, H + P - h);
           for (int64_t w = 0; w < W; ++w) {
-            const T* gp = go + (r * W + w) * C + cg0;
+            const X* gp = go + (r * W + w) * C + cg0;
             const int64_t j0 = std::max<int64_t>(0, P - w), j1 = std::min<int64_t>(K, W + P - w);
             add_block(ln, n, gp + c, ab + c);
             for (int64_t i = i0; i < i1; ++i) {
-              const T* xr = x + ((b * H + h + i - P) * W + (w - P)) * C + cg0 + c;
+              const X* xr = x + ((b * H + h + i - P) * W + (w - P)) * C + cg0 + c;
               T* ar = acc + i * K * CS + c;
               for (int64_t j = j0; j < j1; ++j) fma_block(ln, n, gp + c, xr + j * C, ar + j * CS);
             }
@@ -321,8 +355,8 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
   if (w0 < W) block(std::integral_constant<int, 1>{}, w0);
 }
 
-// dst = src + conv(src) + bias, or with gelu dst = a + conv(a) + bias for a = GELU(src) (float only: the FFN's
-// middle in training, gelu_depthwise_conv2d_residual_forward). src, dst: [B, H, W, C] contiguous (float, or bf16
+// dst = src + conv(src) + bias, or with gelu dst = a + conv(a) + bias for a = GELU(src) (the FFN's middle in
+// training, gelu_depthwise_conv2d_residual_forward; a bf16 src is widened first, GELU in float32). src, dst: [B, H, W, C] contiguous (float, or bf16
 // bits as uint16_t), the same map for the in-place op (the ring keeps the rows it still needs before they are
 // overwritten); weight: [C, K, K]; bias: [C] or null.
 template <typename X>
@@ -407,10 +441,11 @@ void residual_conv(const X* src, X* dst, const float* weight, const float* bias,
 // its weight and bias sums go to its own slot, added over the batch in a fixed order afterwards: deterministic
 // and independent of the thread count.
 
-// float, k = 3, 5 or 7. g, h: [B, H, W, C]; weight [C, K, K]; gh: [B, H, W, C]; part: [B][nblk][K * K + 1][CB].
-template <int KC>
-void gelu_residual_backward_rings(const float* g, const float* hx, const float* weight, int64_t B, int64_t H, int64_t W,
-                                  int64_t C, float* gh, float* part) {
+// k = 3, 5 or 7. g, h: [B, H, W, C] of X (float, or bf16 bits: widened as their rows enter the rings); weight
+// [C, K, K] float; gh: [B, H, W, C] of X (bf16: each value rounded once); part: [B][nblk][K * K + 1][CB] float.
+template <int KC, typename X>
+void gelu_residual_backward_rings(const X* g, const X* hx, const float* weight, int64_t B, int64_t H, int64_t W,
+                                  int64_t C, X* gh, float* part) {
   constexpr int64_t K = KC, P = KC / 2, KK = KC * KC;
   const int64_t nblk = ceil_div(C, CB), slot = (W + 2 * P) * CB;
   parallel_image_tasks(
@@ -427,9 +462,9 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
     float* acc = part + t * (KK + 1) * CB;  // [K * K][CB] the weight sums, then [CB] the bias sums
     for (int64_t c = 0; c < n; ++c)
       for (int64_t ij = 0; ij < KK; ++ij) wf[(KK - 1 - ij) * CB + c] = weight[(c0 + c) * KK + ij];
-    const float* gb = g + b * H * W * C + c0;
-    const float* hb = hx + b * H * W * C + c0;
-    float* ob = gh + b * H * W * C + c0;
+    const X* gb = g + b * H * W * C + c0;
+    const X* hb = hx + b * H * W * C + c0;
+    X* ob = gh + b * H * W * C + c0;
     const float bb[CB] = {};
     with_lanes([&](auto ln) {
       constexpr int L = decltype(ln)::value;
@@ -437,20 +472,25 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
         float* sg = ga + (r % K) * slot + P * CB;
         float* sa = ra + (r % K) * slot + P * CB;
         float* sd = rd + (r % K) * slot + P * CB;
-        const float* gr = gb + r * W * C;
-        const float* hr = hb + r * W * C;
-        if (n < CB) {  // the last block: its channels into the zero-padded slots first
+        const X* gr = gb + r * W * C;
+        const X* hr = hb + r * W * C;
+        if (n < CB) {  // the last block: its channels into the zero-padded slots first (widened), GELU in place
           for (int64_t w = 0; w < W; ++w) {
-            for (int64_t c = 0; c < n; ++c) sg[w * CB + c] = gr[w * C + c], sa[w * CB + c] = hr[w * C + c];
+            for (int64_t c = 0; c < n; ++c) sg[w * CB + c] = widen(gr[w * C + c]), sa[w * CB + c] = widen(hr[w * C + c]);
           }
-          gr = sg, hr = sa;
+          for (int64_t e = 0; e < W * CB; e += L) {
+            vec<L> a, d;
+            gelu_and_grad<L>(load<L>(sa + e), a, d);
+            store<L>(sa + e, a);
+            store<L>(sd + e, d);
+          }
+          return;
         }
-        const int64_t cs = n < CB ? CB : C;  // the source's stride per position
         for (int64_t w = 0; w < W; ++w) {
           for (int64_t c = 0; c < CB; c += L) {
             vec<L> a, d;
-            store<L>(sg + w * CB + c, load<L>(gr + w * cs + c));
-            gelu_and_grad<L>(load<L>(hr + w * cs + c), a, d);
+            store<L>(sg + w * CB + c, load_map<L>(gr + w * C + c));
+            gelu_and_grad<L>(load_map<L>(hr + w * C + c), a, d);
             store<L>(sa + w * CB + c, a);
             store<L>(sd + w * CB + c, d);
           }
@@ -473,13 +513,13 @@ void gelu_residual_backward_rings(const float* g, const float* hx, const float* 
         // the input gradient of a + conv(a): g + the flipped taps over the rows of g around it; times GELU'
         residual_row<KC>(ln, W, CB, K, rows_g, gc, wf, bb, CB, CB, tmp);
         const float* dr = rd + (y % K) * slot + P * CB;
-        float* o = ob + y * W * C;
+        X* o = ob + y * W * C;
         for (int64_t w = 0; w < W; ++w) {
           if (n == CB) {
             for (int64_t c = 0; c < CB; c += L)
-              store<L>(o + w * C + c, load<L>(tmp + w * CB + c) * load<L>(dr + w * CB + c));
+              store_map<L>(o + w * C + c, load<L>(tmp + w * CB + c) * load<L>(dr + w * CB + c));
           } else {
-            for (int64_t c = 0; c < n; ++c) o[w * C + c] = tmp[w * CB + c] * dr[w * CB + c];
+            for (int64_t c = 0; c < n; ++c) put(o + w * C + c, tmp[w * CB + c] * dr[w * CB + c]);
           }
         }
       }
@@ -534,25 +574,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_ba
               grad_out.sizes());
   check_floating(kGeluOp, "h", h);
   check_like(kGeluOp, "grad_out", grad_out, "h", h);
-  TORCH_CHECK(h.scalar_type() == at::kFloat || h.scalar_type() == at::kDouble, kGeluOp,
-              ": h must be float32 or float64, got ", h.scalar_type());
+  TORCH_CHECK(h.scalar_type() == at::kFloat || h.scalar_type() == at::kDouble || h.scalar_type() == at::kBFloat16,
+              kGeluOp, ": h must be float32, float64 or bfloat16, got ", h.scalar_type());
+  const bool bf16 = h.scalar_type() == at::kBFloat16;
   const int64_t B = h.size(0), H = h.size(1), W = h.size(2), C = h.size(3);
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kGeluOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  check_like(kGeluOp, "weight", weight, "h", h);
+  if (bf16) {  // bf16 maps (bf16 autocast): float32 parameters, float32 math
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.device() == h.device(), kGeluOp,
+                ": weight must be a float32 tensor on h's device for a bfloat16 h, got ", weight.scalar_type(), " on ",
+                weight.device());
+  } else {
+    check_like(kGeluOp, "weight", weight, "h", h);
+  }
   const int64_t K = weight.size(2), KK = K * K;
+  if (bf16 && K != 3 && K != 5 && K != 7) {  // other k: the float kernel on widened copies, rounded once
+    auto r = gelu_depthwise_conv2d_residual_backward_cpu(grad_out.to(at::kFloat), h.to(at::kFloat), weight);
+    return {std::get<0>(r).to(at::kBFloat16), std::get<1>(r), std::get<2>(r)};
+  }
   at::Tensor gh = at::empty_like(h, at::MemoryFormat::Contiguous);
-  at::Tensor gw = at::zeros({C, 1, K, K}, h.options()), gb = at::zeros({C}, h.options());
+  at::Tensor gw = at::zeros({C, 1, K, K}, weight.options()), gb = at::zeros({C}, weight.options());
   if (h.numel() == 0) return {gh, gw, gb};
   const at::Tensor hc = h.contiguous(), gc = grad_out.contiguous(), wc = weight.contiguous();
-  if (h.scalar_type() == at::kFloat && (K == 3 || K == 5 || K == 7)) {
+  if (h.scalar_type() != at::kDouble && (K == 3 || K == 5 || K == 7)) {
     const int64_t nblk = ceil_div(C, CB);
     std::vector<float> part(B * nblk * (KK + 1) * CB);
     auto run = [&](auto kc) {
-      gelu_residual_backward_rings<decltype(kc)::value>(gc.data_ptr<float>(), hc.data_ptr<float>(),
-                                                        wc.data_ptr<float>(), B, H, W, C, gh.data_ptr<float>(),
-                                                        part.data());
+      constexpr int KC = decltype(kc)::value;
+      if (bf16) {
+        gelu_residual_backward_rings<KC>(reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>()),
+                                         reinterpret_cast<const uint16_t*>(hc.data_ptr<at::BFloat16>()),
+                                         wc.data_ptr<float>(), B, H, W, C,
+                                         reinterpret_cast<uint16_t*>(gh.data_ptr<at::BFloat16>()), part.data());
+      } else {
+        gelu_residual_backward_rings<KC>(gc.data_ptr<float>(), hc.data_ptr<float>(), wc.data_ptr<float>(), B, H, W,
+                                         C, gh.data_ptr<float>(), part.data());
+      }
     };
     if (K == 3) {
       run(std::integral_constant<int, 3>{});
@@ -611,29 +669,47 @@ void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, cons
 
 constexpr const char* kGeluFwdOp = "ppma::gelu_depthwise_conv2d_residual_forward";
 
-// out = a + conv(a) + bias with a = GELU(h), float32: one pass over h (residual_conv with gelu), the same GELU values
-// as the backward kernel's.
+// out = a + conv(a) + bias with a = GELU(h), float32 (or bf16 maps with float32 weight and bias, float32 math, each
+// output rounded once): one pass over h (residual_conv with gelu), the same GELU values as the backward kernel's.
 at::Tensor gelu_depthwise_conv2d_residual_forward_cpu(const at::Tensor& h, const at::Tensor& weight,
                                                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(h.dim() == 4, kGeluFwdOp, ": h must be [B, H, W, C], got shape ", h.sizes());
-  TORCH_CHECK(h.scalar_type() == at::kFloat, kGeluFwdOp, ": h must be float32, got ", h.scalar_type());
+  TORCH_CHECK(h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16, kGeluFwdOp,
+              ": h must be float32 or bfloat16, got ", h.scalar_type());
+  const bool bf16 = h.scalar_type() == at::kBFloat16;
+  auto param_like = [&](const char* name, const at::Tensor& t) {  // bf16 maps (bf16 autocast): float32 parameters
+    if (bf16) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == h.device(), kGeluFwdOp, ": ", name,
+                  " must be a float32 tensor on h's device for a bfloat16 h, got ", t.scalar_type(), " on ",
+                  t.device());
+    } else {
+      check_like(kGeluFwdOp, name, t, "h", h);
+    }
+  };
   const int64_t B = h.size(0), H = h.size(1), W = h.size(2), C = h.size(3);
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kGeluFwdOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  check_like(kGeluFwdOp, "weight", weight, "h", h);
+  param_like("weight", weight);
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, kGeluFwdOp, ": bias must be [C] = [", C, "], got ",
                 bias->sizes());
-    check_like(kGeluFwdOp, "bias", *bias, "h", h);
+    param_like("bias", *bias);
     bc = bias->contiguous();
   }
   at::Tensor out = at::empty(h.sizes(), h.options());
   if (h.numel() == 0) return out;
   const at::Tensor hc = h.contiguous(), wc = weight.contiguous();
-  residual_conv(hc.data_ptr<float>(), out.data_ptr<float>(), wc.data_ptr<float>(),
-                bc.defined() ? bc.data_ptr<float>() : nullptr, B, H, W, C, weight.size(2), /*gelu=*/true);
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  if (bf16) {
+    residual_conv(reinterpret_cast<const uint16_t*>(hc.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), wc.data_ptr<float>(), bp, B, H, W, C,
+                  weight.size(2), /*gelu=*/true);
+  } else {
+    residual_conv(hc.data_ptr<float>(), out.data_ptr<float>(), wc.data_ptr<float>(), bp, B, H, W, C, weight.size(2),
+                  /*gelu=*/true);
+  }
   return out;
 }
 
@@ -648,12 +724,20 @@ std::tuple<at::Tensor, at::Tensor> depthwise_conv2d_backward_cpu(const at::Tenso
               kernel_size);
   check_floating(kOp, "x", x);
   check_like(kOp, "grad_out", grad_out, "x", x);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, kOp,
-              ": x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || x.scalar_type() == at::kBFloat16,
+              kOp, ": x must be float32, float64 or bfloat16, got ", x.scalar_type());
   const int64_t B = x.size(0), H = x.size(1), W = x.size(2), C = x.size(3), K = kernel_size;
-  at::Tensor gw = at::zeros({C, 1, K, K}, x.options()), gb = at::zeros({C}, x.options());
+  // bf16 maps (bf16 autocast, float32 parameters): float32 sums and gradients
+  const auto opts = x.scalar_type() == at::kBFloat16 ? x.options().dtype(at::kFloat) : x.options();
+  at::Tensor gw = at::zeros({C, 1, K, K}, opts), gb = at::zeros({C}, opts);
   if (B * H * W * C == 0) return {gw, gb};
   const at::Tensor xc = x.contiguous(), gc = grad_out.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {
+    weight_grad<float>(reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), B, H, W, C, K,
+                       gw.data_ptr<float>(), gb.data_ptr<float>());
+    return {gw, gb};
+  }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_depthwise_conv2d_backward_cpu", [&] {
     weight_grad<scalar_t>(gc.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(), B, H, W, C, K, gw.data_ptr<scalar_t>(),
                           gb.data_ptr<scalar_t>());

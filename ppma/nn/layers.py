@@ -248,8 +248,9 @@ class DWConv2d(nn.Module):
         conv = self.conv
         if add is not None:
             return add + self.forward(x)
-        if depthwise_conv2d_uses_kernel(x, conv.weight):
-            # CPU training, >= 5x5 kernel: weight/bias gradients from ppma's kernel (docs/ops.md "depthwise_conv2d")
+        if depthwise_conv2d_uses_kernel(x, conv.weight, conv.bias):
+            # CPU training (fp32/fp64, or bf16 maps under bf16 autocast), >= 5x5 kernel: weight/bias gradients from
+            # ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
         xc = x.permute(0, 3, 1, 2)
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):

@@ -8,9 +8,10 @@ The forward is torch's convolution (``F.conv2d`` on the NCHW view of a ``[B, H, 
 in memory, so no copy is made). torch's CPU backward of a depthwise convolution with a 5 x 5 kernel costs 10-35x its
 forward (the weight and bias gradients; 3 x 3 kernels are fast); on the CPU, in fp32/fp64 and with the "fused"
 implementation, the weight and bias gradients come from ``torch.ops.ppma.depthwise_conv2d_backward`` (one pass
-over the gradient and the input, deterministic) and the input gradient from torch's convolution backward. The
-reference (``ppma.ops.set_impl("reference")``, devices without the kernel, 3 x 3 kernels, low precision,
-autocast, torch.compile) is the plain ``F.conv2d`` with torch's autograd.
+over the gradient and the input, deterministic; also for bf16 maps under CPU bf16 autocast, float32 sums) and the
+input gradient from torch's convolution backward. The reference (``ppma.ops.set_impl("reference")``, devices
+without the kernel, 3 x 3 kernels, other low precision, fp16 autocast) is the plain ``F.conv2d`` with torch's
+autograd.
 """
 
 from __future__ import annotations
@@ -90,20 +91,39 @@ def depthwise_conv2d_ref(
     return _conv(x, _folded(weight, residual), bias)
 
 
-def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _bf16_autocast(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether ``x`` is a bf16 map under CPU bf16 autocast with float32 parameters (``params``; None: no bias): the
+    training kernels' low-precision case (docs/ops.md "depthwise_conv2d", "gelu_depthwise_conv2d_residual")."""
+    return (
+        x.dtype == torch.bfloat16
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and all(p is None or p.dtype == torch.float32 for p in params)
+    )
+
+
+def _same_dtype_no_autocast(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """float32/float64 ``x`` with ``params`` (None: no bias) in its dtype, outside CPU autocast."""
+    return (
+        x.dtype in (torch.float32, torch.float64)
+        and all(p is None or p.dtype == x.dtype for p in params)
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`depthwise_conv2d` takes its weight and bias gradients from the ppma kernel for these
-    tensors: a built kernel, the "fused" implementation, CPU tensors of float32/float64, a kernel of at least
-    ``MIN_KERNEL`` taps, no autocast, and a gradient to compute (also under torch.compile: one opaque graph node,
-    docs/compile.md)."""
+    tensors: a built kernel, the "fused" implementation, CPU tensors of float32/float64 with the weight (and bias)
+    in ``x``'s dtype outside autocast, or a bf16 ``x`` with float32 parameters under CPU bf16 autocast, a kernel of
+    at least ``MIN_KERNEL`` taps, and a gradient to compute (also under torch.compile: one opaque graph node,
+    docs/compile.md). fp16 autocast, and float32 maps under autocast, keep torch's path."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and weight.dtype == x.dtype
+        and (_same_dtype_no_autocast(x, weight, bias) or _bf16_autocast(x, weight, bias))
         and weight.shape[-1] >= MIN_KERNEL
         and records_grad(x, weight)
-        and not torch.is_autocast_enabled("cpu")
     )
 
 
@@ -122,11 +142,16 @@ def depthwise_conv2d(
 
     The forward is torch's; where :func:`uses_kernel` says so, the weight and bias gradients come from
     ``torch.ops.ppma.depthwise_conv2d_backward`` (docs/ops.md "depthwise_conv2d"), elsewhere torch's autograd
-    runs (:func:`depthwise_conv2d_ref`). Both give the same gradients up to rounding.
+    runs (:func:`depthwise_conv2d_ref`). Both give the same gradients up to rounding. Under CPU bf16 autocast
+    (a bf16 ``x``, float32 parameters) the forward is autocast's (the convolution in bf16 with the weight and bias
+    rounded to bf16, ``x`` added afterwards with ``residual``: ``1 + w`` in bf16 would round ``w`` to a few bits),
+    the input gradient bf16 (torch's), the weight and bias gradients float32 sums of the bf16 maps.
     """
     _check(x, weight, bias)
-    if not uses_kernel(x, weight) or x.numel() == 0:
+    if not uses_kernel(x, weight, bias) or x.numel() == 0:
         return _conv(x, _folded(weight, residual), bias)
+    if residual and x.dtype == torch.bfloat16:
+        return x + _DepthwiseConv2d.apply(x, weight, bias, False)
     return _DepthwiseConv2d.apply(x, weight, bias, residual)
 
 
@@ -136,6 +161,8 @@ class _DepthwiseConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual):
         w = _folded(weight, residual)
+        if x.dtype == torch.bfloat16:  # bf16 autocast: the parameters rounded to bf16, as autocast's conv2d does
+            w, bias = w.to(x.dtype), None if bias is None else bias.to(x.dtype)
         ctx.save_for_backward(x, w)
         ctx.has_bias = bias is not None
         return _conv(x, w, bias)
@@ -227,17 +254,15 @@ def _gelu_residual(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def uses_gelu_kernel(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`gelu_depthwise_conv2d_residual` takes its gradients from
     ``torch.ops.ppma.gelu_depthwise_conv2d_residual_backward``: a built kernel, the "fused" implementation, CPU
-    tensors of float32/float64 with the weight and bias in ``h``'s dtype, a gradient to compute, no autocast (also
-    under torch.compile: one opaque graph node each way, docs/compile.md)."""
+    tensors of float32/float64 with the weight and bias in ``h``'s dtype outside autocast, or a bf16 ``h`` with
+    float32 weight and bias under CPU bf16 autocast, and a gradient to compute (also under torch.compile: one opaque
+    graph node each way, docs/compile.md). fp16 autocast, and float32 maps under autocast, keep torch's path."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
         and h.device.type == "cpu"
-        and h.dtype in (torch.float32, torch.float64)
-        and weight.dtype == h.dtype
-        and (bias is None or bias.dtype == h.dtype)
+        and (_same_dtype_no_autocast(h, weight, bias) or _bf16_autocast(h, weight, bias))
         and records_grad(h, weight, *(() if bias is None else (bias,)))
-        and not torch.is_autocast_enabled("cpu")
     )
 
 
@@ -262,7 +287,11 @@ def gelu_depthwise_conv2d_residual(
         ``h`` (docs/ops.md "gelu_depthwise_conv2d_residual"), instead of torch keeping ``h`` and ``a`` and running
         the convolution's backward and then GELU's. Elsewhere it is :func:`gelu_depthwise_conv2d_residual_ref`.
         Both give the same gradients up to rounding (float32: the kernel's GELU and GELU' of ``h`` are within
-        ~2e-7 of torch's); the backward is once-differentiable.
+        ~2e-7 of torch's); the backward is once-differentiable. Under CPU bf16 autocast (a bf16 ``h``, float32
+        weight and bias) both kernels read the bf16 maps as they are, compute in float32 with the float32 weight
+        and bias, and round each bf16 output (the result, ``grad_h``) once; the weight and bias gradients are
+        float32. torch's path rounds ``GELU(h)``, the weight, ``conv(a)`` and the sum to bf16 in turn, so the two
+        agree up to bf16 rounding (docs/ops.md "gelu_depthwise_conv2d_residual").
     """
     _check(h, weight, bias, "ppma.ops.cpu.gelu_depthwise_conv2d_residual", "h")
     if not uses_gelu_kernel(h, weight, bias) or h.numel() == 0:
@@ -271,14 +300,14 @@ def gelu_depthwise_conv2d_residual(
 
 
 class _GeluDepthwiseConv2dResidual(torch.autograd.Function):
-    """Forward: ppma's one-pass kernel (float32) or torch's GELU and convolution (float64), keeping ``h`` only;
+    """Forward: ppma's one-pass kernel (float32, bf16) or torch's GELU and convolution (float64), keeping ``h`` only;
     backward: ppma's kernel for all three gradients."""
 
     @staticmethod
     def forward(ctx, h, weight, bias):
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
-        if _HAS_OP and h.dtype == torch.float32:
+        if _HAS_OP and h.dtype in (torch.float32, torch.bfloat16):  # bf16: CPU bf16 autocast, float32 weight/bias
             return torch.ops.ppma.gelu_depthwise_conv2d_residual_forward(h, weight, bias)
         return _conv(F.gelu(h), _folded(weight, True), bias)
 
@@ -300,7 +329,8 @@ def _fake_residual(x, weight, bias):
 def _fake_backward(grad_out, x, kernel_size):
     check_same_device(_OP, x=x, grad_out=grad_out)
     C = x.shape[-1]
-    return x.new_empty((C, 1, kernel_size, kernel_size)), x.new_empty((C,))
+    dt = torch.float32 if x.dtype == torch.bfloat16 else x.dtype  # bf16 maps: float32 gradients
+    return x.new_empty((C, 1, kernel_size, kernel_size), dtype=dt), x.new_empty((C,), dtype=dt)
 
 
 def _fake_gelu_forward(h, weight, bias):
@@ -310,7 +340,7 @@ def _fake_gelu_forward(h, weight, bias):
 
 def _fake_gelu_backward(grad_out, h, weight):
     check_same_device(_GELU_OP, h=h, grad_out=grad_out, weight=weight)
-    return h.new_empty(h.shape), weight.new_empty(weight.shape), h.new_empty((h.shape[-1],))
+    return h.new_empty(h.shape), weight.new_empty(weight.shape), weight.new_empty((h.shape[-1],))
 
 
 if _HAS_OP:
