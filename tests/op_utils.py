@@ -216,6 +216,13 @@ def nan_at(t: torch.Tensor, index) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+def ops_called(fn) -> set[str]:
+    """The names of the ops ``fn()`` calls on this thread (the CPU profiler's events, e.g. ``"ppma::rope"``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
 THREAD_COUNTS = (1, 3)  # the determinism tests' thread counts: 3 does not divide their B * heads = 4 units
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ppma
+from op_utils import ops_called
 from ppma.compile import FrozenInference, compile_model
 
 pytestmark = pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
@@ -29,13 +30,6 @@ def _images(batch=2, size=64):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
 
 
-def _ops_called(fn) -> set[str]:
-    """The names of the ops ``fn()`` calls (the profiler's events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {e.key for e in prof.key_averages()}
-
-
 def test_inference_fp32_equals_eager_and_packs_weights():
     from torch._dynamo.utils import counters
     from torch._inductor import config
@@ -51,7 +45,7 @@ def test_inference_fp32_equals_eager_and_packs_weights():
         got = fast(x)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fast(_images()), ref, rtol=1e-4, atol=1e-4)  # the cached graph
-        called = _ops_called(lambda: fast(x))
+        called = ops_called(lambda: fast(x))
     # the glue runs ppma's kernels as opaque graph nodes, not Inductor's generated code (docs/compile.md)
     assert {"ppma::layer_norm", "ppma::path_decay", "ppma::rope"} <= called, sorted(called)
     # frozen: Inductor packed the linear layers' weights (the point of the recipe), and the global switch is back
@@ -94,7 +88,7 @@ def test_training_equals_eager_and_runs_ppma_kernels():
     train_step(step)  # compiles
     twin.zero_grad(set_to_none=True)
     got = []
-    called = _ops_called(lambda: got.append(train_step(step)))
+    called = ops_called(lambda: got.append(train_step(step)))
     torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import ppma
 import ppma.nn  # noqa: F401
-from op_utils import assert_close, needs_ext
+from op_utils import assert_close, needs_ext, ops_called
 from ppma import backends
 from ppma.nn import layers
 from ppma.ops.cpu.depthwise_conv2d import (
@@ -227,12 +227,15 @@ def _step(model, x, t, kernels: bool, monkeypatch):
             mp.setattr(layers, "uses_gelu_kernel", lambda *a: False)
             mp.setattr(layers, "depthwise_conv2d_uses_kernel", lambda *a: False)
         model.zero_grad()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        losses = []
+
+        def step():
             with torch.autocast("cpu", dtype=BF16):
-                loss = F.cross_entropy(model(x), t)
-            loss.backward()
-    names = {e.name for e in prof.events()}
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, names
+                losses.append(F.cross_entropy(model(x), t))
+            losses[0].backward()
+
+        names = ops_called(step)
+    return losses[0].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, names
 
 
 def test_tiny_ppma_bf16_autocast_training_step(monkeypatch):

@@ -316,18 +316,21 @@ class LayerNorm(nn.LayerNorm):
         if self.fused:
             _fused_dtype(self, x)
             return _layer_norm_op(x, self.weight, self.bias, self.eps)
-        if torch.compiler.is_compiling() and len(self.normalized_shape) == 1 and self.weight is not None \
-                and self.bias is not None:
+        if torch.compiler.is_compiling() and self._last_dim_affine():
             if _layer_norm_uses_kernel(x, self.weight, self.bias):  # compiled inference: ppma's kernel
                 return _layer_norm_op(x, self.weight, self.bias, self.eps)
             if uses_layer_norm_node(x, self.weight, self.bias):  # compiled training: ATen's kernels, one node
                 return layer_norm_node(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
+    def _last_dim_affine(self) -> bool:
+        """A norm over the last dimension with a weight and a bias: the kernels' case."""
+        return len(self.normalized_shape) == 1 and self.weight is not None and self.bias is not None
+
     def _fuse(self) -> None:
         """Part of :func:`ppma.nn.fuse_for_inference` (a norm over more than one dimension, or without affine
         parameters, stays unfused)."""
-        self.fused = len(self.normalized_shape) == 1 and self.weight is not None and self.bias is not None
+        self.fused = self._last_dim_affine()
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:

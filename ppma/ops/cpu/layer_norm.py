@@ -199,6 +199,5 @@ def layer_norm_node(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
     Returns:
         ``[..., C]``, a new contiguous tensor in ``x``'s dtype.
     """
-    _check(x, weight, bias, eps, op="ppma.ops.cpu.layer_norm_node")
-    check_same_device("layer_norm_node", x=x, weight=weight, bias=bias)
+    _check(x, weight, bias, eps, op="ppma.ops.cpu.layer_norm_node")  # shapes, floating dtypes, one device
     return _layer_norm_node(x, weight, bias, float(eps))[0]
