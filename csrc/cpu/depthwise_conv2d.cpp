@@ -565,6 +565,17 @@ void gelu_residual_backward_direct(const T* g, const T* hx, const T* weight, int
   });
 }
 
+// A parameter (weight, bias) of the training kernels on the map h: h's dtype and device, or float32 on h's device
+// for a bf16 h (bf16 autocast: float32 parameters, float32 math).
+void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& h) {
+  if (h.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == h.device(), op, ": ", name,
+                " must be a float32 tensor on h's device for a bfloat16 h, got ", t.scalar_type(), " on ", t.device());
+  } else {
+    check_like(op, name, t, "h", h);
+  }
+}
+
 constexpr const char* kGeluOp = "ppma::gelu_depthwise_conv2d_residual_backward";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_backward_cpu(
@@ -581,13 +592,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_ba
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kGeluOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  if (bf16) {  // bf16 maps (bf16 autocast): float32 parameters, float32 math
-    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.device() == h.device(), kGeluOp,
-                ": weight must be a float32 tensor on h's device for a bfloat16 h, got ", weight.scalar_type(), " on ",
-                weight.device());
-  } else {
-    check_like(kGeluOp, "weight", weight, "h", h);
-  }
+  check_param(kGeluOp, "weight", weight, h);
   const int64_t K = weight.size(2), KK = K * K;
   if (bf16 && K != 3 && K != 5 && K != 7) {  // other k: the float kernel on widened copies, rounded once
     auto r = gelu_depthwise_conv2d_residual_backward_cpu(grad_out.to(at::kFloat), h.to(at::kFloat), weight);
@@ -677,25 +682,16 @@ at::Tensor gelu_depthwise_conv2d_residual_forward_cpu(const at::Tensor& h, const
   TORCH_CHECK(h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16, kGeluFwdOp,
               ": h must be float32 or bfloat16, got ", h.scalar_type());
   const bool bf16 = h.scalar_type() == at::kBFloat16;
-  auto param_like = [&](const char* name, const at::Tensor& t) {  // bf16 maps (bf16 autocast): float32 parameters
-    if (bf16) {
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == h.device(), kGeluFwdOp, ": ", name,
-                  " must be a float32 tensor on h's device for a bfloat16 h, got ", t.scalar_type(), " on ",
-                  t.device());
-    } else {
-      check_like(kGeluFwdOp, name, t, "h", h);
-    }
-  };
   const int64_t B = h.size(0), H = h.size(1), W = h.size(2), C = h.size(3);
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kGeluFwdOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  param_like("weight", weight);
+  check_param(kGeluFwdOp, "weight", weight, h);
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, kGeluFwdOp, ": bias must be [C] = [", C, "], got ",
                 bias->sizes());
-    param_like("bias", *bias);
+    check_param(kGeluFwdOp, "bias", *bias, h);
     bc = bias->contiguous();
   }
   at::Tensor out = at::empty(h.sizes(), h.options());
