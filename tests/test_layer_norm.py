@@ -1,7 +1,7 @@
 """``ppma.ops.cpu.layer_norm`` and ``ppma.ops.cpu.add_layer_norm_`` (CPU inference kernels) against
 ``torch.nn.functional.layer_norm``: swept channel counts (vector widths, tails), every SIMD path, thread counts
-bitwise, the in-place residual sum, the fall-backs (gradients, reference impl, other dtypes), opcheck and the
-argument checks."""
+bitwise, the in-place residual sum, bf16 maps with float32 parameters, the fall-backs (gradients, reference impl,
+other dtypes), opcheck and the argument checks."""
 
 from __future__ import annotations
 
@@ -50,6 +50,36 @@ def test_matches_torch(C):
     _close(y, F.layer_norm(x + r, (C,), w, b, 1e-6))
 
 
+def _close_bf16(y, ref):
+    """Within one bf16 rounding: the kernel and torch both compute in float32 and round each output once, so
+    they differ only where the two float32 results straddle a rounding boundary (by one bf16 unit, 2^-7 relative)."""
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-6)
+    assert (y != ref).float().mean() < 0.01  # and such rows are rare
+
+
+@needs_ext
+def test_bf16_matches_torch():
+    """bf16 maps with float32 weight and bias (CPU bf16 autocast's layer norm): the outputs are bf16 and agree with
+    torch's mixed-dtype F.layer_norm within one bf16 rounding; add_layer_norm_ writes x + residual rounded to bf16
+    into x exactly as torch's bf16 x.add_(residual) does, and normalises that rounded sum."""
+    for C in CHANNELS:
+        x, w, b, r = _inputs((2, 3, 5, C), seed=C)
+        xb, rb = x.bfloat16(), r.bfloat16()
+        with torch.no_grad():
+            assert ln_uses_kernel(xb, w, b, rb)
+            _close_bf16(ppma.ops.cpu.layer_norm(xb, w, b, 1e-6), F.layer_norm(xb, (C,), w, b, 1e-6))
+            xi = xb.clone()
+            y = ppma.ops.cpu.add_layer_norm_(xi, rb, w, b, 1e-6)
+        assert torch.equal(xi, xb + rb)
+        _close_bf16(y, F.layer_norm(xb + rb, (C,), w, b, 1e-6))
+    xi = xb.clone()  # x += x: each element read before it is written
+    with torch.no_grad():
+        y = ppma.ops.cpu.add_layer_norm_(xi, xi, w, b, 1e-6)
+    assert torch.equal(xi, xb + xb)
+    _close_bf16(y, F.layer_norm(xb + xb, (C,), w, b, 1e-6))
+
+
 @needs_ext
 def test_constant_rows_and_large_offsets():
     """A constant row normalises to the bias (variance 0, eps only); with a large common offset the two-pass
@@ -76,12 +106,15 @@ def test_thread_counts_bitwise():
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             with torch.no_grad():
-                xi = x.clone()
-                out.append((ppma.ops.cpu.layer_norm(x, w, b, 1e-6), ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)))
+                res = []
+                for xd, rd in ((x, r), (x.bfloat16(), r.bfloat16())):
+                    xi = xd.clone()
+                    res += [ppma.ops.cpu.layer_norm(xd, w, b, 1e-6), ppma.ops.cpu.add_layer_norm_(xi, rd, w, b, 1e-6)]
+                out.append(res)
     finally:
         torch.set_num_threads(prev)
-    for y, z in out[1:]:
-        assert torch.equal(y, out[0][0]) and torch.equal(z, out[0][1])
+    for res in out[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(res, out[0]))
 
 
 @needs_ext
@@ -100,6 +133,10 @@ def test_falls_back_to_torch():
         assert not ln_uses_kernel(xd, w.double(), b.double())
         wd, bd = w.double(), b.double()
         assert torch.equal(ppma.ops.cpu.layer_norm(xd, wd, bd), F.layer_norm(xd, (16,), wd, bd))
+        for xl, wl in ((x.bfloat16(), w.bfloat16()), (x.half(), w)):
+            assert not ln_uses_kernel(xl, wl, wl)  # bf16 parameters, fp16 maps: torch's layer norm
+            assert torch.equal(ppma.ops.cpu.layer_norm(xl, wl, wl), F.layer_norm(xl, (16,), wl, wl))
+        assert not ln_uses_kernel(x.bfloat16(), w, b, r)  # a float32 residual beside a bf16 x
         xt = x.transpose(0, 1)
         assert not ln_uses_kernel(xt, w, b)
         assert torch.equal(ppma.ops.cpu.layer_norm(xt, w, b), F.layer_norm(xt, (16,), w, b))
@@ -144,8 +181,10 @@ def test_kernel_checks():
         torch.ops.ppma.layer_norm(x, w[:3], b, 1e-6)
     with pytest.raises(RuntimeError, match="residual must have x's shape"):
         torch.ops.ppma.add_layer_norm_(x, r[:1], w, b, 1e-6)
-    with pytest.raises(RuntimeError, match="residual must be float32"):
-        torch.ops.ppma.add_layer_norm_(x, r.double(), w, b, 1e-6)
+    with pytest.raises(RuntimeError, match="residual must have x's dtype Float"):
+        torch.ops.ppma.add_layer_norm_(x, r.bfloat16(), w, b, 1e-6)
+    with pytest.raises(RuntimeError, match=r"weight must be float32 \(for a bfloat16 x too\)"):
+        torch.ops.ppma.layer_norm(x.bfloat16(), w.bfloat16(), b, 1e-6)
 
 
 _PATH_CODE = r"""
@@ -160,7 +199,12 @@ for C in (3, 7, 16, 17, 64, 100, 768):
         y = ppma.ops.cpu.layer_norm(x, w, b, 1e-6)
         xi = x.clone()
         z = ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)
-    out[str(C)] = [y.flatten().tolist(), z.flatten().tolist(), torch.equal(xi, x + r)]
+        yb = ppma.ops.cpu.layer_norm(x.bfloat16(), w, b, 1e-6)
+        xb = x.bfloat16()
+        zb = ppma.ops.cpu.add_layer_norm_(xb, r.bfloat16(), w, b, 1e-6)
+    out[str(C)] = [y.flatten().tolist(), z.flatten().tolist(), torch.equal(xi, x + r),
+                   yb.float().flatten().tolist(), zb.float().flatten().tolist(),
+                   torch.equal(xb, x.bfloat16() + r.bfloat16())]
 print(json.dumps(out))
 """
 
@@ -179,10 +223,15 @@ def test_every_simd_path(capability):
         g = torch.Generator().manual_seed(C)
         x = torch.randn(3, 5, C, generator=g) * 3 + 0.5
         w, b, r = torch.randn(C, generator=g), torch.randn(C, generator=g), torch.randn(3, 5, C, generator=g)
-        y, z, added = got[str(C)]
-        assert added is True
+        y, z, added, yb, zb, added_bf16 = got[str(C)]
+        assert added is True and added_bf16 is True
         _close(torch.tensor(y).view(3, 5, C), F.layer_norm(x, (C,), w, b, 1e-6))
         _close(torch.tensor(z).view(3, 5, C), F.layer_norm(x + r, (C,), w, b, 1e-6))
+        xb, rb = x.bfloat16(), r.bfloat16()
+        torch.testing.assert_close(torch.tensor(yb).view(3, 5, C), F.layer_norm(xb, (C,), w, b, 1e-6).float(),
+                                   rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(zb).view(3, 5, C),
+                                   F.layer_norm(xb + rb, (C,), w, b, 1e-6).float(), rtol=2**-7, atol=1e-6)
 
 
 @needs_ext

@@ -58,22 +58,6 @@ inline float widen(float v) { return v; }
 inline double widen(double v) { return v; }
 inline void put(float* p, float v) { *p = v; }
 inline void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
-template <int L>
-PPMA_SIMD_INLINE vec<L> load_map(const float* p) {
-  return load<L>(p);
-}
-template <int L>
-PPMA_SIMD_INLINE vec<L> load_map(const uint16_t* p) {
-  return load_bf16<L>(p);
-}
-template <int L>
-PPMA_SIMD_INLINE void store_map(float* p, vec<L> v) {
-  store<L>(p, v);
-}
-template <int L>
-PPMA_SIMD_INLINE void store_map(uint16_t* p, vec<L> v) {
-  store_bf16<L>(p, v);
-}
 
 // Adds g[c] * x[c] to acc[c] for the n <= CB channels of a block: whole vectors of the task's lane width for a
 // full block of float sums (float or bf16 maps), a plain loop otherwise (double, the last block of a C that is not

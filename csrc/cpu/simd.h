@@ -699,6 +699,25 @@ PPMA_SIMD_INLINE void store_bf16(uint16_t* p, vec<M> x) {
   }
 }
 
+// L values of a map of floats or of bf16 bits (widened exactly), and L floats stored into one (bf16: rounded to
+// nearest even): the loads and stores of kernels templated on the map's element type.
+template <int L>
+PPMA_SIMD_INLINE vec<L> load_map(const float* p) {
+  return load<L>(p);
+}
+template <int L>
+PPMA_SIMD_INLINE vec<L> load_map(const uint16_t* p) {
+  return load_bf16<L>(p);
+}
+template <int L>
+PPMA_SIMD_INLINE void store_map(float* p, vec<L> v) {
+  store<L>(p, v);
+}
+template <int L>
+PPMA_SIMD_INLINE void store_map(uint16_t* p, vec<L> v) {
+  store_bf16<L>(p, v);
+}
+
 #ifdef PPMA_SIMD_X86
 // dst[e] = bf16(x[e]) for e < n (16 at a time, the same rounding as float_to_bf16).
 PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, uint16_t* __restrict dst) {

@@ -32,7 +32,11 @@ def fuse_for_inference(model: nn.Module) -> nn.Module:
     operators stay those of ``ppma.ops.set_impl``. The outputs equal the unfused model's up to float rounding.
 
     A fused model runs in float32, or in bf16 under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (oneDNN's bf16
-    kernels, the choice read from the autocast state of each call). It raises a RuntimeError (never falls back)
+    kernels, the choice read from the autocast state of each call; the LayerNorms and the residual sums then run
+    ppma's kernels on the bf16 maps too). In bf16 each weight is rounded to bf16 once and the copy kept beside it
+    for the next calls (about 1 % of PPMA-T's bf16 forward): in-place writes to a weight (``load_state_dict``,
+    ``copy_`` and other in-place ops, which move its version counter) make a new copy; writes through
+    ``weight.data``, which torch does not count, are not seen. It raises a RuntimeError (never falls back)
     when it is run in training mode, on an input that records a gradient, on another device, under another
     autocast dtype, traced or compiled: those take the model as it was before the step (FX, torch.compile, export
     and training all see the plain modules). Forward hooks on a fused model's modules still run, but may see maps

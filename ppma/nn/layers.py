@@ -14,6 +14,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as _module
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ppma.nn.monarch import MonarchLinear
 from ppma.ops.cpu.depthwise_conv2d import depthwise_conv2d, depthwise_conv2d_residual_
@@ -86,6 +87,29 @@ def _fused_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16
 
 
+# The bf16 copies of fused modules' weights (:func:`_param_as`), by weight: an entry goes with its weight.
+# (by identity: torch.utils.weak.WeakIdKeyDictionary, since tensors compare element-wise)
+_CASTS = WeakIdKeyDictionary()
+
+
+def _param_as(t: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor | None:
+    """``t.to(dt)`` for a parameter or buffer ``t`` of a fused module, kept between calls: bf16 autocast inference
+    rounds each weight to bf16 once, not on every call (about 1 % of PPMA-T's bf16 forward). The copy is made again
+    when ``t`` points to other memory or was written in place (its version counter: ``load_state_dict``,
+    ``copy_``), so it always equals ``t.to(dt)``; it is held beside ``t`` (not in any module or state_dict) and
+    freed with it."""
+    if t is None or t.dtype == dt:
+        return t
+    if t.is_inference():  # no version counter: an in-place write could not be seen
+        return t.to(dt)
+    hit = _CASTS.get(t)
+    if hit is not None and hit[:3] == (t.data_ptr(), t._version, dt):
+        return hit[3]
+    cast = t.detach().to(dt)
+    _CASTS[t] = (t.data_ptr(), t._version, dt, cast)
+    return cast
+
+
 def _attr(gelu: bool) -> tuple[str, list, str]:
     # oneDNN's post-op: the exact (erf) GELU, or none
     return ("gelu", [], "none") if gelu else ("none", [], "")
@@ -99,7 +123,7 @@ def _fused_linear(x: torch.Tensor, layer: nn.Module, dt: torch.dtype, gelu: bool
     if type(layer) is not nn.Linear:
         y = layer(x)
         return F.gelu(y) if gelu else y
-    return torch.ops.mkldnn._linear_pointwise(x.to(dt), layer.weight.to(dt), layer.bias, *_attr(gelu))
+    return torch.ops.mkldnn._linear_pointwise(x.to(dt), _param_as(layer.weight, dt), layer.bias, *_attr(gelu))
 
 
 def fold_batch_norm(conv: nn.Conv2d, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +159,7 @@ def _fold_into(conv: nn.Conv2d, bn: nn.Module) -> None:
 def _fused_conv(x: torch.Tensor, conv: nn.Conv2d, dt: torch.dtype, gelu: bool = False) -> torch.Tensor:
     """``bn(conv(x))`` (+ the exact GELU) with the BatchNorm folded into ``conv`` (:func:`_fold_into`): oneDNN's
     convolution with the GELU fused, one pass instead of three, in ``dt`` (the bias float32)."""
-    return torch.ops.mkldnn._convolution_pointwise(x.to(dt), conv.folded_weight.to(dt), conv.folded_bias,
+    return torch.ops.mkldnn._convolution_pointwise(x.to(dt), _param_as(conv.folded_weight, dt), conv.folded_bias,
                                                    conv.padding, conv.stride, conv.dilation, conv.groups, *_attr(gelu))
 
 
@@ -279,7 +303,7 @@ class DWConv2d(nn.Module):
     def _forward_fused(self, x, residual, add, inplace) -> torch.Tensor:
         dt = _fused_dtype(self, x)
         conv = self.conv
-        weight, bias = conv.weight.to(dt), None if conv.bias is None else conv.bias.to(dt)
+        weight, bias = _param_as(conv.weight, dt), _param_as(conv.bias, dt)
         if add is not None:
             # add + conv(x) inside oneDNN's convolution (one pass, no map for conv(x)), over add itself with inplace
             out = add.to(dt).contiguous()

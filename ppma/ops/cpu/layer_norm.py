@@ -1,9 +1,10 @@
 """``ppma.ops.cpu.layer_norm`` and ``ppma.ops.cpu.add_layer_norm_``: LayerNorm over the last dimension for CPU inference,
 and the block's residual sum followed by its norm in one pass (docs/ops.md "layer_norm").
 
-The kernels (``torch.ops.ppma.layer_norm``, ``torch.ops.ppma.add_layer_norm_``; float32, contiguous ``x``) normalise
-one row of ``C`` channels at a time in AVX-512/AVX2 vectors; ``add_layer_norm_`` first adds ``residual`` into ``x``
-in place, reading ``x`` once for both. They have no autograd formula: where a gradient is recorded (or on other
+The kernels (``torch.ops.ppma.layer_norm``, ``torch.ops.ppma.add_layer_norm_``; a contiguous float32 ``x``, or a
+bfloat16 one with float32 weight and bias as under CPU bf16 autocast) normalise one row of ``C`` channels at a time in
+AVX-512/AVX2 vectors, in float32 (a bf16 row widened as it is read, each bf16 output rounded once);
+``add_layer_norm_`` first adds ``residual`` into ``x`` in place, reading ``x`` once for both. They have no autograd formula: where a gradient is recorded (or on other
 devices and dtypes, or with ``ppma.ops.set_impl("reference")``) the functions run
 ``torch.nn.functional.layer_norm`` (and ``x.add_(residual)``), the same numbers up to float32 rounding.
 
@@ -53,15 +54,18 @@ def _check(x, weight, bias, eps, residual=None, op="ppma.ops.cpu.layer_norm") ->
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> bool:
     """Whether :func:`layer_norm` / :func:`add_layer_norm_` run the ppma kernel on these tensors: a built kernel,
-    the "fused" implementation, contiguous float32 CPU tensors and no gradient recorded; under torch.compile
+    the "fused" implementation, contiguous CPU tensors, float32 weight and bias with a float32 or bfloat16 ``x`` (and
+    ``residual`` in ``x``'s dtype; bf16: the maps of CPU bf16 autocast), and no gradient recorded; under torch.compile
     :func:`layer_norm` only (one opaque graph node, docs/compile.md), not the in-place :func:`add_layer_norm_`."""
-    ts = (x, weight, bias) if residual is None else (x, weight, bias, residual)
+    maps = (x,) if residual is None else (x, residual)
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and all(t.device.type == "cpu" and t.dtype == x.dtype for t in maps)
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (weight, bias))
         and x.is_contiguous()
-        and not records_grad(*ts)
+        and not records_grad(*maps, weight, bias)
         and (residual is None or not torch.compiler.is_compiling())
     )
 
@@ -75,9 +79,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
         eps: added to the variance.
 
     Returns:
-        ``[..., C]``, a new tensor. Where :func:`uses_kernel` holds (CPU inference on float32) it comes from
-        ``torch.ops.ppma.layer_norm`` (one pass over each row in vectors), elsewhere from torch; the two agree up
-        to float32 rounding.
+        ``[..., C]``, a new tensor in ``x``'s dtype. Where :func:`uses_kernel` holds (CPU inference on float32, or on
+        bfloat16 with float32 weight and bias) it comes from ``torch.ops.ppma.layer_norm`` (one pass over each row in
+        vectors), elsewhere from torch; the two agree up to float32 rounding (bf16: before the output's one rounding,
+        so within one bf16 rounding).
     """
     _check(x, weight, bias, eps)
     if not uses_kernel(x, weight, bias) or x.numel() == 0:
@@ -89,7 +94,9 @@ def add_layer_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
                     eps: float = 1e-5) -> torch.Tensor:
     """``x += residual`` in place, then :func:`layer_norm` of the sum: a block's residual sum followed by its norm.
 
-    Where :func:`uses_kernel` holds (CPU inference on float32) one kernel does both in one pass over ``x``
+    Where :func:`uses_kernel` holds (CPU inference on float32, or on bfloat16 maps with float32 weight and bias: the
+    sum rounded to bf16 once, as ``x.add_(residual)`` rounds it, and normalised as rounded) one kernel does both in
+    one pass over ``x``
     (``torch.ops.ppma.add_layer_norm_``); elsewhere it is ``x.add_(residual)`` and ``F.layer_norm``. ``x`` is
     updated in place either way, so it must be the caller's own tensor.
 
