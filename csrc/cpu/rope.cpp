@@ -40,24 +40,7 @@ PPMA_SIMD_INLINE vec<M> swap_pairs(vec<M> v, std::index_sequence<E...>) {
 // time (M even: whole pairs), each pair's partner from a lane exchange:
 //   y_e = xs_e cos_e + partner_e * s'_e,  s'_e = -sin_e / +sin_e (even / odd e),
 // or, transposed, s'_e = +sin_{e+1} / -sin_{e-1}: the formula's products and sum ((-a) b = a (-b) exactly). A last
-// pair (d % 4 == 2) runs the scalar formula. bf16 values are widened and rounded by load_bf16 / store_bf16.
-template <typename X, int M>
-PPMA_SIMD_INLINE vec<M> load_x(const X* p) {
-  if constexpr (std::is_same_v<X, float>) {
-    return load<M>(p);
-  } else {
-    return load_bf16<M>(p);
-  }
-}
-template <typename X, int M>
-PPMA_SIMD_INLINE void store_x(X* p, vec<M> v) {
-  if constexpr (std::is_same_v<X, float>) {
-    store<M>(p, v);
-  } else {
-    store_bf16<M>(p, v);
-  }
-}
-
+// pair (d % 4 == 2) runs the scalar formula. bf16 values are widened and rounded by load_map / store_map.
 // The rotation of one channel pair (x0, x1) (= scale * (x_m, x_{m + 1})) with the tables s, c at m: the formula.
 template <bool Transpose, typename A>
 PPMA_SIMD_INLINE void rotate_pair(A x0, A x1, const A* s, const A* c, int64_t m, A& y0, A& y1) {
@@ -91,12 +74,12 @@ PPMA_SIMD_INLINE void rope_rows_lanes(Lanes<L> ln, const X* x, const float* sin,
       if constexpr (M == 1) {  // the last pair (e, e + 1), at its even e
         if (e % 2) return;
         float y0, y1;
-        rotate_pair<Transpose>(load_x<X, 1>(xr + e) * scale, load_x<X, 1>(xr + e + 1) * scale, s, c, e, y0, y1);
-        store_x<X, 1>(yr + e, y0);
-        store_x<X, 1>(yr + e + 1, y1);
+        rotate_pair<Transpose>(load_map<1>(xr + e) * scale, load_map<1>(xr + e + 1) * scale, s, c, e, y0, y1);
+        store_map<1>(yr + e, y0);
+        store_map<1>(yr + e + 1, y1);
       } else {
         const auto odd = ((lane_indices<M>() + static_cast<int32_t>(e)) & 1) != 0;
-        const vec<M> xs = load_x<X, M>(xr + e) * scale;
+        const vec<M> xs = load_map<M>(xr + e) * scale;
         const vec<M> partner = swap_pairs<M>(xs, std::make_index_sequence<M>());
         vec<M> sv = load<M>(s + e);
         if constexpr (Transpose) {
@@ -105,7 +88,7 @@ PPMA_SIMD_INLINE void rope_rows_lanes(Lanes<L> ln, const X* x, const float* sin,
         } else {
           sv = odd ? sv : -sv;
         }
-        store_x<X, M>(yr + e, xs * load<M>(c + e) + partner * sv);
+        store_map<M>(yr + e, xs * load<M>(c + e) + partner * sv);
       }
     });
   });
