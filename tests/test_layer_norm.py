@@ -35,21 +35,6 @@ def _close(a, b):
     torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
 
 
-@needs_ext
-@pytest.mark.parametrize("C", CHANNELS)
-def test_matches_torch(C):
-    """The kernels' outputs equal F.layer_norm's up to float32 rounding; add_layer_norm_ writes x + residual
-    into x exactly (one float32 addition) and normalises that."""
-    x, w, b, r = _inputs((2, 3, 5, C))
-    with torch.no_grad():
-        assert ln_uses_kernel(x, w, b, r)
-        _close(ppma.ops.cpu.layer_norm(x, w, b, 1e-6), F.layer_norm(x, (C,), w, b, 1e-6))
-        xi = x.clone()
-        y = ppma.ops.cpu.add_layer_norm_(xi, r, w, b, 1e-6)
-    assert torch.equal(xi, x + r)
-    _close(y, F.layer_norm(x + r, (C,), w, b, 1e-6))
-
-
 def _close_bf16(y, ref):
     """Within one bf16 rounding: the kernel and torch both compute in float32 and round each output once, so
     they differ only where the two float32 results straddle a rounding boundary (by one bf16 unit, 2^-7 relative)."""
@@ -59,25 +44,24 @@ def _close_bf16(y, ref):
 
 
 @needs_ext
-def test_bf16_matches_torch():
-    """bf16 maps with float32 weight and bias (CPU bf16 autocast's layer norm): the outputs are bf16 and agree with
-    torch's mixed-dtype F.layer_norm within one bf16 rounding; add_layer_norm_ writes x + residual rounded to bf16
-    into x exactly as torch's bf16 x.add_(residual) does, and normalises that rounded sum."""
-    for C in CHANNELS:
-        x, w, b, r = _inputs((2, 3, 5, C), seed=C)
-        xb, rb = x.bfloat16(), r.bfloat16()
-        with torch.no_grad():
-            assert ln_uses_kernel(xb, w, b, rb)
-            _close_bf16(ppma.ops.cpu.layer_norm(xb, w, b, 1e-6), F.layer_norm(xb, (C,), w, b, 1e-6))
-            xi = xb.clone()
-            y = ppma.ops.cpu.add_layer_norm_(xi, rb, w, b, 1e-6)
-        assert torch.equal(xi, xb + rb)
-        _close_bf16(y, F.layer_norm(xb + rb, (C,), w, b, 1e-6))
-    xi = xb.clone()  # x += x: each element read before it is written
-    with torch.no_grad():
-        y = ppma.ops.cpu.add_layer_norm_(xi, xi, w, b, 1e-6)
-    assert torch.equal(xi, xb + xb)
-    _close_bf16(y, F.layer_norm(xb + xb, (C,), w, b, 1e-6))
+@pytest.mark.parametrize("C", CHANNELS)
+def test_matches_torch(C):
+    """The kernels' outputs equal F.layer_norm's up to float32 rounding; add_layer_norm_ writes x + residual
+    into x exactly (one float32 addition) and normalises that. bf16 maps with float32 weight and bias (CPU bf16
+    autocast's layer norm): bf16 outputs within one bf16 rounding of torch's mixed-dtype F.layer_norm, x + residual
+    rounded as torch's bf16 x.add_(residual) rounds it, and x += x (each element read before it is written)."""
+    x, w, b, r = _inputs((2, 3, 5, C), seed=C)
+    for dt, close in ((torch.float32, _close), (torch.bfloat16, _close_bf16)):
+        xd, rd = x.to(dt), r.to(dt)
+        for res in (rd, None):  # None: x += x
+            with torch.no_grad():
+                assert ln_uses_kernel(xd, w, b, rd)
+                close(ppma.ops.cpu.layer_norm(xd, w, b, 1e-6), F.layer_norm(xd, (C,), w, b, 1e-6))
+                xi = xd.clone()
+                y = ppma.ops.cpu.add_layer_norm_(xi, xi if res is None else res, w, b, 1e-6)
+            s = xd + (xd if res is None else res)
+            assert torch.equal(xi, s)
+            close(y, F.layer_norm(s, (C,), w, b, 1e-6))
 
 
 @needs_ext
