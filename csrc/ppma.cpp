@@ -100,7 +100,8 @@ TORCH_LIBRARY(ppma, m) {
       "gelu_depthwise_conv2d_residual_backward(Tensor grad_out, Tensor h, Tensor weight)"
       " -> (Tensor grad_h, Tensor grad_weight, Tensor grad_bias)");
   // PPMA's per-token log-decays d[..., g, c] = softplus(<x_g, weight[c]> + dt_bias[g]) * A[g] of x [..., heads *
-  // head_dim] (float32 / float64), weight [D, head_dim], dt_bias and A [heads], and their gradients (CPU).
+  // head_dim] (float32 / float64, or bfloat16 with float32 parameters: CPU bf16 autocast), weight [D, head_dim],
+  // dt_bias and A [heads], and their gradients (CPU).
   m.def("path_decay(Tensor x, Tensor weight, Tensor dt_bias, Tensor A) -> Tensor");
   m.def(
       "path_decay_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor dt_bias, Tensor A)"

@@ -1,7 +1,9 @@
 """``ppma.ops.cpu.path_decay`` (PPMA's per-token log-decays, one CPU kernel each way) against ``path_decay_ref`` (the
 ``ppma.nn.PathDecay`` formula with torch's autograd) in float64: forward and the four gradients over swept shapes and
 direction counts, gradcheck, thread-count invariance, every SIMD path, the softplus threshold and the underflow,
-argument checks, opcheck, and the modules that use it."""
+argument checks, opcheck, and the modules that use it. Under CPU bf16 autocast (a bf16 ``x``, float32 parameters):
+the forward and the gradients against the reference under autocast and a float64 evaluation of autocast's formula,
+bitwise the same on 1, 2 and 3 threads, every SIMD path, and the gate (bf16 autocast only)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ppma
-from op_utils import needs_ext
+from op_utils import assert_close, needs_ext
 from ppma import backends
 from ppma.nn import PathDecay, PathDecay3D
 from ppma.nn.masks import SharedDecay
@@ -143,8 +146,12 @@ def test_op_argument_checks():
         op(x[..., :7], w, b, a)
     with pytest.raises(RuntimeError, match="weight has dtype"):
         op(x, w.double(), b, a)
-    with pytest.raises(RuntimeError, match="float32 or float64"):
-        op(x.bfloat16(), w.bfloat16(), b.bfloat16(), a.bfloat16())
+    with pytest.raises(RuntimeError, match="x must be float32, float64 or bfloat16"):
+        op(x.half(), w.half(), b.half(), a.half())
+    with pytest.raises(RuntimeError, match="weight must be a float32 tensor on x's device for a bfloat16 x"):
+        op(x.bfloat16(), w.bfloat16(), b, a)
+    with pytest.raises(RuntimeError, match="A must be a float32 tensor"):
+        torch.ops.ppma.path_decay_backward(torch.zeros(2, 3, 2, 2), x.bfloat16(), w, b, a.double())
     with pytest.raises(RuntimeError, match="1 <= D <= 3"):
         op(x, torch.zeros(4, 4), b, a)
     with pytest.raises(RuntimeError, match="grad_out must be"):
@@ -152,12 +159,14 @@ def test_op_argument_checks():
 
 
 @needs_ext
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_opcheck(dtype):
-    x, w, b, a = _inputs((2, 3, 4), 2, 8, 2, dtype)
+    """Schema and fake kernels; bfloat16: a bf16 x with float32 parameters (float32 decays, a bf16 grad_x)."""
+    x, w, b, a = _inputs((2, 3, 4), 2, 8, 2, torch.float32 if dtype == torch.bfloat16 else dtype)
+    x = x.to(dtype)
     A = -torch.exp(a)
     torch.library.opcheck(torch.ops.ppma.path_decay, (x, w, b, A), test_utils=("test_schema", "test_faketensor"))
-    go = torch.randn(2, 3, 4, 2, 2, dtype=dtype)
+    go = torch.randn(2, 3, 4, 2, 2, dtype=A.dtype)
     torch.library.opcheck(torch.ops.ppma.path_decay_backward, (go, x, w, b, A),
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -167,7 +176,7 @@ import json, torch, ppma
 from ppma import backends
 from ppma.ops.cpu.path_decay import path_decay
 out = {"cap": backends.cpu_capability()}
-for i, (lead, G, hd, D) in enumerate(CASES):
+for i, (lead, G, hd, D) in enumerate(FP32_CASES):
     gen = torch.Generator().manual_seed(i)
     x = torch.randn(*lead, G * hd, generator=gen)
     w = torch.randn(D, hd, generator=gen) * hd ** -0.5
@@ -179,6 +188,12 @@ for i, (lead, G, hd, D) in enumerate(CASES):
     results = [path_decay(x, w, b, a)] + [t.grad for t in leaves]
     out[str(i)] = {"inputs": [t.flatten().tolist() for t in (x, w, b, a, go)],
                    "results": [t.double().flatten().tolist() for t in results]}
+import sys
+for i, (x, w, b, a, go) in enumerate(torch.load(sys.argv[1])):  # the bf16 cases: the kernel under bf16 autocast
+    leaves = [t.requires_grad_() for t in (x, w, b, a)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        d = path_decay(*leaves)
+    out["bf16_%d" % i] = [t.double().flatten().tolist() for t in (d.detach(), *torch.autograd.grad(d, leaves, go))]
 print(json.dumps(out))
 """
 _PATH_CASES = [((2, 9, 11), 4, 16, 2), ((1, 5, 7), 3, 33, 3), ((2, 3), 5, 10, 1), ((1, 40, 9), 2, 32, 2)]
@@ -186,12 +201,14 @@ _PATH_CASES = [((2, 9, 11), 4, 16, 2), ((1, 5, 7), 3, 33, 3), ((2, 3), 5, 10, 1)
 
 @needs_ext
 @pytest.mark.parametrize("capability", backends.cpu_capabilities_available())
-def test_every_simd_path(capability):
+def test_every_simd_path(capability, tmp_path):
     """Each SIMD path the machine has (a fresh process capped at it) against float64, with dt_bias from -30 to 30
-    (both sides of 0 and of the threshold) and head dims off the vector widths."""
-    code = _PATH_CODE.replace("CASES", repr(_PATH_CASES))
-    res = subprocess.run([sys.executable, "-c", code], env=cpu_subprocess_env(capability), cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    (both sides of 0 and of the threshold) and head dims off the vector widths; and the bf16-autocast cases
+    (``BF16_CASES``) in the same process, held to :func:`_check_bf16`."""
+    code = _PATH_CODE.replace("FP32_CASES", repr(_PATH_CASES))
+    torch.save([_bf16_inputs(*case) for case in BF16_CASES], tmp_path / "bf16_inputs.pt")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bf16_inputs.pt")],
+                         env=cpu_subprocess_env(capability), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["cap"] == capability
@@ -203,6 +220,11 @@ def test_every_simd_path(capability):
             o = torch.tensor(values, dtype=torch.float64).view(r.shape)
             scale = r.abs().max().item() or 1.0
             assert (o - r).abs().max().item() <= 2e-5 * scale, (capability, i, k)
+    for i, case in enumerate(BF16_CASES):
+        inputs = _bf16_inputs(*case)
+        want = _bf16_run(path_decay_ref, *inputs)
+        ours = [torch.tensor(v, dtype=torch.float64).to(e.dtype).view(e.shape) for v, e in zip(got[f"bf16_{i}"], want)]
+        _check_bf16(ours, want, _bf16_ref64(*inputs), f"{capability} {case}")
 
 
 @needs_ext
@@ -239,3 +261,149 @@ def test_modules(cls, x_shape):
     assert calls
     for f, r in zip(hooked, ref):
         torch.testing.assert_close(f, r, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# A bf16 x under CPU bf16 autocast (float32 parameters; docs/ops.md "path_decay")
+# ------------------------------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+# (leading dims, heads, head_dim, D): head dims on and off the lane widths (16, 32; 10, 33), D = 1, 2 and 3, and more
+# tokens than one 256-token chunk (391, 392).
+BF16_CASES = [((2, 9, 11), 4, 16, 2), ((1, 23, 17), 3, 33, 3), ((3, 5), 2, 10, 1), ((2, 14, 14), 2, 32, 2)]
+HALF_ULP = 2.0 ** -8  # half a bf16 unit in the last place, relative: one rounding to nearest even
+ULP = 2.0 ** -7  # a bf16 unit in the last place, relative (at most)
+
+
+def _bf16_inputs(lead, G, hd, D, seed=0):
+    """bf16 x; float32 weight (not bf16 values: the kernel rounds it as autocast does), dt_bias (the last head's at
+    21: z on both sides of softplus's threshold 20), A_log and grad_d."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, G * hd, generator=g).to(BF16)
+    w = torch.randn(D, hd, generator=g) * hd ** -0.5
+    b = torch.randn(G, generator=g) * 2 - 1
+    b[-1] = 21.0
+    a = torch.log(torch.rand(G, generator=g) + 0.5)
+    go = torch.randn(*lead, G, D, generator=g)
+    return x, w, b, a, go
+
+
+def _bf16_run(fn, x, w, b, a, go):
+    """``[d, grad x, grad weight, grad dt_bias, grad A_log]`` of ``fn`` under CPU bf16 autocast (the backward outside
+    it, as a training step's)."""
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, a)]
+    with torch.autocast("cpu", dtype=BF16):
+        d = fn(*leaves)
+    return [d.detach(), *torch.autograd.grad(d, leaves, go)]
+
+
+def _bf16_ref64(x, w, b, a, go):
+    """Autocast's formula in float64 on the same values: ``u = <x_g, bf16(weight[c])>`` rounded to bf16,
+    ``z = u + dt_bias``, ``d = softplus(z) * A``; ``gu = gd * A * sigmoid(z)`` rounded to bf16 for grad x and grad
+    weight (autocast's linear layer gets the bf16 gradient of its bf16 output), not for grad dt_bias. Returns
+    ``([d, grad x, grad weight, grad dt_bias, grad A_log], u, z)``."""
+    G, hd, D = b.shape[0], w.shape[1], w.shape[0]
+    xd = x.double().reshape(*x.shape[:-1], G, hd)
+    wb = w.to(BF16).double()
+    u = (xd @ wb.T).to(BF16).double()
+    z = u + b.double()[:, None]
+    A = -torch.exp(a.double())
+    sp = F.softplus(z)  # torch's threshold: z itself above 20, slope 1
+    gu = go.double() * A[:, None] * torch.where(z > 20, 1.0, torch.sigmoid(z))
+    gub = gu.to(BF16).double()
+    grads = [(gub @ wb).reshape(x.shape), torch.einsum("...gc,...gh->ch", gub, xd), gu.reshape(-1, G, D).sum((0, 2)),
+             (go.double() * sp).reshape(-1, G, D).sum((0, 2)) * A]
+    return [sp * A[:, None], *grads], u, z
+
+
+def _check_bf16(ours, ref, ref64, what):
+    """The kernel's ``ours`` against ``ref`` (``path_decay_ref`` under autocast) and ``ref64`` (:func:`_bf16_ref64`).
+
+    d (float32): the kernel sums u in float32 in another order than autocast's GEMM (and float64) and rounds it to
+    bf16 once, so its u is theirs except where a sum lands on the other side of a rounding boundary (about 1 in 10^4),
+    where it is the neighbour, at most one unit (2^-7 |u|) away. Every d is within that unit times the slope
+    ``|A| sigmoid(z)`` plus float32 softplus error, and all but 1 % within the float32 error alone (1e-5 relative):
+    a u left unrounded (up to half a unit off everywhere) fails the latter.
+    grad x (bf16, one rounding of a float32 sum of bf16(gu) * bf16(w)): all but 1 % bitwise autocast's and within one
+    rounding (2^-8 relative) of float64; all within the bf16 norm tolerance.
+    grad weight (float32 sums of bf16(gu) * x): float64's within the float32 tolerance (1e-5, norm); autocast's rounds
+    its sum to bf16: within one rounding of it, elementwise.
+    grad dt_bias, grad A_log (float32 sums of float32 terms): a token whose u took the other neighbour moves its
+    terms by up to ~1 %, so 2e-4 (relative norm) of both.
+    """
+    d, gx, gw, gb, ga = ours
+    assert d.dtype == gw.dtype == gb.dtype == ga.dtype == torch.float32 and gx.dtype == BF16, what
+    want, u, z = ref64
+    slope = want[0].abs() / F.softplus(z).clamp_min(1e-300) * torch.where(z > 20, 1.0, torch.sigmoid(z))  # |A| s(z)
+    for name, other in (("float64", want[0]), ("autocast", ref[0].double())):
+        err = (d.double() - other).abs()
+        tight = 1e-5 * other.abs() + 1e-30
+        assert (err <= slope * (ULP * u.abs() + 1e-6) + tight).all(), f"{what}: d past one bf16 unit of u ({name})"
+        assert (err > tight).double().mean().item() <= 0.01, f"{what}: d not autocast's rounding of u ({name})"
+    scale = want[1].abs().max().item()
+    near = (gx.double() - want[1]).abs() <= HALF_ULP * want[1].abs() + 1e-6 * scale
+    assert near.double().mean().item() >= 0.99, f"{what}: grad x past one bf16 rounding of float64"
+    assert (gx != ref[1]).double().mean().item() <= 0.01, f"{what}: grad x not autocast's"
+    assert_close(gx, want[1], BF16, f"{what}: grad x", grad=True)
+    assert_close(gw, want[2], torch.float32, f"{what}: grad weight", grad=True)
+    scale = ref[2].abs().max().item()
+    assert ((gw - ref[2]).abs() <= HALF_ULP * ref[2].abs() + 1e-5 * scale).all(), f"{what}: grad weight (autocast)"
+    for name, o, r, r64 in (("grad dt_bias", gb, ref[3], want[3]), ("grad A_log", ga, ref[4], want[4])):
+        assert_close(o, r64, torch.float32, f"{what}: {name}", grad=True, mult=20)
+        assert_close(o, r, torch.float32, f"{what}: {name} (autocast)", grad=True, mult=20)
+
+
+@needs_ext
+@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+def test_bf16_autocast_matches_reference(case):
+    """Under CPU bf16 autocast the kernels give autocast's formula: the reference under autocast and float64 on the
+    same values (:func:`_check_bf16`'s tolerances)."""
+    inputs = _bf16_inputs(*case)
+    with torch.autocast("cpu", dtype=BF16):
+        assert uses_path_decay_kernel(*inputs[:4])
+    ours = _bf16_run(path_decay, *inputs)
+    _check_bf16(ours, _bf16_run(path_decay_ref, *inputs), _bf16_ref64(*inputs), str(case))
+
+
+@needs_ext
+def test_bf16_deterministic_across_threads():
+    """A bf16 x of 800 tokens (4 chunks): the same bits on 1, 2 and 3 threads, forward and backward."""
+    x, w, b, a, go = _bf16_inputs((2, 20, 20), 2, 32, 2, seed=3)
+    A = -torch.exp(a)
+    n = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            runs.append([torch.ops.ppma.path_decay(x, w, b, A), *torch.ops.ppma.path_decay_backward(go, x, w, b, A)])
+    finally:
+        torch.set_num_threads(n)
+    for run in runs[1:]:
+        for name, p, q in zip(("d", "grad x", "grad weight", "grad dt_bias", "grad A"), runs[0], run):
+            assert p.dtype == q.dtype and torch.equal(p, q), name
+
+
+@needs_ext
+def test_bf16_gate():
+    """The bf16 case only under CPU bf16 autocast with a bf16 x and float32 parameters; the modules follow."""
+    x, w, b, a, _ = _bf16_inputs((2, 3, 4), 2, 8, 2)
+    xf = x.float()
+    assert not uses_path_decay_kernel(x, w, b, a)  # bf16 outside autocast: the reference, which wants one dtype
+    with pytest.raises(ValueError, match="weight must have x's dtype"):
+        path_decay(x, w, b, a)
+    with torch.autocast("cpu", dtype=BF16):
+        assert uses_path_decay_kernel(x, w, b, a)
+        assert not uses_path_decay_kernel(xf, w, b, a)  # float32 x under autocast
+        assert not uses_path_decay_kernel(x, w.to(BF16), b, a)
+        assert not uses_path_decay_kernel(x, w, b, a.double())
+        with ppma.ops.use_impl("reference"):
+            assert not uses_path_decay_kernel(x, w, b, a)
+    with torch.autocast("cpu", dtype=torch.float16):
+        for xx in (x, x.half(), xf):
+            assert not uses_path_decay_kernel(xx, w, b, a)
+    m = PathDecay(32, 4)
+    xm = torch.randn(2, 3, 4, 32).to(BF16).requires_grad_()
+    with torch.autocast("cpu", dtype=BF16):
+        assert type(m.decays(xm).grad_fn).__name__ == "_PathDecayBackward"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert type(m.decays(xm.detach().half().requires_grad_()).grad_fn).__name__ != "_PathDecayBackward"

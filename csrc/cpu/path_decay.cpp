@@ -14,6 +14,18 @@
 // log1p(exp(z)); below z = -87.3 exp(-|z|) is 0, so softplus is 0 where torch returns a denormal). double: the
 // formula with std::exp and std::log1p (the gradcheck path). Tokens run in fixed chunks; the backward's sums go to a
 // partial buffer per chunk, reduced in chunk order afterwards: the results do not depend on the thread count.
+//
+// bf16 x (CPU bf16 autocast, docs/ops.md "path_decay"): x bf16 with float32 weight, dt_bias and A (and a float32
+// grad_out), the formula autocast runs (ppma.ops.reference.path_decay_ref under torch.autocast): its linear layer
+// rounds the weight to bf16, sums the products in float32 and rounds u = <x_g, weight[c]> to bf16 once; z = u +
+// dt_bias, softplus and the scaling are float32. Here x is widened as it is read, the weight rounded to bf16 once per
+// call, u summed in float32 (in this kernel's order, so u is autocast's up to a sum that lands on the other side of a
+// bf16 rounding boundary) and rounded to bf16 once; the rest is the float path. The output is float32. Backward: gu
+// is rounded to bf16 before the products of grad_x and grad_weight, as autocast's backward does (the linear layer's
+// gradient is that of its bf16 output: torch casts gu to bf16); grad_x_g = sum_c bf16(gu[c]) bf16(weight[c]) in
+// float32, rounded to bf16 once; grad_weight[c] = sum bf16(gu[c]) x_g, float32 sums (autocast's is that sum rounded
+// to bf16); grad_dt_bias from the float32 gu (autocast's addition is float32) and grad_A float32, all in the same
+// fixed chunks.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -40,6 +52,30 @@ constexpr int64_t kBlock = 32;
 // The most directions (D) a decay has: alpha and beta in 2-D, and gamma along T in 3-D (docs/video.md).
 constexpr int64_t kMaxDirections = 3;
 constexpr float kThreshold = 20.0f;  // torch's softplus threshold (beta = 1)
+
+// x's element types: float, double, or the bits of bf16 (uint16_t, widened to float exactly as they are read).
+// grad_x is stored in x's type (a bf16 value rounded once, to nearest even).
+template <int M>
+PPMA_SIMD_INLINE vec<M> load_x(const float* p) {
+  return load<M>(p);
+}
+template <int M>
+PPMA_SIMD_INLINE vec<M> load_x(const uint16_t* p) {
+  return load_bf16<M>(p);
+}
+template <int M>
+PPMA_SIMD_INLINE void store_x(float* p, vec<M> v) {
+  store<M>(p, v);
+}
+template <int M>
+PPMA_SIMD_INLINE void store_x(uint16_t* p, vec<M> v) {
+  store_bf16<M>(p, v);
+}
+// v rounded to bf16 (to nearest even) and widened back.
+inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
+
+template <typename X>
+constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
 
 struct DecayShape {
   int64_t T, G, hd, D;  // tokens, heads, channels per head, directions
@@ -76,12 +112,40 @@ inline void softplus_sigmoid_scalar(int64_t n, const T* z, T* sp, T* sg) {
   }
 }
 
-// z[g * D + c] = <x_g, w[c]> + dt_bias[g] for one token.
-template <int L, typename T>
-PPMA_SIMD_INLINE void token_logits(Lanes<L> ln, const DecayShape& S, const T* __restrict x, const T* __restrict w,
+// <x, w> over n values of a bf16 x (widened) and a float w, summed in float32 as dot_lanes does (two accumulators
+// of L lanes, then L / 2 ... 4 lanes and single values, each width's products summed by hsum). The products of bf16
+// values (w rounded to bf16) are exact in float32.
+template <int L>
+PPMA_SIMD_INLINE float dot_bf16(Lanes<L>, int64_t n, const uint16_t* __restrict x, const float* __restrict w) {
+  vec<L> acc0{}, acc1{};
+  int64_t e = 0;
+  for (; e + 2 * L <= n; e += 2 * L) {
+    acc0 += load_bf16<L>(x + e) * load<L>(w + e);
+    acc1 += load_bf16<L>(x + e + L) * load<L>(w + e + L);
+  }
+  if (e + L <= n) acc0 += load_bf16<L>(x + e) * load<L>(w + e), e += L;
+  float s = hsum<L>(acc0 + acc1);
+  auto tail = [&](auto lm, int64_t l) {
+    constexpr int M = decltype(lm)::value;
+    s += hsum<M>(load_bf16<M>(x + l) * load<M>(w + l));
+  };
+  for_lanes_tail<L / 2>(n, e, tail);
+  return s;
+}
+
+// z[g * D + c] = <x_g, w[c]> + dt_bias[g] for one token; a bf16 x: u = <x_g, w[c]> (w rounded to bf16 by the
+// caller) rounded to bf16 once before dt_bias is added, as autocast's bf16 linear layer returns it.
+template <int L, typename T, typename X>
+PPMA_SIMD_INLINE void token_logits(Lanes<L> ln, const DecayShape& S, const X* __restrict x, const T* __restrict w,
                                    const T* __restrict dt_bias, T* __restrict z) {
   for (int64_t g = 0; g < S.G; ++g)
-    for (int64_t c = 0; c < S.D; ++c) z[g * S.D + c] = dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd) + dt_bias[g];
+    for (int64_t c = 0; c < S.D; ++c) {
+      if constexpr (kBf16<X>) {
+        z[g * S.D + c] = round_bf16(dot_bf16(ln, S.hd, x + g * S.hd, w + c * S.hd)) + dt_bias[g];
+      } else {
+        z[g * S.D + c] = dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd) + dt_bias[g];
+      }
+    }
 }
 
 template <int L, typename T>
@@ -96,8 +160,8 @@ PPMA_SIMD_INLINE void softplus_sigmoid_any(Lanes<L> ln, int64_t n, const T* z, T
 // out[t, g, c] = softplus(z) * A[g] for the tokens [t0, t1), kBlock tokens at a time: the block's logits first,
 // then softplus over all of them in whole vectors (one token's G * D values alone would leave the exp and log
 // polynomials' dependency chains unoverlapped). Ar: A[g] repeated D times (G * D).
-template <int L, typename T>
-PPMA_SIMD_INLINE void forward_chunk(Lanes<L> ln, const DecayShape& S, const T* x, const T* w, const T* dt_bias,
+template <int L, typename T, typename X>
+PPMA_SIMD_INLINE void forward_chunk(Lanes<L> ln, const DecayShape& S, const X* x, const T* w, const T* dt_bias,
                                     const T* Ar, int64_t t0, int64_t t1, T* out) {
   const int64_t C = S.G * S.hd, GD = S.G * S.D;
   for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
@@ -114,10 +178,11 @@ PPMA_SIMD_INLINE void forward_chunk(Lanes<L> ln, const DecayShape& S, const T* x
 }
 
 // The tokens [t0, t1), kBlock at a time as the forward: grad_x written; the chunk's sums added to
-// part = [gw (D * hd), g_dt_bias (G), g_A (G)]. scratch: 3 * kBlock * G * D + 2 * G * D.
-template <int L, typename T>
-PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* gd, const T* x, const T* w,
-                                     const T* dt_bias, const T* Ar, int64_t t0, int64_t t1, T* gx, T* part,
+// part = [gw (D * hd), g_dt_bias (G), g_A (G)]. scratch: 3 * kBlock * G * D + 2 * G * D. A bf16 x: w is the weight
+// rounded to bf16, and gu is rounded to bf16 for grad_x and grad_weight (not for grad_dt_bias).
+template <int L, typename T, typename X>
+PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* gd, const X* x, const T* w,
+                                     const T* dt_bias, const T* Ar, int64_t t0, int64_t t1, X* gx, T* part,
                                      T* scratch) {
   const int64_t C = S.G * S.hd, GD = S.G * S.D, hd = S.hd, D = S.D;
   T* z = scratch;               // logits, then gu = gd * A * sigmoid(z)
@@ -138,12 +203,23 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
       T* zt = z + t * GD;
       T* st = sp + t * GD;
       const T* ht = sg + t * GD;
+      if constexpr (kBf16<X>) {
 #pragma omp simd
-      for (int64_t j = 0; j < GD; ++j) {
-        zt[j] = gt[j] * Ar[j] * ht[j];
-        st[j] = gt[j] * st[j];
-        sum_u[j] += zt[j];
-        sum_a[j] += st[j];
+        for (int64_t j = 0; j < GD; ++j) {
+          const T u = gt[j] * Ar[j] * ht[j];
+          st[j] = gt[j] * st[j];
+          sum_u[j] += u;
+          sum_a[j] += st[j];
+          zt[j] = round_bf16(u);  // the bf16 gradient of autocast's linear output
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < GD; ++j) {
+          zt[j] = gt[j] * Ar[j] * ht[j];
+          st[j] = gt[j] * st[j];
+          sum_u[j] += zt[j];
+          sum_a[j] += st[j];
+        }
       }
     }
     if constexpr (std::is_same_v<T, float>) {
@@ -152,12 +228,12 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
       for_lanes(ln, hd, [&](auto lm, int64_t e) {
         constexpr int M = decltype(lm)::value;
         using V = vec<M>;
-        V wv[kMaxDirections];
+        V wv[kMaxDirections] = {};  // (D >= 1 of them set; zeroed so that GCC sees no uninitialised read)
         for (int64_t c = 0; c < D; ++c) {
           wv[c] = load<M>(w + c * hd + e);
           V acc{};
           for (int64_t t = 0; t < nt; ++t)
-            for (int64_t g = 0; g < S.G; ++g) acc += z[t * GD + g * D + c] * load<M>(x + (b0 + t) * C + g * hd + e);
+            for (int64_t g = 0; g < S.G; ++g) acc += z[t * GD + g * D + c] * load_x<M>(x + (b0 + t) * C + g * hd + e);
           store<M>(gw + c * hd + e, load<M>(gw + c * hd + e) + acc);
         }
         for (int64_t t = 0; t < nt; ++t)
@@ -165,10 +241,10 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
             const float* gu = z + t * GD + g * D;
             V v = wv[0] * gu[0];
             for (int64_t c = 1; c < D; ++c) v += wv[c] * gu[c];
-            store<M>(gx + (b0 + t) * C + g * hd + e, v);
+            store_x<M>(gx + (b0 + t) * C + g * hd + e, v);
           }
       });
-    } else {
+    } else {  // double
       for (int64_t t = 0; t < nt; ++t)
         for (int64_t g = 0; g < S.G; ++g) {
           const T* gu = z + t * GD + g * D;
@@ -194,12 +270,24 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
 constexpr const char* kOp = "ppma::path_decay";
 constexpr const char* kOpBwd = "ppma::path_decay_backward";
 
-// x [..., C] (float32 / float64), weight [D, hd] with C = G * hd, dt_bias and A [G], all of x's dtype.
+// A parameter (weight, dt_bias, A) on x: x's dtype and device, or float32 on x's device for a bf16 x (CPU bf16
+// autocast: float32 parameters, float32 math).
+void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == x.device(), op, ": ", name,
+                " must be a float32 tensor on x's device for a bfloat16 x, got ", t.scalar_type(), " on ", t.device());
+  } else {
+    check_like(op, name, t, "x", x);
+  }
+}
+
+// x [..., C] (float32 / float64, or bfloat16), weight [D, hd] with C = G * hd, dt_bias and A [G], all of x's dtype
+// (float32 for a bfloat16 x).
 DecayShape check_decay_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& dt_bias, const at::Tensor& A) {
   TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., C], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, op,
-              ": x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || x.scalar_type() == at::kBFloat16,
+              op, ": x must be float32, float64 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) >= 1 && weight.size(0) <= kMaxDirections && weight.size(1) >= 1,
               op, ": weight must be [D, head_dim] with 1 <= D <= ", kMaxDirections, ", got shape ", weight.sizes());
   TORCH_CHECK(dt_bias.dim() == 1 && dt_bias.size(0) >= 1, op, ": dt_bias must be [heads], got shape ",
@@ -209,10 +297,15 @@ DecayShape check_decay_inputs(const char* op, const at::Tensor& x, const at::Ten
   const int64_t G = dt_bias.size(0), hd = weight.size(1), C = x.size(-1);
   TORCH_CHECK(C == G * hd, op, ": x's last dim must be heads * head_dim = ", G, " * ", hd, " = ", G * hd,
               ", got shape ", x.sizes());
-  check_like(op, "weight", weight, "x", x);
-  check_like(op, "dt_bias", dt_bias, "x", x);
-  check_like(op, "A", A, "x", x);
+  check_param(op, "weight", weight, x);
+  check_param(op, "dt_bias", dt_bias, x);
+  check_param(op, "A", A, x);
   return {C > 0 ? x.numel() / C : 0, G, hd, weight.size(0)};
+}
+
+// The dtype of the output and of the sums: x's, float32 for a bf16 x.
+at::ScalarType math_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? at::kFloat : x.scalar_type();
 }
 
 // A[g] repeated for each direction: [G * D].
@@ -223,6 +316,13 @@ std::vector<T> repeated(const T* A, const DecayShape& S) {
   return r;
 }
 
+// The weight as the bf16 x's products see it: rounded to bf16 (autocast's linear layer casts it), as floats.
+std::vector<float> bf16_weight(const float* w, const DecayShape& S) {
+  std::vector<float> r(S.D * S.hd);
+  for (int64_t e = 0; e < S.D * S.hd; ++e) r[e] = round_bf16(w[e]);
+  return r;
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, const DecayShape& S) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(S.G);
@@ -230,23 +330,79 @@ std::vector<int64_t> out_shape(const at::Tensor& x, const DecayShape& S) {
   return shape;
 }
 
+// x's elements as the kernels read them: T (float, double) or the bits of a bf16 tensor.
+template <typename X>
+const X* x_data(const at::Tensor& t) {
+  if constexpr (kBf16<X>) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  } else {
+    return t.data_ptr<X>();
+  }
+}
+template <typename X>
+X* x_data_mut(at::Tensor& t) {
+  if constexpr (kBf16<X>) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  } else {
+    return t.data_ptr<X>();
+  }
+}
+
+// The forward over every chunk: x of X (T, or bf16 bits with T = float), the rest contiguous tensors of T.
+template <typename T, typename X>
+void run_forward(const DecayShape& S, const at::Tensor& xc, const at::Tensor& wc, const at::Tensor& bc,
+                 const at::Tensor& ac, at::Tensor& out) {
+  const X* xp = x_data<X>(xc);
+  const T *bp = bc.data_ptr<T>(), *ap = ac.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<T> wr;
+  if constexpr (kBf16<X>) wr = bf16_weight(wc.data_ptr<float>(), S);
+  const T* wp = kBf16<X> ? wr.data() : wc.data_ptr<T>();
+  const std::vector<T> Ar = repeated(ap, S);
+  at::parallel_for(0, ceil_div(S.T, kChunk), 1, [&](int64_t c0, int64_t c1) {
+    with_lanes([&](auto ln) {
+      forward_chunk(ln, S, xp, wp, bp, Ar.data(), c0 * kChunk, std::min(S.T, c1 * kChunk), op);
+    });
+  });
+}
+
+// The backward over every chunk, each chunk's sums in its row of part [nchunk, part_size] (of T); gx of X.
+template <typename T, typename X>
+void run_backward(const DecayShape& S, const at::Tensor& gc, const at::Tensor& xc, const at::Tensor& wc,
+                  const at::Tensor& bc, const at::Tensor& ac, at::Tensor& gx, at::Tensor& part) {
+  const int64_t nchunk = ceil_div(S.T, kChunk), part_size = part.size(1);
+  const T* gp = gc.data_ptr<T>();
+  const X* xp = x_data<X>(xc);
+  const T *bp = bc.data_ptr<T>(), *ap = ac.data_ptr<T>();
+  X* gxp = x_data_mut<X>(gx);
+  T* pp = part.data_ptr<T>();
+  std::vector<T> wr;
+  if constexpr (kBf16<X>) wr = bf16_weight(wc.data_ptr<float>(), S);
+  const T* wp = kBf16<X> ? wr.data() : wc.data_ptr<T>();
+  const std::vector<T> Ar = repeated(ap, S);
+  at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<T> scratch((3 * kBlock + 2) * S.G * S.D);
+    with_lanes([&](auto ln) {
+      for (int64_t ch = c0; ch < c1; ++ch)
+        backward_chunk(ln, S, gp, xp, wp, bp, Ar.data(), ch * kChunk, std::min(S.T, (ch + 1) * kChunk), gxp,
+                       pp + ch * part_size, scratch.data());
+    });
+  });
+}
+
 at::Tensor path_decay_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& dt_bias,
                           const at::Tensor& A) {
   const DecayShape S = check_decay_inputs(kOp, x, weight, dt_bias, A);
-  at::Tensor out = at::empty(out_shape(x, S), x.options());
+  at::Tensor out = at::empty(out_shape(x, S), x.options().dtype(math_type(x)));
   if (S.T == 0) return out;
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), bc = dt_bias.contiguous(), ac = A.contiguous();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_cpu", [&] {
-    const scalar_t *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
-    const scalar_t *bp = bc.data_ptr<scalar_t>(), *ap = ac.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const std::vector<scalar_t> Ar = repeated(ap, S);
-    at::parallel_for(0, ceil_div(S.T, kChunk), 1, [&](int64_t c0, int64_t c1) {
-      with_lanes([&](auto ln) {
-        forward_chunk(ln, S, xp, wp, bp, Ar.data(), c0 * kChunk, std::min(S.T, c1 * kChunk), op);
-      });
+  if (x.scalar_type() == at::kBFloat16) {
+    run_forward<float, uint16_t>(S, xc, wc, bc, ac, out);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_cpu", [&] {
+      run_forward<scalar_t, scalar_t>(S, xc, wc, bc, ac, out);
     });
-  });
+  }
   return out;
 }
 
@@ -259,31 +415,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> path_decay_backward_c
               ", got shape ", grad_out.sizes());
   TORCH_CHECK(grad_out.device() == x.device(), kOpBwd, ": grad_out is on ", grad_out.device(), " but x is on ",
               x.device());
-  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const at::ScalarType mt = math_type(x);
+  at::Tensor gx = at::empty(x.sizes(), x.options());  // a bf16 x's gradient in bf16
   const int64_t nchunk = ceil_div(S.T, kChunk), part_size = S.D * S.hd + 2 * S.G;
-  at::Tensor part = at::zeros({std::max<int64_t>(nchunk, 1), part_size}, x.options());
+  at::Tensor part = at::zeros({std::max<int64_t>(nchunk, 1), part_size}, x.options().dtype(mt));
   if (S.T > 0) {
-    const at::Tensor gc = grad_out.to(x.scalar_type()).contiguous(), xc = x.contiguous();
+    const at::Tensor gc = grad_out.to(mt).contiguous(), xc = x.contiguous();
     const at::Tensor wc = weight.contiguous(), bc = dt_bias.contiguous(), ac = A.contiguous();
-    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_backward_cpu", [&] {
-      const scalar_t *gp = gc.data_ptr<scalar_t>(), *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
-      const scalar_t *bp = bc.data_ptr<scalar_t>(), *ap = ac.data_ptr<scalar_t>();
-      scalar_t* gxp = gx.data_ptr<scalar_t>();
-      scalar_t* pp = part.data_ptr<scalar_t>();
-      const std::vector<scalar_t> Ar = repeated(ap, S);
-      at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
-        std::vector<scalar_t> scratch((3 * kBlock + 2) * S.G * S.D);
-        with_lanes([&](auto ln) {
-          for (int64_t ch = c0; ch < c1; ++ch)
-            backward_chunk(ln, S, gp, xp, wp, bp, Ar.data(), ch * kChunk, std::min(S.T, (ch + 1) * kChunk), gxp,
-                           pp + ch * part_size, scratch.data());
-        });
+    if (x.scalar_type() == at::kBFloat16) {
+      run_backward<float, uint16_t>(S, gc, xc, wc, bc, ac, gx, part);
+    } else {
+      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_backward_cpu", [&] {
+        run_backward<scalar_t, scalar_t>(S, gc, xc, wc, bc, ac, gx, part);
       });
-    });
+    }
   }
   // The chunks' partial sums added in chunk order.
-  at::Tensor total = at::zeros({part_size}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_path_decay_backward_sums", [&] {
+  at::Tensor total = at::zeros({part_size}, part.options());
+  AT_DISPATCH_FLOATING_TYPES(mt, "ppma_path_decay_backward_sums", [&] {
     const scalar_t* pp = part.data_ptr<scalar_t>();
     scalar_t* tp = total.data_ptr<scalar_t>();
     for (int64_t ch = 0; ch < nchunk; ++ch)

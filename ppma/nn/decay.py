@@ -72,9 +72,10 @@ class PathDecay(nn.Module):
 
     def decays(self, x: torch.Tensor) -> torch.Tensor:
         """``x: [..., C]`` -> ``d: [..., heads, directions]``, the log-decays of every direction (float32, float64 for
-        float64 ``x``). On the CPU with the fused implementation (float32/float64, no autocast, no hooks on
-        ``dt_linear``) one ppma kernel each way (``ppma.ops.cpu.path_decay``, docs/ops.md "path_decay"); elsewhere
-        ``dt_linear``, softplus and the scaling as written in the class docstring."""
+        float64 ``x``). On the CPU with the fused implementation (float32/float64 outside autocast, or a bf16 ``x``
+        under CPU bf16 autocast with autocast's rounding; no hooks on ``dt_linear``) one ppma kernel each way
+        (``ppma.ops.cpu.path_decay``, docs/ops.md "path_decay"); elsewhere ``dt_linear``, softplus and the scaling as
+        written in the class docstring."""
         lin = self.dt_linear
         if type(lin) is nn.Linear and lin.bias is None and not _has_hooks(lin):
             # the kernel where ppma.ops.cpu.path_decay.uses_path_decay_kernel says so, its reference (this formula) else

@@ -7,6 +7,15 @@ torch runs it as a linear layer with 2 outputs per head (a GEMM of a few GMAC/s)
 multiplication, and its backward as the same again plus two strided reductions: about 4 ms a step at PPMA-T's stage 1
 (batch 8 at 224², 2 threads). ``torch.ops.ppma.path_decay`` and ``path_decay_backward`` do it in one pass over ``x``
 each (about 1 ms). The reference (:func:`path_decay_ref`) is the module's formula with torch's autograd.
+
+Under CPU bf16 autocast the module sees a bf16 ``x`` with its float32 parameters, and autocast runs the formula as a
+bf16 linear layer (the weight rounded to bf16, the products summed in float32, ``u`` rounded to bf16 once) followed by
+float32 softplus and scaling: 23.5 ms of a PPMA-T forward at batch 8, 224², on 1 thread of an Intel Ice Lake Xeon,
+8.0 ms with the kernels (the 14 decay modules' sum). The kernels take that case (x bf16, the three parameters
+float32, float32 math): the same ``u`` rounded to bf16 once, a float32 output, and in the backward ``grad_x`` in bf16
+(rounded once), the parameter gradients float32. ``gu`` is rounded to bf16 before the products of ``grad_x`` and
+``grad_weight``, as autocast's backward does; ``grad_weight`` keeps its float32 sum (autocast's is rounded to bf16).
+docs/ops.md "path_decay".
 """
 
 from __future__ import annotations
@@ -54,21 +63,41 @@ def path_decay_ref(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor,
     return reference.path_decay_ref(x, weight, dt_bias, A_log)
 
 
+def _same_dtype_no_autocast(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """float32/float64 ``x`` with ``params`` in its dtype, outside CPU autocast."""
+    return (
+        x.dtype in (torch.float32, torch.float64)
+        and all(p.dtype == x.dtype for p in params)
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _bf16_autocast(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """A bf16 ``x`` with float32 ``params`` under CPU bf16 autocast: the kernels' low-precision case, autocast's
+    formula (docs/ops.md "path_decay")."""
+    return (
+        x.dtype == torch.bfloat16
+        and all(p.dtype == torch.float32 for p in params)
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    )
+
+
 def uses_path_decay_kernel(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> bool:
     """Whether :func:`path_decay` runs ``torch.ops.ppma.path_decay`` (and its backward) on these tensors: a built
-    kernel, the "fused" implementation, CPU tensors all of float32 or all of float64, at most ``MAX_DIRECTIONS``
-    directions, no autocast (whose bf16 linear layer the kernel would not round like) and no dispatch mode active
-    (FLOP counters and tracers see torch's ops). Under torch.compile the op is one opaque graph node with its fake
-    kernel and autograd formula (docs/compile.md)."""
+    kernel, the "fused" implementation, CPU tensors, at most ``MAX_DIRECTIONS`` directions, and either all of float32
+    or all of float64 outside autocast, or a bf16 ``x`` with float32 parameters under CPU bf16 autocast (whose bf16
+    linear layer the kernel rounds like); no dispatch mode active (FLOP counters and tracers see torch's ops). fp16
+    autocast, a float32 ``x`` under autocast and a bf16 ``x`` outside it keep the reference. Under torch.compile the
+    op is one opaque graph node with its fake kernel and autograd formula (docs/compile.md)."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and all(t.dtype == x.dtype and t.device == x.device for t in (weight, dt_bias, A_log))
+        and all(t.device == x.device for t in (weight, dt_bias, A_log))
+        and (_same_dtype_no_autocast(x, weight, dt_bias, A_log) or _bf16_autocast(x, weight, dt_bias, A_log))
         and 1 <= weight.shape[0] <= MAX_DIRECTIONS
         and type(x) is torch.Tensor
-        and not torch.is_autocast_enabled("cpu")
         and (torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack())
     )
 
@@ -84,11 +113,13 @@ def path_decay(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_l
 
     Returns:
         ``[..., heads, D]``: ``softplus(<x_g, weight[c]> + dt_bias[g]) * -exp(A_log[g])``, all ``<= 0``, in float32
-        (float64 for float64 ``x``). Where :func:`uses_path_decay_kernel` says so (CPU, float32/float64, the "fused"
-        implementation) the forward and the backward are one ppma kernel each, equal to :func:`path_decay_ref` up to
-        float32 rounding (the dots summed in another order; softplus within a few roundings of torch's, 0 where
-        torch's is a denormal below ``z = -87``); elsewhere it is :func:`path_decay_ref`. The backward is
-        once-differentiable.
+        (float64 for float64 ``x``). Where :func:`uses_path_decay_kernel` says so (CPU, float32/float64 or a bf16
+        ``x`` under CPU bf16 autocast, the "fused" implementation) the forward and the backward are one ppma kernel
+        each, equal to :func:`path_decay_ref` up to float32 rounding (the dots summed in another order; softplus
+        within a few roundings of torch's, 0 where torch's is a denormal below ``z = -87``); for a bf16 ``x`` up to
+        the bf16 rounding of ``<x_g, weight[c]>``, which may land on the other neighbour where the float32 sums
+        differ, ``grad_x`` bf16 and ``grad_weight`` a float32 sum where autocast's is rounded to bf16 (module
+        docstring). Elsewhere it is :func:`path_decay_ref`. The backward is once-differentiable.
     """
     _check(x, weight, dt_bias, A_log)
     if not uses_path_decay_kernel(x, weight, dt_bias, A_log):
@@ -117,11 +148,14 @@ class _PathDecay(torch.autograd.Function):
 
 def _fake(x, weight, dt_bias, A):
     check_same_device(_OP, x=x, weight=weight, dt_bias=dt_bias, A=A)
-    return x.new_empty((*x.shape[:-1], dt_bias.shape[0], weight.shape[0]))
+    # float32 decays for a bf16 x (bf16 autocast), x's dtype otherwise
+    dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+    return x.new_empty((*x.shape[:-1], dt_bias.shape[0], weight.shape[0]), dtype=dtype)
 
 
 def _fake_backward(grad_out, x, weight, dt_bias, A):
     check_same_device(_OP + "_backward", x=x, grad_out=grad_out, weight=weight, dt_bias=dt_bias, A=A)
+    # grad_x in x's dtype (bf16 for a bf16 x), the parameters' gradients in theirs (float32 under bf16 autocast)
     return x.new_empty(x.shape), weight.new_empty(weight.shape), dt_bias.new_empty(dt_bias.shape), A.new_empty(A.shape)
 
 
