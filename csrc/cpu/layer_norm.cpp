@@ -22,6 +22,7 @@
 
 #include "cpu/simd.h"
 #include "cpu/overlap.h"
+#include "cpu/utils.h"
 
 namespace ppma {
 namespace cpu {
@@ -81,16 +82,6 @@ void check_args(const char* op, const at::Tensor& x, const at::Tensor& weight, c
   }
 }
 
-// The elements of a float32 map, or the bits of a bf16 one.
-template <typename X>
-X* map_ptr(const at::Tensor& t) {
-  if constexpr (std::is_same_v<X, float>) {
-    return t.data_ptr<float>();
-  } else {
-    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-  }
-}
-
 // y = layer_norm(x) row by row (x += r first where r is given, written into x); rows split over the threads. x, r, y:
 // float32 maps, or bf16 ones (X = uint16_t); weight and bias float32.
 template <typename X>
@@ -99,9 +90,9 @@ void norm_rows(const at::Tensor& x, const at::Tensor* r, const at::Tensor& weigh
   const int64_t C = x.size(-1);
   if (C == 0 || x.numel() == 0) return;
   const int64_t rows = x.numel() / C;
-  X* xp = map_ptr<X>(x);
-  X* yp = map_ptr<X>(y);
-  const X* rp = r ? map_ptr<X>(*r) : nullptr;
+  X* xp = elements<X>(x);
+  X* yp = elements<X>(y);
+  const X* rp = r ? elements<X>(*r) : nullptr;
   const at::Tensor wc = weight.contiguous(), bc = bias.contiguous();
   const float *w = wc.data_ptr<float>(), *b = bc.data_ptr<float>();
   const float e = static_cast<float>(eps);

@@ -53,24 +53,8 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxDirections = 3;
 constexpr float kThreshold = 20.0f;  // torch's softplus threshold (beta = 1)
 
-// x's element types: float, double, or the bits of bf16 (uint16_t, widened to float exactly as they are read).
-// grad_x is stored in x's type (a bf16 value rounded once, to nearest even).
-template <int M>
-PPMA_SIMD_INLINE vec<M> load_x(const float* p) {
-  return load<M>(p);
-}
-template <int M>
-PPMA_SIMD_INLINE vec<M> load_x(const uint16_t* p) {
-  return load_bf16<M>(p);
-}
-template <int M>
-PPMA_SIMD_INLINE void store_x(float* p, vec<M> v) {
-  store<M>(p, v);
-}
-template <int M>
-PPMA_SIMD_INLINE void store_x(uint16_t* p, vec<M> v) {
-  store_bf16<M>(p, v);
-}
+// x's element types: float, double, or the bits of bf16 (uint16_t, widened to float exactly as they are read by
+// load_map); grad_x is stored in x's type (store_map: a bf16 value rounded once, to nearest even).
 // v rounded to bf16 (to nearest even) and widened back.
 inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
@@ -112,27 +96,6 @@ inline void softplus_sigmoid_scalar(int64_t n, const T* z, T* sp, T* sg) {
   }
 }
 
-// <x, w> over n values of a bf16 x (widened) and a float w, summed in float32 as dot_lanes does (two accumulators
-// of L lanes, then L / 2 ... 4 lanes and single values, each width's products summed by hsum). The products of bf16
-// values (w rounded to bf16) are exact in float32.
-template <int L>
-PPMA_SIMD_INLINE float dot_bf16(Lanes<L>, int64_t n, const uint16_t* __restrict x, const float* __restrict w) {
-  vec<L> acc0{}, acc1{};
-  int64_t e = 0;
-  for (; e + 2 * L <= n; e += 2 * L) {
-    acc0 += load_bf16<L>(x + e) * load<L>(w + e);
-    acc1 += load_bf16<L>(x + e + L) * load<L>(w + e + L);
-  }
-  if (e + L <= n) acc0 += load_bf16<L>(x + e) * load<L>(w + e), e += L;
-  float s = hsum<L>(acc0 + acc1);
-  auto tail = [&](auto lm, int64_t l) {
-    constexpr int M = decltype(lm)::value;
-    s += hsum<M>(load_bf16<M>(x + l) * load<M>(w + l));
-  };
-  for_lanes_tail<L / 2>(n, e, tail);
-  return s;
-}
-
 // z[g * D + c] = <x_g, w[c]> + dt_bias[g] for one token; a bf16 x: u = <x_g, w[c]> (w rounded to bf16 by the
 // caller) rounded to bf16 once before dt_bias is added, as autocast's bf16 linear layer returns it.
 template <int L, typename T, typename X>
@@ -141,7 +104,7 @@ PPMA_SIMD_INLINE void token_logits(Lanes<L> ln, const DecayShape& S, const X* __
   for (int64_t g = 0; g < S.G; ++g)
     for (int64_t c = 0; c < S.D; ++c) {
       if constexpr (kBf16<X>) {
-        z[g * S.D + c] = round_bf16(dot_bf16(ln, S.hd, x + g * S.hd, w + c * S.hd)) + dt_bias[g];
+        z[g * S.D + c] = round_bf16(dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd)) + dt_bias[g];
       } else {
         z[g * S.D + c] = dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd) + dt_bias[g];
       }
@@ -233,7 +196,7 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
           wv[c] = load<M>(w + c * hd + e);
           V acc{};
           for (int64_t t = 0; t < nt; ++t)
-            for (int64_t g = 0; g < S.G; ++g) acc += z[t * GD + g * D + c] * load_x<M>(x + (b0 + t) * C + g * hd + e);
+            for (int64_t g = 0; g < S.G; ++g) acc += z[t * GD + g * D + c] * load_map<M>(x + (b0 + t) * C + g * hd + e);
           store<M>(gw + c * hd + e, load<M>(gw + c * hd + e) + acc);
         }
         for (int64_t t = 0; t < nt; ++t)
@@ -241,7 +204,7 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
             const float* gu = z + t * GD + g * D;
             V v = wv[0] * gu[0];
             for (int64_t c = 1; c < D; ++c) v += wv[c] * gu[c];
-            store_x<M>(gx + (b0 + t) * C + g * hd + e, v);
+            store_map<M>(gx + (b0 + t) * C + g * hd + e, v);
           }
       });
     } else {  // double
@@ -330,29 +293,11 @@ std::vector<int64_t> out_shape(const at::Tensor& x, const DecayShape& S) {
   return shape;
 }
 
-// x's elements as the kernels read them: T (float, double) or the bits of a bf16 tensor.
-template <typename X>
-const X* x_data(const at::Tensor& t) {
-  if constexpr (kBf16<X>) {
-    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-  } else {
-    return t.data_ptr<X>();
-  }
-}
-template <typename X>
-X* x_data_mut(at::Tensor& t) {
-  if constexpr (kBf16<X>) {
-    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-  } else {
-    return t.data_ptr<X>();
-  }
-}
-
 // The forward over every chunk: x of X (T, or bf16 bits with T = float), the rest contiguous tensors of T.
 template <typename T, typename X>
 void run_forward(const DecayShape& S, const at::Tensor& xc, const at::Tensor& wc, const at::Tensor& bc,
                  const at::Tensor& ac, at::Tensor& out) {
-  const X* xp = x_data<X>(xc);
+  const X* xp = elements<X>(xc);
   const T *bp = bc.data_ptr<T>(), *ap = ac.data_ptr<T>();
   T* op = out.data_ptr<T>();
   std::vector<T> wr;
@@ -372,9 +317,9 @@ void run_backward(const DecayShape& S, const at::Tensor& gc, const at::Tensor& x
                   const at::Tensor& bc, const at::Tensor& ac, at::Tensor& gx, at::Tensor& part) {
   const int64_t nchunk = ceil_div(S.T, kChunk), part_size = part.size(1);
   const T* gp = gc.data_ptr<T>();
-  const X* xp = x_data<X>(xc);
+  const X* xp = elements<X>(xc);
   const T *bp = bc.data_ptr<T>(), *ap = ac.data_ptr<T>();
-  X* gxp = x_data_mut<X>(gx);
+  X* gxp = elements<X>(gx);
   T* pp = part.data_ptr<T>();
   std::vector<T> wr;
   if constexpr (kBf16<X>) wr = bf16_weight(wc.data_ptr<float>(), S);

@@ -233,34 +233,6 @@ PPMA_SIMD_INLINE void for_lanes(Lanes<L>, int64_t n, F&& f) {
   for_lanes_tail<L / 2>(n, l, f);
 }
 
-// <x, y> over n values: float in vectors of the path's width (two accumulators of L lanes, so that long rows are not
-// bound by one chain of additions, then L / 2 ... 4 lanes, then single values; each width's products summed by
-// hsum), double in a plain loop. Not an `omp simd reduction`: GCC ends those with the lanes added one by one through
-// memory, a chain of L dependent scalar additions that cost more than a short row's products.
-template <int L, typename T>
-PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const T* __restrict x, const T* __restrict y) {
-  if constexpr (std::is_same_v<T, float>) {
-    vec<L> acc0{}, acc1{};
-    int64_t e = 0;
-    for (; e + 2 * L <= n; e += 2 * L) {
-      acc0 += load<L>(x + e) * load<L>(y + e);
-      acc1 += load<L>(x + e + L) * load<L>(y + e + L);
-    }
-    if (e + L <= n) acc0 += load<L>(x + e) * load<L>(y + e), e += L;
-    float s = hsum<L>(acc0 + acc1);
-    auto tail = [&](auto lm, int64_t l) {
-      constexpr int M = decltype(lm)::value;
-      s += hsum<M>(load<M>(x + l) * load<M>(y + l));
-    };
-    for_lanes_tail<L / 2>(n, e, tail);
-    return s;
-  } else {
-    T s = 0;
-    for (int64_t e = 0; e < n; ++e) s += x[e] * y[e];
-    return s;
-  }
-}
-
 // The largest lane (NaN lanes ignored unless the first): of 8 or more lanes by halves (lane e against lane e + M / 2,
 // keeping the lower one unless the upper is larger), then the last four in order; log2(M) vector steps instead of a
 // chain of M dependent scalar maxima (every row of logits ends in one). The same value as the lanes taken in order:
@@ -716,6 +688,36 @@ PPMA_SIMD_INLINE void store_map(float* p, vec<L> v) {
 template <int L>
 PPMA_SIMD_INLINE void store_map(uint16_t* p, vec<L> v) {
   store_bf16<L>(p, v);
+}
+
+// <x, y> over n values: float in vectors of the path's width (two accumulators of L lanes, so that long rows are not
+// bound by one chain of additions, then L / 2 ... 4 lanes, then single values; each width's products summed by
+// hsum), double in a plain loop. x: T, or for float sums also bf16 bits (widened exactly as they are read). Not an
+// `omp simd reduction`: GCC ends those with the lanes added one by one through memory, a chain of L dependent scalar
+// additions that cost more than a short row's products.
+template <int L, typename T, typename X>
+PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const X* __restrict x, const T* __restrict y) {
+  if constexpr (std::is_same_v<T, float>) {
+    vec<L> acc0{}, acc1{};
+    int64_t e = 0;
+    for (; e + 2 * L <= n; e += 2 * L) {
+      acc0 += load_map<L>(x + e) * load<L>(y + e);
+      acc1 += load_map<L>(x + e + L) * load<L>(y + e + L);
+    }
+    if (e + L <= n) acc0 += load_map<L>(x + e) * load<L>(y + e), e += L;
+    float s = hsum<L>(acc0 + acc1);
+    auto tail = [&](auto lm, int64_t l) {
+      constexpr int M = decltype(lm)::value;
+      s += hsum<M>(load_map<M>(x + l) * load<M>(y + l));
+    };
+    for_lanes_tail<L / 2>(n, e, tail);
+    return s;
+  } else {
+    static_assert(std::is_same_v<X, T>, "dot_lanes: a bf16 x takes float sums");
+    T s = 0;
+    for (int64_t e = 0; e < n; ++e) s += x[e] * y[e];
+    return s;
+  }
 }
 
 #ifdef PPMA_SIMD_X86

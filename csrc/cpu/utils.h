@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "common/math.h"
@@ -14,6 +16,17 @@ namespace ppma {
 namespace cpu {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A tensor's elements as the kernels read and write them: X (float, double), or the bits of a bf16 tensor for
+// X = uint16_t (cpu/simd.h widens them with load_map and rounds with store_map).
+template <typename X>
+X* elements(const at::Tensor& t) {
+  if constexpr (std::is_same_v<X, uint16_t>) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  } else {
+    return t.data_ptr<X>();
+  }
+}
 
 // Prefix sums of the log-decays [B, H, W, heads] (any strides) along every line, in dtype `acc`
 // (docs/ops.md "Prefix sums and biases"; line_prefix_sums in common/math.h):
