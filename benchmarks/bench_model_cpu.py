@@ -1,8 +1,8 @@
 """Whole-model CPU benchmark: PPMA-T with the fused ops (fp32 and bf16 autocast, eager and compiled with ``ppma.compile.compile_model``)
 beside the official formulation (the same model and weights with ``ppma.ops.use_impl("reference")``, i.e. the
 dense-mask reference ops; "plain modules": also without the deployment step ``ppma.nn.fuse_for_inference``, i.e.
-torch's modules as the official code runs them) and timm's Swin-T, ConvNeXt-T and ResNet-50 (``pretrained=False``),
-all measured in ONE run on the same machine:
+torch's modules as the official code runs them) and timm's Swin-T and ConvNeXt-T (fp32 and bf16 autocast) and
+ResNet-50 (``pretrained=False``), all measured in ONE run on the same machine:
 
 * batch 8 at 224²: inference (``eval()``, ``torch.inference_mode()``; eager PPMA-T entries other than the plain
   modules after ``ppma.nn.fuse_for_inference``, compiled ones without it) and training (forward, cross-entropy,
@@ -22,7 +22,8 @@ Usage::
     python benchmarks/bench_model_cpu.py [--threads 2] [--quick] [--note "machine busy"] [--doc]
 
 Writes ``benchmarks/results/model_cpu_<machine>.md`` and ``.json`` (:func:`ppma.timing.machine_tag`; the next run on
-the machine overwrites them), prints the ratios, and with ``--doc``
+the machine overwrites them), naming the CPU and its bf16 matrix unit (``ppma.backends.cpu_summary()``), prints the
+ratios with their targets (the low-precision ones by the matrix unit: :data:`LOWP_TARGETS`), and with ``--doc``
 replaces the CPU table of docs/performance.md (between ``<!-- cpu-model:start -->`` and ``<!-- cpu-model:end -->``).
 """
 
@@ -51,8 +52,17 @@ ENTRIES = {
     "PPMA-T official formulation": ("ppma_tiny", "reference", None, False),
     "PPMA-T official, plain modules": ("ppma_tiny", "reference-plain", None, False),
     "Swin-T": ("timm:swin_tiny_patch4_window7_224", "fused", None, False),
+    "Swin-T bf16": ("timm:swin_tiny_patch4_window7_224", "fused", "bf16", False),
     "ConvNeXt-T": ("timm:convnext_tiny", "fused", None, False),
+    "ConvNeXt-T bf16": ("timm:convnext_tiny", "fused", "bf16", False),
     "ResNet-50": ("timm:resnet50", "fused", None, False),
+}
+# The low-precision targets by the CPU's bf16 matrix unit (ppma.backends.cpu_matrix_unit()): bf16 / fp32 inference,
+# bf16 / fp32 training, PPMA-T bf16 / Swin-T bf16 and / ConvNeXt-T bf16 inference, all at b8@224. A CPU without bf16
+# instructions has none (oneDNN emulates bf16 there, slower than fp32).
+LOWP_TARGETS = {
+    "amx": (">= 2.5", ">= 1.8", ">= 1.2", ">= 1.0"),
+    "avx512_bf16": (">= 1.6", "-", "-", "-"),
 }
 # case -> (batch, image size, phases)
 CASES = {
@@ -202,9 +212,11 @@ def _find(rows, entry, case, phase):
     return None
 
 
-def ratios(rows) -> list[tuple[str, float | None, str]]:
-    """(what, value, target) of the issue's targets, from one run's rows."""
+def ratios(rows, matrix_unit: str | None = None) -> list[tuple[str, float | None, str]]:
+    """(what, value, target) of the targets, from one run's rows; the low-precision targets are those of the CPU's
+    bf16 matrix unit ``matrix_unit`` (:data:`LOWP_TARGETS`)."""
     F, R, B = "PPMA-T fused fp32", "PPMA-T official formulation", "PPMA-T fused bf16"
+    bf16_infer, bf16_train, vs_swin, vs_convnext = LOWP_TARGETS.get(matrix_unit, ("-",) * 4)
     P = "PPMA-T official, plain modules"
 
     def speed(a, b, case, phase):
@@ -227,11 +239,15 @@ def ratios(rows) -> list[tuple[str, float | None, str]]:
         ("fused / official plain modules, inference, b1@512", speed(F, P, "b1@512", "infer"), "-"),
         ("fused / official plain modules, training, b1@512", speed(F, P, "b1@512", "train"), "-"),
         ("official plain modules / fused peak memory, inference, b1@512", mem(F, P, "b1@512", "infer"), "-"),
-        ("bf16 / fp32, inference, b8@224", speed(B, F, "b8@224", "infer"), ">= 2.5"),
+        ("bf16 / fp32, inference, b8@224", speed(B, F, "b8@224", "infer"), bf16_infer),
+        ("bf16 / fp32, training, b8@224", speed(B, F, "b8@224", "train"), bf16_train),
+        ("PPMA-T bf16 / Swin-T bf16, inference, b8@224", speed(B, "Swin-T bf16", "b8@224", "infer"), vs_swin),
+        ("PPMA-T bf16 / ConvNeXt-T bf16, inference, b8@224", speed(B, "ConvNeXt-T bf16", "b8@224", "infer"),
+         vs_convnext),
         ("compiled / eager fp32, inference, b8@224", speed("PPMA-T fused fp32 compiled", F, "b8@224", "infer"),
-         ">= 1.3"),
-        ("compiled bf16 / eager fp32, inference, b8@224",
-         speed("PPMA-T fused bf16 compiled", F, "b8@224", "infer"), "-"),
+         ">= 1.1"),
+        ("compiled / eager bf16, inference, b8@224", speed("PPMA-T fused bf16 compiled", B, "b8@224", "infer"),
+         ">= 1.1"),
         ("PPMA-T fp32 eager / Swin-T, inference, b8@224", speed(F, "Swin-T", "b8@224", "infer"), ">= 1.5"),
         ("PPMA-T fp32 eager / ConvNeXt-T, inference, b8@224", speed(F, "ConvNeXt-T", "b8@224", "infer"), "-"),
         ("PPMA-T fp32 eager / ResNet-50, inference, b8@224", speed(F, "ResNet-50", "b8@224", "infer"), "-"),
@@ -240,8 +256,10 @@ def ratios(rows) -> list[tuple[str, float | None, str]]:
 
 def markdown(result: dict) -> str:
     e, s = result["env"], result["settings"]
-    head = (f"CPU whole-model benchmark (`python benchmarks/bench_model_cpu.py`): {e['cpu']}, {s['threads']} "
-            f"threads, torch {e['torch']}, ppma kernels {e['cpu_capability'] or 'n/a'}, {e['date']}. "
+    # the CPU, its bf16 matrix unit and ppma's kernels in one line (ppma.backends.cpu_summary), where the run has it
+    cpu = e.get("cpu_summary") or f"{e['cpu']}, ppma kernels {e['cpu_capability'] or 'n/a'}"
+    head = (f"CPU whole-model benchmark (`python benchmarks/bench_model_cpu.py`): {cpu}; {s['threads']} "
+            f"threads, torch {e['torch']}, {e['date']}. "
             f"{s['warmup']} warm-up + {s['iters']} timed iterations per cell (median), each cell in a fresh process"
             + (f", {s['rounds']} rounds round-robin over the cells (each cell: its fastest round, the rounds' median "
                "peak memory); " if s.get("rounds", 1) > 1 else "; ") +
@@ -265,7 +283,7 @@ def markdown(result: dict) -> str:
             f" | {cell(entry, 'b1@512', 'infer', 'img_s', '.3g')} | {cell(entry, 'b1@512', 'infer', 'peak_mib', '.0f')}"
             f" | {cell(entry, 'b1@512', 'train', 'img_s', '.3g')} | {cell(entry, 'b1@512', 'train', 'peak_mib', '.0f')} |")
     lines += ["", "| ratio (one run) | measured | target |", "|---|---:|---:|"]
-    for what, v, target in ratios(result["rows"]):
+    for what, v, target in ratios(result["rows"], e.get("matrix_unit")):
         lines.append(f"| {what} | {'-' if v is None else f'{v:.2f}x'} | {target} |")
     errors = [r for r in result["rows"] if "error" in r]
     if errors:
@@ -327,9 +345,10 @@ def main(argv=None) -> int:
     try:
         from ppma import backends
 
-        capability = backends.cpu_capability()
+        capability = {"cpu_capability": backends.cpu_capability(), "matrix_unit": backends.cpu_matrix_unit(),
+                      "cpu_summary": backends.cpu_summary()}
     except (ImportError, AttributeError):
-        capability = None
+        capability = {"cpu_capability": None}
     from tqdm import tqdm
 
     specs = [{"entry": e, "case": c, "phase": ph, "threads": args.threads, "warmup": warmup, "iters": iters}
@@ -375,10 +394,10 @@ def _result(args, torch, capability, date, warmup, iters, rows, partial: bool) -
         pass
     note = args.note + (" PARTIAL: the run was stopped before every cell was measured." if partial else "")
     return {"env": {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-                    "cores": os.cpu_count(), "cpu_capability": capability,
-                    "date": date.isoformat(timespec="seconds")},
+                    "cores": os.cpu_count(), **capability, "date": date.isoformat(timespec="seconds")},
             "settings": {"threads": args.threads, "warmup": warmup, "iters": iters, "rounds": args.rounds, "note": note.strip()},
-            "entries": args.entries, "rows": rows, "ratios": [list(r) for r in ratios(rows)]}
+            "entries": args.entries, "rows": rows,
+            "ratios": [list(r) for r in ratios(rows, capability.get("matrix_unit"))]}
 
 
 if __name__ == "__main__":
