@@ -4,9 +4,10 @@ and the block's residual sum followed by its norm in one pass (docs/ops.md "laye
 The kernels (``torch.ops.ppma.layer_norm``, ``torch.ops.ppma.add_layer_norm_``; a contiguous float32 ``x``, or a
 bfloat16 one with float32 weight and bias as under CPU bf16 autocast) normalise one row of ``C`` channels at a time in
 AVX-512/AVX2 vectors, in float32 (a bf16 row widened as it is read, each bf16 output rounded once);
-``add_layer_norm_`` first adds ``residual`` into ``x`` in place, reading ``x`` once for both. They have no autograd formula: where a gradient is recorded (or on other
-devices and dtypes, or with ``ppma.ops.set_impl("reference")``) the functions run
-``torch.nn.functional.layer_norm`` (and ``x.add_(residual)``), the same numbers up to float32 rounding.
+``add_layer_norm_`` first adds ``residual`` into ``x`` in place, reading ``x`` once for both. They have no autograd
+formula: where a gradient is recorded (or on other devices and dtypes, or with ``ppma.ops.set_impl("reference")``)
+the functions run ``torch.nn.functional.layer_norm`` (and ``x.add_(residual)``), the same numbers up to float32
+rounding.
 
 ``layer_norm_node`` is torch's own layer norm (ATen's CPU kernels, forward and backward) as one opaque custom op,
 ``ppma::layer_norm_node``, for compiled training: Inductor would otherwise decompose the norm and its backward into
@@ -96,9 +97,8 @@ def add_layer_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
 
     Where :func:`uses_kernel` holds (CPU inference on float32, or on bfloat16 maps with float32 weight and bias: the
     sum rounded to bf16 once, as ``x.add_(residual)`` rounds it, and normalised as rounded) one kernel does both in
-    one pass over ``x``
-    (``torch.ops.ppma.add_layer_norm_``); elsewhere it is ``x.add_(residual)`` and ``F.layer_norm``. ``x`` is
-    updated in place either way, so it must be the caller's own tensor.
+    one pass over ``x`` (``torch.ops.ppma.add_layer_norm_``); elsewhere it is ``x.add_(residual)`` and
+    ``F.layer_norm``. ``x`` is updated in place either way, so it must be the caller's own tensor.
 
     Args:
         x: ``[..., C]``, overwritten with ``x + residual``.
