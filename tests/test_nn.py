@@ -200,8 +200,7 @@ def test_fused_linear_and_conv_pieces():
 def test_fused_dwconv_calls(amp):
     """A fused ``DWConv2d`` in its four calls (plain, ``residual=True`` out of place and in place, ``add`` in place
     and out of place) equals the unfused module up to rounding, float32 and bf16 under autocast; in place it
-    returns the overwritten map, out of place it leaves its inputs alone. bf16 ``residual=True`` is ppma's kernel
-    either way (one rounding of the float32 sum)."""
+    returns the overwritten map, out of place it leaves its inputs alone."""
     from ppma.nn.layers import DWConv2d
 
     torch.manual_seed(0)
@@ -225,12 +224,6 @@ def test_fused_dwconv_calls(amp):
         out = m(x, residual=True, inplace=True)
         assert out.data_ptr() == x.data_ptr()
         torch.testing.assert_close(out.float(), want["residual"].float(), **tol)
-    if amp:  # bf16, in place or not: ppma's kernel, x + conv(x) in float32 rounded once (one bf16 unit, 2^-7)
-        assert torch.equal(got["residual"], out)
-        w, b = m.conv.weight.bfloat16().float(), m.conv.bias.bfloat16().float()
-        x32 = x0.float()
-        once = x32 + F.conv2d(x32.permute(0, 3, 1, 2), w, b, padding=2, groups=24).permute(0, 2, 3, 1)
-        torch.testing.assert_close(got["residual"].float(), once.bfloat16().float(), rtol=2**-7, atol=1e-6)
 
 
 def test_fused_stem_and_merging():

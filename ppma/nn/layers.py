@@ -313,21 +313,16 @@ class DWConv2d(nn.Module):
                 out.permute(0, 3, 1, 2), x.to(dt).contiguous().permute(0, 3, 1, 2), weight, bias, conv.padding,
                 conv.stride, conv.dilation, conv.groups, "add", None, None, [], None)
             return out
-        if residual and (inplace or dt == torch.bfloat16):
-            # x <- x + conv(x) in place: computed in float32, rounded once (ppma.ops.cpu.depthwise_conv2d_residual_);
-            # bf16 without inplace (the block's CPE) over a copy of x: one rounding and 1.1-1.9x faster at PPMA-T's
-            # widths than oneDNN's bf16 convolution followed by a bf16 addition (two roundings)
-            xd = x.to(dt)
-            if not inplace and xd is x:
-                xd = x.clone(memory_format=torch.contiguous_format)
-            return depthwise_conv2d_residual_(xd, weight, bias)
+        if residual and inplace:
+            # x <- x + conv(x) in place: computed in float32, rounded once (ppma.ops.cpu.depthwise_conv2d_residual_)
+            return depthwise_conv2d_residual_(x.to(dt), weight, bias)
         x = x.to(dt)
         xc = x.permute(0, 3, 1, 2)
-        if residual:  # float32: the identity folded into the centre tap
+        if residual and dt == torch.float32:
             y = F.conv2d(xc, self.residual_weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
             return y.permute(0, 2, 3, 1).contiguous()
         y = F.conv2d(xc, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups).permute(0, 2, 3, 1)
-        return y.contiguous()
+        return x + y if residual else y.contiguous()  # bf16: 1 + w would round w to a few bits
 
 
 class LayerNorm(nn.LayerNorm):
