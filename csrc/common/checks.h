@@ -23,6 +23,19 @@ inline void check_like(const char* op, const char* name, const at::Tensor& t, co
               ref_name, " has dtype ", ref.scalar_type());
 }
 
+// A parameter t of a CPU kernel that also takes bf16 data (CPU bf16 autocast: float32 parameters, float32 math):
+// ref's dtype and device, or float32 on ref's device for a bfloat16 ref.
+inline void check_param_like(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                             const at::Tensor& ref) {
+  if (ref.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == ref.device(), op, ": ", name, " must be a float32 "
+                "tensor on ", ref_name, "'s device for a bfloat16 ", ref_name, ", got ", t.scalar_type(), " on ",
+                t.device());
+  } else {
+    check_like(op, name, t, ref_name, ref);
+  }
+}
+
 inline void check_decays(const char* op, const at::Tensor& ref, const at::Tensor& log_alpha,
                          const at::Tensor& log_beta) {
   const auto grid = ref.sizes().slice(0, 4);

@@ -549,17 +549,6 @@ void gelu_residual_backward_direct(const T* g, const T* hx, const T* weight, int
   });
 }
 
-// A parameter (weight, bias) of the training kernels on the map h: h's dtype and device, or float32 on h's device
-// for a bf16 h (bf16 autocast: float32 parameters, float32 math).
-void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& h) {
-  if (h.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == h.device(), op, ": ", name,
-                " must be a float32 tensor on h's device for a bfloat16 h, got ", t.scalar_type(), " on ", t.device());
-  } else {
-    check_like(op, name, t, "h", h);
-  }
-}
-
 constexpr const char* kGeluOp = "ppma::gelu_depthwise_conv2d_residual_backward";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_backward_cpu(
@@ -576,7 +565,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_ba
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kGeluOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  check_param(kGeluOp, "weight", weight, h);
+  check_param_like(kGeluOp, "weight", weight, "h", h);
   const int64_t K = weight.size(2), KK = K * K;
   if (bf16 && K != 3 && K != 5 && K != 7) {  // other k: the float kernel on widened copies, rounded once
     auto r = gelu_depthwise_conv2d_residual_backward_cpu(grad_out.to(at::kFloat), h.to(at::kFloat), weight);
@@ -592,10 +581,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gelu_depthwise_conv2d_residual_ba
     auto run = [&](auto kc) {
       constexpr int KC = decltype(kc)::value;
       if (bf16) {
-        gelu_residual_backward_rings<KC>(reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>()),
-                                         reinterpret_cast<const uint16_t*>(hc.data_ptr<at::BFloat16>()),
-                                         wc.data_ptr<float>(), B, H, W, C,
-                                         reinterpret_cast<uint16_t*>(gh.data_ptr<at::BFloat16>()), part.data());
+        gelu_residual_backward_rings<KC>(elements<uint16_t>(gc), elements<uint16_t>(hc), wc.data_ptr<float>(), B, H,
+                                         W, C, elements<uint16_t>(gh), part.data());
       } else {
         gelu_residual_backward_rings<KC>(gc.data_ptr<float>(), hc.data_ptr<float>(), wc.data_ptr<float>(), B, H, W,
                                          C, gh.data_ptr<float>(), part.data());
@@ -651,7 +638,7 @@ void depthwise_conv2d_residual_cpu(at::Tensor& x, const at::Tensor& weight, cons
   if (x.scalar_type() == at::kFloat) {
     residual_conv(x.data_ptr<float>(), x.data_ptr<float>(), wc.data_ptr<float>(), bp, B, H, W, C, K);
   } else {
-    uint16_t* xb = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+    uint16_t* xb = elements<uint16_t>(x);
     residual_conv(xb, xb, wc.data_ptr<float>(), bp, B, H, W, C, K);
   }
 }
@@ -670,12 +657,12 @@ at::Tensor gelu_depthwise_conv2d_residual_forward_cpu(const at::Tensor& h, const
   TORCH_CHECK(weight.dim() == 4 && weight.size(0) == C && weight.size(1) == 1 && weight.size(2) == weight.size(3) &&
                   weight.size(2) % 2 == 1,
               kGeluFwdOp, ": weight must be [C, 1, k, k] with C = ", C, " and k odd, got ", weight.sizes());
-  check_param(kGeluFwdOp, "weight", weight, h);
+  check_param_like(kGeluFwdOp, "weight", weight, "h", h);
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, kGeluFwdOp, ": bias must be [C] = [", C, "], got ",
                 bias->sizes());
-    check_param(kGeluFwdOp, "bias", *bias, h);
+    check_param_like(kGeluFwdOp, "bias", *bias, "h", h);
     bc = bias->contiguous();
   }
   at::Tensor out = at::empty(h.sizes(), h.options());
@@ -683,8 +670,7 @@ at::Tensor gelu_depthwise_conv2d_residual_forward_cpu(const at::Tensor& h, const
   const at::Tensor hc = h.contiguous(), wc = weight.contiguous();
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   if (bf16) {
-    residual_conv(reinterpret_cast<const uint16_t*>(hc.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), wc.data_ptr<float>(), bp, B, H, W, C,
+    residual_conv(elements<uint16_t>(hc), elements<uint16_t>(out), wc.data_ptr<float>(), bp, B, H, W, C,
                   weight.size(2), /*gelu=*/true);
   } else {
     residual_conv(hc.data_ptr<float>(), out.data_ptr<float>(), wc.data_ptr<float>(), bp, B, H, W, C, weight.size(2),
@@ -713,9 +699,8 @@ std::tuple<at::Tensor, at::Tensor> depthwise_conv2d_backward_cpu(const at::Tenso
   if (B * H * W * C == 0) return {gw, gb};
   const at::Tensor xc = x.contiguous(), gc = grad_out.contiguous();
   if (x.scalar_type() == at::kBFloat16) {
-    weight_grad<float>(reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>()),
-                       reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), B, H, W, C, K,
-                       gw.data_ptr<float>(), gb.data_ptr<float>());
+    weight_grad<float>(elements<uint16_t>(gc), elements<uint16_t>(xc), B, H, W, C, K, gw.data_ptr<float>(),
+                       gb.data_ptr<float>());
     return {gw, gb};
   }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ppma_depthwise_conv2d_backward_cpu", [&] {

@@ -53,11 +53,11 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxDirections = 3;
 constexpr float kThreshold = 20.0f;  // torch's softplus threshold (beta = 1)
 
-// x's element types: float, double, or the bits of bf16 (uint16_t, widened to float exactly as they are read by
-// load_map); grad_x is stored in x's type (store_map: a bf16 value rounded once, to nearest even).
 // v rounded to bf16 (to nearest even) and widened back.
 inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
+// x's element types: float, double, or the bits of bf16 (uint16_t, widened to float exactly as they are read by
+// load_map); grad_x is stored in x's type (store_map: a bf16 value rounded once, to nearest even).
 template <typename X>
 constexpr bool kBf16 = std::is_same_v<X, uint16_t>;
 
@@ -103,11 +103,9 @@ PPMA_SIMD_INLINE void token_logits(Lanes<L> ln, const DecayShape& S, const X* __
                                    const T* __restrict dt_bias, T* __restrict z) {
   for (int64_t g = 0; g < S.G; ++g)
     for (int64_t c = 0; c < S.D; ++c) {
-      if constexpr (kBf16<X>) {
-        z[g * S.D + c] = round_bf16(dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd)) + dt_bias[g];
-      } else {
-        z[g * S.D + c] = dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd) + dt_bias[g];
-      }
+      T u = dot_lanes(ln, S.hd, x + g * S.hd, w + c * S.hd);
+      if constexpr (kBf16<X>) u = round_bf16(u);
+      z[g * S.D + c] = u + dt_bias[g];
     }
 }
 
@@ -233,17 +231,6 @@ PPMA_SIMD_INLINE void backward_chunk(Lanes<L> ln, const DecayShape& S, const T* 
 constexpr const char* kOp = "ppma::path_decay";
 constexpr const char* kOpBwd = "ppma::path_decay_backward";
 
-// A parameter (weight, dt_bias, A) on x: x's dtype and device, or float32 on x's device for a bf16 x (CPU bf16
-// autocast: float32 parameters, float32 math).
-void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
-  if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == x.device(), op, ": ", name,
-                " must be a float32 tensor on x's device for a bfloat16 x, got ", t.scalar_type(), " on ", t.device());
-  } else {
-    check_like(op, name, t, "x", x);
-  }
-}
-
 // x [..., C] (float32 / float64, or bfloat16), weight [D, hd] with C = G * hd, dt_bias and A [G], all of x's dtype
 // (float32 for a bfloat16 x).
 DecayShape check_decay_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
@@ -260,9 +247,9 @@ DecayShape check_decay_inputs(const char* op, const at::Tensor& x, const at::Ten
   const int64_t G = dt_bias.size(0), hd = weight.size(1), C = x.size(-1);
   TORCH_CHECK(C == G * hd, op, ": x's last dim must be heads * head_dim = ", G, " * ", hd, " = ", G * hd,
               ", got shape ", x.sizes());
-  check_param(op, "weight", weight, x);
-  check_param(op, "dt_bias", dt_bias, x);
-  check_param(op, "A", A, x);
+  check_param_like(op, "weight", weight, "x", x);
+  check_param_like(op, "dt_bias", dt_bias, "x", x);
+  check_param_like(op, "A", A, "x", x);
   return {C > 0 ? x.numel() / C : 0, G, hd, weight.size(0)};
 }
 
@@ -279,10 +266,14 @@ std::vector<T> repeated(const T* A, const DecayShape& S) {
   return r;
 }
 
-// The weight as the bf16 x's products see it: rounded to bf16 (autocast's linear layer casts it), as floats.
-std::vector<float> bf16_weight(const float* w, const DecayShape& S) {
-  std::vector<float> r(S.D * S.hd);
-  for (int64_t e = 0; e < S.D * S.hd; ++e) r[e] = round_bf16(w[e]);
+// The weight [D * hd] as the products see it: a bf16 x's rounded to bf16 (autocast's linear layer casts it).
+template <typename T, typename X>
+std::vector<T> weight_as_read(const at::Tensor& wc, const DecayShape& S) {
+  const T* w = wc.data_ptr<T>();
+  std::vector<T> r(w, w + S.D * S.hd);
+  if constexpr (kBf16<X>) {
+    for (auto& v : r) v = round_bf16(v);
+  }
   return r;
 }
 
@@ -300,9 +291,8 @@ void run_forward(const DecayShape& S, const at::Tensor& xc, const at::Tensor& wc
   const X* xp = elements<X>(xc);
   const T *bp = bc.data_ptr<T>(), *ap = ac.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  std::vector<T> wr;
-  if constexpr (kBf16<X>) wr = bf16_weight(wc.data_ptr<float>(), S);
-  const T* wp = kBf16<X> ? wr.data() : wc.data_ptr<T>();
+  const std::vector<T> wr = weight_as_read<T, X>(wc, S);
+  const T* wp = wr.data();
   const std::vector<T> Ar = repeated(ap, S);
   at::parallel_for(0, ceil_div(S.T, kChunk), 1, [&](int64_t c0, int64_t c1) {
     with_lanes([&](auto ln) {
@@ -321,9 +311,8 @@ void run_backward(const DecayShape& S, const at::Tensor& gc, const at::Tensor& x
   const T *bp = bc.data_ptr<T>(), *ap = ac.data_ptr<T>();
   X* gxp = elements<X>(gx);
   T* pp = part.data_ptr<T>();
-  std::vector<T> wr;
-  if constexpr (kBf16<X>) wr = bf16_weight(wc.data_ptr<float>(), S);
-  const T* wp = kBf16<X> ? wr.data() : wc.data_ptr<T>();
+  const std::vector<T> wr = weight_as_read<T, X>(wc, S);
+  const T* wp = wr.data();
   const std::vector<T> Ar = repeated(ap, S);
   at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
     std::vector<T> scratch((3 * kBlock + 2) * S.G * S.D);

@@ -224,6 +224,20 @@ def records_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def cpu_kernel_dtypes(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether ``x`` and its ``params`` (None: an absent bias) have the dtypes of ppma's CPU kernels that also run
+    under bf16 autocast: float32/float64 ``x`` with the parameters in its dtype outside CPU autocast, or a bf16 ``x``
+    with float32 parameters under CPU bf16 autocast (float32 math, the low-precision case of docs/ops.md
+    "depthwise_conv2d", "gelu_depthwise_conv2d_residual" and "path_decay")."""
+    if not torch.is_autocast_enabled("cpu"):
+        return x.dtype in (torch.float32, torch.float64) and all(p is None or p.dtype == x.dtype for p in params)
+    return (
+        x.dtype == torch.bfloat16
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and all(p is None or p.dtype == torch.float32 for p in params)
+    )
+
+
 def no_double_backward(op: str) -> None:
     """The backward ops are not differentiable: fail loudly when a graph of the gradient is requested."""
     if torch.is_grad_enabled():

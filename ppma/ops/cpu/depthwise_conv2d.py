@@ -22,7 +22,8 @@ from torch.autograd.function import once_differentiable
 
 from ppma import _ext
 from ppma.ops import _dispatch
-from ppma.ops._validate import check_floating_on_one_device, check_no_overlap, check_same_device, records_grad
+from ppma.ops._validate import (check_floating_on_one_device, check_no_overlap, check_same_device, cpu_kernel_dtypes,
+                                records_grad)
 
 __all__ = [
     "depthwise_conv2d",
@@ -91,26 +92,6 @@ def depthwise_conv2d_ref(
     return _conv(x, _folded(weight, residual), bias)
 
 
-def _bf16_autocast(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """Whether ``x`` is a bf16 map under CPU bf16 autocast with float32 parameters (``params``; None: no bias): the
-    training kernels' low-precision case (docs/ops.md "depthwise_conv2d", "gelu_depthwise_conv2d_residual")."""
-    return (
-        x.dtype == torch.bfloat16
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        and all(p is None or p.dtype == torch.float32 for p in params)
-    )
-
-
-def _same_dtype_no_autocast(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """float32/float64 ``x`` with ``params`` (None: no bias) in its dtype, outside CPU autocast."""
-    return (
-        x.dtype in (torch.float32, torch.float64)
-        and all(p is None or p.dtype == x.dtype for p in params)
-        and not torch.is_autocast_enabled("cpu")
-    )
-
-
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`depthwise_conv2d` takes its weight and bias gradients from the ppma kernel for these
     tensors: a built kernel, the "fused" implementation, CPU tensors of float32/float64 with the weight (and bias)
@@ -121,7 +102,7 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _HAS_OP
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
-        and (_same_dtype_no_autocast(x, weight, bias) or _bf16_autocast(x, weight, bias))
+        and cpu_kernel_dtypes(x, weight, bias)
         and weight.shape[-1] >= MIN_KERNEL
         and records_grad(x, weight)
     )
@@ -261,7 +242,7 @@ def uses_gelu_kernel(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         _HAS_OP
         and _dispatch.get_impl() == "fused"
         and h.device.type == "cpu"
-        and (_same_dtype_no_autocast(h, weight, bias) or _bf16_autocast(h, weight, bias))
+        and cpu_kernel_dtypes(h, weight, bias)
         and records_grad(h, weight, *(() if bias is None else (bias,)))
     )
 

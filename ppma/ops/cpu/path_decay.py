@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from ppma import _ext
 from ppma.ops import _dispatch, reference
-from ppma.ops._validate import check_floating_on_one_device, check_same_device, records_grad
+from ppma.ops._validate import check_floating_on_one_device, check_same_device, cpu_kernel_dtypes, records_grad
 
 __all__ = ["path_decay", "path_decay_ref", "uses_path_decay_kernel"]
 
@@ -63,26 +63,6 @@ def path_decay_ref(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor,
     return reference.path_decay_ref(x, weight, dt_bias, A_log)
 
 
-def _same_dtype_no_autocast(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """float32/float64 ``x`` with ``params`` in its dtype, outside CPU autocast."""
-    return (
-        x.dtype in (torch.float32, torch.float64)
-        and all(p.dtype == x.dtype for p in params)
-        and not torch.is_autocast_enabled("cpu")
-    )
-
-
-def _bf16_autocast(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """A bf16 ``x`` with float32 ``params`` under CPU bf16 autocast: the kernels' low-precision case, autocast's
-    formula (docs/ops.md "path_decay")."""
-    return (
-        x.dtype == torch.bfloat16
-        and all(p.dtype == torch.float32 for p in params)
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    )
-
-
 def uses_path_decay_kernel(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -> bool:
     """Whether :func:`path_decay` runs ``torch.ops.ppma.path_decay`` (and its backward) on these tensors: a built
     kernel, the "fused" implementation, CPU tensors, at most ``MAX_DIRECTIONS`` directions, and either all of float32
@@ -95,7 +75,7 @@ def uses_path_decay_kernel(x: torch.Tensor, weight: torch.Tensor, dt_bias: torch
         and _dispatch.get_impl() == "fused"
         and x.device.type == "cpu"
         and all(t.device == x.device for t in (weight, dt_bias, A_log))
-        and (_same_dtype_no_autocast(x, weight, dt_bias, A_log) or _bf16_autocast(x, weight, dt_bias, A_log))
+        and cpu_kernel_dtypes(x, weight, dt_bias, A_log)
         and 1 <= weight.shape[0] <= MAX_DIRECTIONS
         and type(x) is torch.Tensor
         and (torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack())
