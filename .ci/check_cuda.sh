@@ -141,7 +141,7 @@ pids=()
 names=()
 run() {  # run <name> <cmd...>: in the background, at most $JOBS at a time
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
-  ( "${@:2}" >"$TMP/$1.log" 2>&1; echo $? >"$TMP/$1.rc" ) &
+  ( t0=$(date +%s); "${@:2}" >"$TMP/$1.log" 2>&1; echo $? >"$TMP/$1.rc"; echo $(( $(date +%s) - t0 )) >"$TMP/$1.s" ) &
   names+=("$1")
 }
 
@@ -241,7 +241,7 @@ for n in "${names[@]}"; do
     echo "WARN  $n ($warn warnings)"
     grep -v "ptxas info" "$TMP/$n.log" | grep -iE -A3 "warning" | head -20 | sed 's/^/      /'
   else
-    echo "ok    $n"
+    echo "ok    $n ($(cat "$TMP/$n.s" 2>/dev/null || echo ?) s)"
   fi
   case "$n" in
     *.cuh.sm_*|*.h.sm_*)
