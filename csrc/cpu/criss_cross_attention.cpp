@@ -423,6 +423,28 @@ std::unique_ptr<T[]> uninit(int64_t n) {
   return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
 }
 
+// The three phases of every kernel below, group of (batch, head) pairs by group (pair_groups, `group` pairs at a
+// time): phase 1 on the group's rows, phase 2 on its columns, phase 3 on its rows again. for_lines(ntasks, task)
+// runs a phase's tasks (parallel_lines or its bf16 / lowp kin, task(ln, u, scratch)); each phase body gets
+// (ln, u, scratch, the task's line of the inputs, its line of the group's scratch maps).
+template <typename T, typename I, typename ForLines, typename Rows1, typename Cols, typename Rows3>
+void run_phases(const CCData<T, I>& D, int64_t group, const ForLines& for_lines, const Rows1& rows1,
+                const Cols& cols, const Rows3& rows3) {
+  const int64_t BG = D.B * D.G, H = D.H, W = D.W;
+  for (int64_t g0 = 0; g0 < BG; g0 += group) {
+    const int64_t gn = std::min(group, BG - g0);
+    const auto phase = [&](bool rows, const auto& body) {
+      const int64_t per = rows ? H : W;
+      for_lines(gn * per, [&](auto ln, int64_t u, auto& S) {
+        body(ln, u, S, Line<T>(D, rows, group_line(g0, gn, per, u)), GroupLine(W, gn, rows, u));
+      });
+    };
+    phase(true, rows1);
+    phase(false, cols);
+    phase(true, rows3);
+  }
+}
+
 // Forward. The phases run per group of (batch, head) pairs (pair_groups); a group's lines are
 // t = group_line(g0, gn, H, u) (rows) or group_line(g0, gn, W, u) (columns). Z: the group's z1, then z2 in place
 // (column by column), [N][pair][dv] (GroupLine).
@@ -435,40 +457,33 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
   auto maps = uninit<T>(keep ? group * H * nn : 0);   // the group's row maps, [pair][row][W][W]
   auto stats = uninit<T>(keep ? 0 : 2 * group * D.N);  // else the rows' m and 1 / s, [N][pair][2]
   auto Z = uninit<T>(group * D.N * dv);
-  for (int64_t g0 = 0; g0 < BG; g0 += group) {
-    const int64_t gn = std::min(group, BG - g0);
-    // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
-    parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      T* X = keep ? maps.get() + u * nn : S.X;
-      line_scores(ln, D, r, S, true, false, static_cast<const T*>(nullptr), 0, static_cast<const T*>(nullptr), X);
-      line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
-      line_values(ln, D, r, S, zr.at(Z.get(), dv), zr.ld(dv), X);
-    });
-    // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
-    parallel_lines(D, gn * W, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(W, gn, false, u);
-      line_scores(ln, D, c, S, true);
-      line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
-      // out = 0.5 B z1, z1 read in place before z2 replaces it
-      line_apply(ln, c.n, dv, S.X, zc.at(Z.get(), dv), zc.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
-      line_values(ln, D, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
-    });
-    // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
-    parallel_lines(D, gn * H, false, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      const T* X = keep ? maps.get() + u * nn : nullptr;
-      if (!keep) {
-        const T* st = zr.at(stats.get(), 2);
-        line_scores(ln, D, r, S, false, false, st, zr.ld(2), st + 1);
-        X = S.X;
-      }
-      line_apply(ln, r.n, dv, X, zr.at(Z.get(), dv), zr.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
-    });
-  }
+  run_phases(
+      D, group, [&](int64_t n, const auto& task) { parallel_lines(D, n, false, task); },
+      // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+      [&](auto ln, int64_t u, LineScratch<T>& S, const Line<T>& r, const GroupLine& zr) {
+        T* X = keep ? maps.get() + u * nn : S.X;
+        line_scores(ln, D, r, S, true, false, static_cast<const T*>(nullptr), 0, static_cast<const T*>(nullptr), X);
+        line_softmax(ln, r.n, X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
+        line_values(ln, D, r, S, zr.at(Z.get(), dv), zr.ld(dv), X);
+      },
+      // Phase 2: columns. B, lse1, out = 0.5 B z1, z2 = B v (over z1).
+      [&](auto ln, int64_t, LineScratch<T>& S, const Line<T>& c, const GroupLine& zc) {
+        line_scores(ln, D, c, S, true);
+        line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
+        // out = 0.5 B z1, z1 read in place before z2 replaces it
+        line_apply(ln, c.n, dv, S.X, zc.at(Z.get(), dv), zc.ld(dv), c.at(out, dv), c.ld(dv), false, T(0.5));
+        line_values(ln, D, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
+      },
+      // Phase 3: rows again, A kept or recomputed; out += 0.5 A z2.
+      [&](auto ln, int64_t u, LineScratch<T>& S, const Line<T>& r, const GroupLine& zr) {
+        const T* X = keep ? maps.get() + u * nn : nullptr;
+        if (!keep) {
+          const T* st = zr.at(stats.get(), 2);
+          line_scores(ln, D, r, S, false, false, st, zr.ld(2), st + 1);
+          X = S.X;
+        }
+        line_apply(ln, r.n, dv, X, zr.at(Z.get(), dv), zr.ld(dv), r.at(out, dv), r.ld(dv), true, T(0.5));
+      });
 }
 
 #ifdef PPMA_SIMD_X86
@@ -628,46 +643,39 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
   auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);    // else the rows' m and 1 / s, [N][pair][2]
   auto Z = uninit<uint16_t>(group * D.N * dv);
   auto O1 = uninit<float>(group * D.N * dv);
-  for (int64_t g0 = 0; g0 < BG; g0 += group) {
-    const int64_t gn = std::min(group, BG - g0);
-    // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
-    parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
-      const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
-      line_scores_bf16(ln, D, P, r, S);
-      line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
-                   keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
-      map_to_bf16(ln, r.n, S, pb);
-      line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), pb);
-    });
-    // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
-    parallel_lines_bf16(D, gn * W, [&](auto ln, int64_t u, LineScratchBf16& S) {
-      const Line<float> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(W, gn, false, u);
-      line_scores_bf16(ln, D, P, c, S);
-      line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
-      map_to_bf16(ln, c.n, S);
-      line_apply_bf16(ln, D, c.n, S, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false,
-                      0.5f);                                                          // O1 = 0.5 B z1
-      line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
-    });
-    // Phase 3: rows again, A kept or recomputed; outb = bf16(O1 + 0.5 A z2).
-    parallel_lines_bf16(D, gn * H, [&](auto ln, int64_t u, LineScratchBf16& S) {
-      const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      const uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
-      if (!keep) {
-        const float* st = zr.at(stats.get(), 2);
-        line_scores_bf16(ln, D, P, r, S, st, zr.ld(2), st + 1);
-        map_to_bf16(ln, r.n, S);
-      }
-      gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
-      line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true, 0.5f, pb);
-      uint16_t* o = r.at(outb, dv);
-      for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, o + j * r.ld(dv));
-    });
-  }
+  run_phases(
+      D, group, [&](int64_t n, const auto& task) { parallel_lines_bf16(D, n, task); },
+      // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+      [&](auto ln, int64_t u, LineScratchBf16& S, const Line<float>& r, const GroupLine& zr) {
+        uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
+        line_scores_bf16(ln, D, P, r, S);
+        line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
+                     keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
+        map_to_bf16(ln, r.n, S, pb);
+        line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), pb);
+      },
+      // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
+      [&](auto ln, int64_t, LineScratchBf16& S, const Line<float>& c, const GroupLine& zc) {
+        line_scores_bf16(ln, D, P, c, S);
+        line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
+        map_to_bf16(ln, c.n, S);
+        line_apply_bf16(ln, D, c.n, S, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false,
+                        0.5f);                                                        // O1 = 0.5 B z1
+        line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
+      },
+      // Phase 3: rows again, A kept or recomputed; outb = bf16(O1 + 0.5 A z2).
+      [&](auto ln, int64_t u, LineScratchBf16& S, const Line<float>& r, const GroupLine& zr) {
+        const uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
+        if (!keep) {
+          const float* st = zr.at(stats.get(), 2);
+          line_scores_bf16(ln, D, P, r, S, st, zr.ld(2), st + 1);
+          map_to_bf16(ln, r.n, S);
+        }
+        gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
+        line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true, 0.5f, pb);
+        uint16_t* o = r.at(outb, dv);
+        for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, o + j * r.ld(dv));
+      });
 }
 #endif  // PPMA_SIMD_X86
 
@@ -709,34 +717,28 @@ void backward_kernel(const CCData<T, I>& D, const T* go, const T* lse, T* dq, T*
   auto maps = uninit<T>(keep ? group * H * nn : 0);  // the group's row maps, [pair][row][W][W]
   auto ZA = uninit<T>(group * D.N * dv), ZB = uninit<T>(group * D.N * dv);
   T *za = ZA.get(), *zb = ZB.get();
-  for (int64_t g0 = 0; g0 < BG; g0 += group) {
-    const int64_t gn = std::min(group, BG - g0);
-    // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
-    parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      T* X = keep ? maps.get() + u * nn : S.X;
-      line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2), static_cast<const T*>(nullptr), X);
-      line_values(ln, D, r, S, zr.at(za, dv), zr.ld(dv), X);
-      gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
-      line_apply_t(ln, r.n, dv, X, S.gu, dv, zr.at(zb, dv), zr.ld(dv));
-    });
-    // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
-    // replace z1 and dz2 of this column.
-    parallel_lines(D, gn * W, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      const Line<T> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(W, gn, false, u);
-      line_grads(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
-      line_values(ln, D, c, S, zc.at(za, dv), zc.ld(dv));
-      line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, zc.at(zb, dv), zc.ld(dv));
-    });
-    // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
-    parallel_lines(D, gn * H, true, [&](auto ln, int64_t u, LineScratch<T>& S) {
-      line_grads(ln, D, Line<T>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0, GroupLine(W, gn, true, u), za,
-                 zb, dq, dk, dv_out, gla, true,
-                 keep ? static_cast<const T*>(maps.get() + u * nn) : static_cast<const T*>(nullptr));
-    });
-  }
+  run_phases(
+      D, group, [&](int64_t n, const auto& task) { parallel_lines(D, n, true, task); },
+      // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
+      [&](auto ln, int64_t u, LineScratch<T>& S, const Line<T>& r, const GroupLine& zr) {
+        T* X = keep ? maps.get() + u * nn : S.X;
+        line_scores(ln, D, r, S, false, false, r.at(lse, 2), r.ld(2), static_cast<const T*>(nullptr), X);
+        line_values(ln, D, r, S, zr.at(za, dv), zr.ld(dv), X);
+        gather_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv, T(0.5));
+        line_apply_t(ln, r.n, dv, X, S.gu, dv, zr.at(zb, dv), zr.ld(dv));
+      },
+      // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
+      // replace z1 and dz2 of this column.
+      [&](auto ln, int64_t, LineScratch<T>& S, const Line<T>& c, const GroupLine& zc) {
+        line_grads(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
+        line_values(ln, D, c, S, zc.at(za, dv), zc.ld(dv));
+        line_apply_t(ln, c.n, dv, S.X, S.gu, 2 * dv, zc.at(zb, dv), zc.ld(dv));
+      },
+      // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
+      [&](auto ln, int64_t u, LineScratch<T>& S, const Line<T>& r, const GroupLine& zr) {
+        line_grads(ln, D, r, S, go, lse, 0, zr, za, zb, dq, dk, dv_out, gla, true,
+                   keep ? static_cast<const T*>(maps.get() + u * nn) : static_cast<const T*>(nullptr));
+      });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -837,44 +839,37 @@ void forward_kernel_lowp(const CCData<float, Lp>& D, float* lse, Lp* out) {
   auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);  // else the rows' m and 1 / s, [N][pair][2]
   auto Z = uninit<Lp>(group * D.N * dv);
   auto O1 = uninit<float>(group * D.N * dv);
-  for (int64_t g0 = 0; g0 < BG; g0 += group) {
-    const int64_t gn = std::min(group, BG - g0);
-    // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
-    parallel_lines_lowp(D, gn * H, false, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
-      const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      Lp* pb = keep ? maps.get() + u * nn : S.pb;
-      line_scores_lowp(ln, D, r, S, S.X, true);
-      line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
-      map_to_lowp(r.n, S.X, pb);
-      apply_to_lowp(r.n, dv, pb, r.at(D.v, dv), r.ld(dv), S.O, zr.at(Z.get(), dv), zr.ld(dv));
-    });
-    // Phase 2: columns. B, lse1, O1 = B z1, then z2 = B v in place of z1.
-    parallel_lines_lowp(D, gn * W, false, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
-      const Line<float> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(W, gn, false, u);
-      line_scores_lowp(ln, D, c, S, S.X, true);
-      line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
-      map_to_lowp(c.n, S.X, S.pb);
-      lowp_gemm(c.n, dv, c.n, S.pb, c.n, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false);
-      apply_to_lowp(c.n, dv, S.pb, c.at(D.v, dv), c.ld(dv), S.O, zc.at(Z.get(), dv), zc.ld(dv));
-    });
-    // Phase 3: rows again, A kept or recomputed; out = Lp(0.5 (O1 + A z2)).
-    parallel_lines_lowp(D, gn * H, false, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
-      const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      const Lp* pb = keep ? maps.get() + u * nn : S.pb;
-      if (!keep) {
-        const float* st = zr.at(stats.get(), 2);
-        line_scores_lowp(ln, D, r, S, S.X, false, st, zr.ld(2), st + 1);
-        map_to_lowp(r.n, S.X, S.pb);
-      }
-      gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
-      lowp_gemm(r.n, dv, r.n, pb, r.n, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true);
-      scale_inplace(r.n * dv, S.O, 0.5f);
-      for (int64_t j = 0; j < r.n; ++j) to_lowp(dv, S.O + j * dv, r.at(out, dv) + j * r.ld(dv));
-    });
-  }
+  run_phases(
+      D, group, [&](int64_t n, const auto& task) { parallel_lines_lowp(D, n, false, task); },
+      // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+      [&](auto ln, int64_t u, LineScratchLowp<Lp>& S, const Line<float>& r, const GroupLine& zr) {
+        Lp* pb = keep ? maps.get() + u * nn : S.pb;
+        line_scores_lowp(ln, D, r, S, S.X, true);
+        line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), S.mx, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
+        map_to_lowp(r.n, S.X, pb);
+        apply_to_lowp(r.n, dv, pb, r.at(D.v, dv), r.ld(dv), S.O, zr.at(Z.get(), dv), zr.ld(dv));
+      },
+      // Phase 2: columns. B, lse1, O1 = B z1, then z2 = B v in place of z1.
+      [&](auto ln, int64_t, LineScratchLowp<Lp>& S, const Line<float>& c, const GroupLine& zc) {
+        line_scores_lowp(ln, D, c, S, S.X, true);
+        line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2), S.mx);
+        map_to_lowp(c.n, S.X, S.pb);
+        lowp_gemm(c.n, dv, c.n, S.pb, c.n, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false);
+        apply_to_lowp(c.n, dv, S.pb, c.at(D.v, dv), c.ld(dv), S.O, zc.at(Z.get(), dv), zc.ld(dv));
+      },
+      // Phase 3: rows again, A kept or recomputed; out = Lp(0.5 (O1 + A z2)).
+      [&](auto ln, int64_t u, LineScratchLowp<Lp>& S, const Line<float>& r, const GroupLine& zr) {
+        const Lp* pb = keep ? maps.get() + u * nn : S.pb;
+        if (!keep) {
+          const float* st = zr.at(stats.get(), 2);
+          line_scores_lowp(ln, D, r, S, S.X, false, st, zr.ld(2), st + 1);
+          map_to_lowp(r.n, S.X, S.pb);
+        }
+        gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
+        lowp_gemm(r.n, dv, r.n, pb, r.n, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true);
+        scale_inplace(r.n * dv, S.O, 0.5f);
+        for (int64_t j = 0; j < r.n; ++j) to_lowp(dv, S.O + j * dv, r.at(out, dv) + j * r.ld(dv));
+      });
 }
 
 // g = 0.5 go for n rows of dv (go at stride gs) into dst (row stride ds), in Lp (the halving exact).
@@ -926,35 +921,29 @@ void backward_kernel_lowp(const CCData<float, Lp>& D, const Lp* go, const float*
   auto maps = uninit<float>(keep ? group * H * nn : 0);  // the group's row maps, [pair][row][W][W]
   auto ZA = uninit<Lp>(group * D.N * dv), ZB = uninit<Lp>(group * D.N * dv);
   Lp *za = ZA.get(), *zb = ZB.get();
-  for (int64_t g0 = 0; g0 < BG; g0 += group) {
-    const int64_t gn = std::min(group, BG - g0);
-    // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
-    parallel_lines_lowp(D, gn * H, true, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
-      const Line<float> r(D, true, group_line(g0, gn, H, u));
-      const GroupLine zr(W, gn, true, u);
-      float* X = keep ? maps.get() + u * nn : S.X;
-      line_scores_lowp(ln, D, r, S, X, false, r.at(lse, 2), r.ld(2));
-      map_to_lowp(r.n, X, S.pb, S.pbt);
-      apply_to_lowp(r.n, dv, S.pb, r.at(D.v, dv), r.ld(dv), S.O, zr.at(za, dv), zr.ld(dv));
-      half_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv);
-      apply_to_lowp(r.n, dv, S.pbt, S.gu, dv, S.O, zr.at(zb, dv), zr.ld(dv));
-    });
-    // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
-    // replace z1 and dz2 of this column.
-    parallel_lines_lowp(D, gn * W, true, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
-      const Line<float> c(D, false, group_line(g0, gn, W, u));
-      const GroupLine zc(W, gn, false, u);
-      line_grads_lowp(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
-      apply_to_lowp(c.n, dv, S.pb, c.at(D.v, dv), c.ld(dv), S.O, zc.at(za, dv), zc.ld(dv));
-      apply_to_lowp(c.n, dv, S.pbt, S.gu, 2 * dv, S.O, zc.at(zb, dv), zc.ld(dv));
-    });
-    // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
-    parallel_lines_lowp(D, gn * H, true, [&](auto ln, int64_t u, LineScratchLowp<Lp>& S) {
-      line_grads_lowp(ln, D, Line<float>(D, true, group_line(g0, gn, H, u)), S, go, lse, 0,
-                      GroupLine(W, gn, true, u), za, zb, dq, dk, dv_out, gla, true,
-                      keep ? static_cast<const float*>(maps.get() + u * nn) : static_cast<const float*>(nullptr));
-    });
-  }
+  run_phases(
+      D, group, [&](int64_t n, const auto& task) { parallel_lines_lowp(D, n, true, task); },
+      // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
+      [&](auto ln, int64_t u, LineScratchLowp<Lp>& S, const Line<float>& r, const GroupLine& zr) {
+        float* X = keep ? maps.get() + u * nn : S.X;
+        line_scores_lowp(ln, D, r, S, X, false, r.at(lse, 2), r.ld(2));
+        map_to_lowp(r.n, X, S.pb, S.pbt);
+        apply_to_lowp(r.n, dv, S.pb, r.at(D.v, dv), r.ld(dv), S.O, zr.at(za, dv), zr.ld(dv));
+        half_rows(r.n, dv, r.at(go, dv), r.ld(dv), S.gu, dv);
+        apply_to_lowp(r.n, dv, S.pbt, S.gu, dv, S.O, zr.at(zb, dv), zr.ld(dv));
+      },
+      // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
+      // replace z1 and dz2 of this column.
+      [&](auto ln, int64_t, LineScratchLowp<Lp>& S, const Line<float>& c, const GroupLine& zc) {
+        line_grads_lowp(ln, D, c, S, go, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
+        apply_to_lowp(c.n, dv, S.pb, c.at(D.v, dv), c.ld(dv), S.O, zc.at(za, dv), zc.ld(dv));
+        apply_to_lowp(c.n, dv, S.pbt, S.gu, 2 * dv, S.O, zc.at(zb, dv), zc.ld(dv));
+      },
+      // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
+      [&](auto ln, int64_t u, LineScratchLowp<Lp>& S, const Line<float>& r, const GroupLine& zr) {
+        line_grads_lowp(ln, D, r, S, go, lse, 0, zr, za, zb, dq, dk, dv_out, gla, true,
+                        keep ? static_cast<const float*>(maps.get() + u * nn) : static_cast<const float*>(nullptr));
+      });
 }
 
 constexpr const char* kOp = "criss_cross_attention";
