@@ -186,7 +186,8 @@ else
       n=$(basename "$cu")
       run "$n.sm_90" nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -DPPMA_WITH_CUDA \
         -gencode arch=compute_90,code=compute_90 -Xcicc -O0 \
-        -Xcompiler -fPIC -Xcompiler -fsyntax-only -diag-suppress 3306 -Xcompiler -Wno-c++20-extensions "${INC[@]}" -c "$cu" -o "$TMP/$n.o"
+        -Xcompiler -fPIC -Xcompiler -fsyntax-only -diag-suppress 3306 -Xcompiler -Wno-c++20-extensions \
+        "${INC[@]}" -c "$cu" -o "$TMP/$n.o"
     done
   fi
 fi

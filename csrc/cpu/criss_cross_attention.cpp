@@ -445,9 +445,8 @@ void run_phases(const CCData<T, I>& D, int64_t group, const ForLines& for_lines,
   }
 }
 
-// Forward. The phases run per group of (batch, head) pairs (pair_groups); a group's lines are
-// t = group_line(g0, gn, H, u) (rows) or group_line(g0, gn, W, u) (columns). Z: the group's z1, then z2 in place
-// (column by column), [N][pair][dv] (GroupLine).
+// Forward. The phases run per group of (batch, head) pairs (pair_groups, run_phases). Z: the group's z1, then z2 in
+// place (column by column), [N][pair][dv] (GroupLine).
 template <typename T, typename I>
 void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
