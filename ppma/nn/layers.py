@@ -126,6 +126,24 @@ def _fused_linear(x: torch.Tensor, layer: nn.Module, dt: torch.dtype, gelu: bool
     return torch.ops.mkldnn._linear_pointwise(x.to(dt), _param_as(layer.weight, dt), layer.bias, *_attr(gelu))
 
 
+def compiled_onednn_linears(x: torch.Tensor, *layers: nn.Module) -> bool:
+    """Whether ``layers`` run as oneDNN's float32 linear op (:func:`_fused_linear`, the eager fused modules'
+    products) inside a graph that ``torch.compile`` traces (not ``torch.export``: its programs keep portable ops).
+
+    Under ``torch.compile``, in float32 CPU inference (grad mode off, no CPU autocast) with the "fused"
+    implementation, for ``nn.Linear`` layers with float32 weights and no hooks. Compiled, the layers would otherwise
+    run what Inductor makes of ``F.linear`` in float32: MKL's packed GEMM and a generated kernel for the bias and GELU
+    in a frozen graph, ``addmm`` in an unfrozen one; oneDNN's linear with the bias and GELU inside is what eager
+    inference runs, and the faster on PPMA-T's shapes (docs/compile.md). The products sum in another order than
+    ``addmm``'s, so the results equal the layers' up to rounding, as the eager fused modules' do. Under bf16
+    autocast Inductor's frozen graphs already pack the weights for oneDNN's linear and fuse the GELU; training
+    graphs (grad mode on) keep the layers: oneDNN's op has no backward."""
+    return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+            and not autocast_enabled("cpu") and _dispatch.get_impl() == "fused"
+            and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers))
+
+
 def fold_batch_norm(conv: nn.Conv2d, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight (channels-last order) and bias of one convolution equal to ``bn(conv(x))`` with the BatchNorm
     ``bn`` in eval mode on its running statistics, computed in float32: ``w * s``, ``(b - mean) * s + beta`` with
@@ -195,7 +213,10 @@ def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     the layers' own ``addmm`` (the same bits as calling them), and the backward sums the input's gradient inside the
     products (``addmm`` into the first product's result) instead of autograd adding one map of ``x``'s size per
     layer: one pass over ``x``'s gradient per layer fewer. The gradients equal the separate layers' up to float
-    rounding (the sum's order). Layers with forward hooks keep their calls."""
+    rounding (the sum's order). Layers with forward hooks keep their calls. In float32 inference under
+    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_linears`)."""
+    if compiled_onednn_linears(x, *layers):
+        return tuple(_fused_linear(x, m, torch.float32) for m in layers)
     if not (torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and not autocast_enabled("cpu")
             and _fused_eager_cpu(x)
             and all(type(m) is nn.Linear and m.bias is not None and not _has_hooks(m) for m in layers)):
@@ -424,6 +445,10 @@ class ConvFFN(nn.Module):
             dt = _fused_dtype(self, x)
             return _fused_linear(self.dwconv(_fused_linear(x, self.fc1, dt, gelu=True), residual=True, inplace=True),
                                  self.fc2, dt)
+        if compiled_onednn_linears(x, self.fc1, self.fc2) and _exact_gelu(self.act) and not _has_hooks(self.act):
+            # compiled inference: oneDNN's fc1 with the GELU inside, and its fc2, as eager's fused FFN runs them
+            h = self.dwconv(_fused_linear(x, self.fc1, torch.float32, gelu=True), residual=True)
+            return _fused_linear(h, self.fc2, torch.float32)
         h = self.fc1(x)
         conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
         if (conv is not None and _exact_gelu(self.act) and uses_gelu_kernel(h, conv.weight, conv.bias)
