@@ -5,9 +5,11 @@ linear and convolution ops with prepacked weights, switch themselves off while d
 ops stay opaque graph nodes (``torch.ops.ppma.*`` with their fake kernels, ``ppma/ops``). With Inductor's defaults
 the linear layers then become ``addmm`` / ``mm`` calls on unpacked weights, the convolutions plain ATen calls, and
 the compiled model ran slower than the eager one (docs/compile.md gives the measurements). For inference the recipe
-freezes the weights (Inductor's ``freezing``): they become constants of the graph, so Inductor packs the linear and
-convolution weights once for oneDNN (MKL's packed GEMM for float32 linears on x86), folds the BatchNorms into the
-convolutions and fuses the bias and activation into the products, as the eager fast paths do::
+freezes the weights (Inductor's ``freezing``): they become constants of the graph, so Inductor packs the
+convolution and bf16 linear weights once for oneDNN, folds the BatchNorms into the convolutions and fuses the bias
+and activation into the products, as the eager fast paths do; float32 linear layers call oneDNN's linear op
+themselves when traced for inference (``ppma.nn.layers.compiled_onednn_linears``). Inductor's layout optimization
+is off: it took the channels-last ``[B, H, W, C]`` maps for NCHW ones and transposed them around ppma's ops::
 
     model = ppma.create_model("ppma_tiny").eval()
     fast = ppma.compile.compile_model(model)               # inference: frozen weights
@@ -56,14 +58,16 @@ def compile_model(model: nn.Module, *, inference: bool | None = None, dynamic: b
     """``torch.compile(model, ...)`` with ppma's recipe (docs/compile.md): Inductor, the whole model as one graph
     (``fullgraph``: ppma's ops trace without graph breaks), static shapes by default (``dynamic=False``: one graph
     per input shape; the depthwise convolutions do not lower with dynamic shapes in torch 2.13's CPU Inductor, see
-    README "Models") and, for inference, frozen weights (:class:`FrozenInference`).
+    README "Models"), Inductor's ``layout_optimization`` off and, for inference, frozen weights
+    (:class:`FrozenInference`).
 
     Args:
         model: the module to compile (e.g. from :func:`ppma.create_model`).
         inference: compile for inference (frozen weights) or training; None: ``not model.training``. Inference
             needs ``model.eval()`` first, and the first call of the result under ``torch.no_grad()`` or
             ``torch.inference_mode()`` (Inductor freezes only such graphs).
-        dynamic, fullgraph, options, compile_kwargs: passed to ``torch.compile`` (``options``: Inductor options).
+        dynamic, fullgraph, options, compile_kwargs: passed to ``torch.compile`` (``options``: Inductor options,
+            merged over the recipe's ``{"layout_optimization": False}``).
 
     Returns:
         Training: ``torch.compile``'s ``OptimizedModule``, sharing ``model``'s parameters. Inference: a
@@ -82,5 +86,6 @@ def compile_model(model: nn.Module, *, inference: bool | None = None, dynamic: b
     if inference and model.training:
         raise ValueError("ppma.compile.compile_model: inference=True needs model.eval() first (model.training is "
                          "True)")
+    options = {"layout_optimization": False, **(options or {})}
     compiled = torch.compile(model, fullgraph=fullgraph, dynamic=dynamic, options=options, **compile_kwargs)
     return FrozenInference(model, compiled) if inference else compiled

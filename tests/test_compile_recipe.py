@@ -102,6 +102,18 @@ def test_training_equals_eager_and_runs_ppma_kernels():
     assert "mkldnn::_linear_pointwise" not in called  # compiled fp32 inference only: oneDNN's op has no backward
 
 
+def test_recipe_options(monkeypatch):
+    """Inductor's layout optimization is off unless the caller's ``options`` say otherwise (docs/compile.md: it
+    took the ``[B, H, W, C]`` maps for NCHW ones); other options pass through."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw) or model)
+    compile_model(_model().train())
+    compile_model(_model().train(), options={"layout_optimization": True, "max_autotune": True})
+    assert seen[0]["options"] == {"layout_optimization": False}
+    assert seen[1]["options"] == {"layout_optimization": True, "max_autotune": True}
+    assert seen[0]["fullgraph"] is True and seen[0]["dynamic"] is False
+
+
 def test_arguments_are_checked():
     assert not isinstance(compile_model(_model().train()), FrozenInference)  # lazy: nothing compiles here
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -232,6 +233,17 @@ def test_few_steps_reduce_loss_and_metrics_format(tmp_path):
     assert ckpt["epoch"] == 3 and ckpt["model_ema"] is not None and len(ckpt["rng"]) == 1
     for key in ("model", "optimizer", "scheduler", "scaler", "global_step", "config", "best"):
         assert key in ckpt
+
+
+def test_compiled_training_on_the_cpu(tmp_path):
+    """``train.compile=true`` on the CPU: ppma's recipe (``ppma.compile.compile_model``, training graphs, then
+    no-grad graphs for the evaluation) trains, evaluates and saves the plain module's weights."""
+    torch._dynamo.reset()
+    summary = train(config_from_args(parse_args(tiny_args(tmp_path, epochs=1, extra=["--set", "train.compile=true"]))))
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().strip().splitlines()[-1])
+    assert math.isfinite(record["train_loss"]) and 0.0 <= summary["best_acc1"] <= 100.0
+    ckpt = load_checkpoint(str(tmp_path / "checkpoint.pth"))
+    assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
 
 
 def test_resume_is_bit_exact(tmp_path):

@@ -170,7 +170,14 @@ def build_training(cfg: TrainConfig, rt: Runtime, data: Loaders) -> Training:
         model = nn.parallel.DistributedDataParallel(module, device_ids=[rt.device.index] if rt.device.type == "cuda"
                                                     else None)
     if cfg.train.compile:
-        model = torch.compile(model)
+        if rt.device.type == "cpu":
+            # ppma's CPU recipe (docs/compile.md): static shapes, Inductor's layout optimization off (it transposes
+            # the channels-last maps around ppma's ops); DDP's graph splits need graph breaks
+            from ppma.compile import compile_model
+
+            model = compile_model(model, inference=False, fullgraph=not rt.distributed)
+        else:
+            model = torch.compile(model)
 
     total_batch = cfg.data.batch_size * rt.world
     lr = scaled_lr(cfg.optim, total_batch)
