@@ -445,10 +445,13 @@ class ConvFFN(nn.Module):
             dt = _fused_dtype(self, x)
             return _fused_linear(self.dwconv(_fused_linear(x, self.fc1, dt, gelu=True), residual=True, inplace=True),
                                  self.fc2, dt)
-        if compiled_onednn_linears(x, self.fc1, self.fc2) and _exact_gelu(self.act) and not _has_hooks(self.act):
-            # compiled inference: oneDNN's fc1 with the GELU inside, and its fc2, as eager's fused FFN runs them
-            h = self.dwconv(_fused_linear(x, self.fc1, torch.float32, gelu=True), residual=True)
-            return _fused_linear(h, self.fc2, torch.float32)
+        if (compiled_onednn_linears(x, self.fc1, self.fc2) and _exact_gelu(self.act) and type(self.dwconv) is DWConv2d
+                and not any(_has_hooks(m) for m in (self.act, self.dwconv))):
+            # compiled inference, as eager's fused FFN: oneDNN's fc1 with the GELU inside, h + dwconv(h) over fc1's
+            # output (ppma's kernel, in place: nothing else reads h), oneDNN's fc2
+            h = _fused_linear(x, self.fc1, torch.float32, gelu=True)
+            conv = self.dwconv.conv
+            return _fused_linear(depthwise_conv2d_residual_(h, conv.weight, conv.bias), self.fc2, torch.float32)
         h = self.fc1(x)
         conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
         if (conv is not None and _exact_gelu(self.act) and uses_gelu_kernel(h, conv.weight, conv.bias)

@@ -172,8 +172,9 @@ class _DepthwiseConv2d(torch.autograd.Function):
 def uses_residual_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`depthwise_conv2d_residual_` runs ``torch.ops.ppma.depthwise_conv2d_residual_`` on these
     tensors: a built kernel, the "fused" implementation, contiguous CPU maps of float32 (outside autocast, which
-    would run the convolution in bf16) or bfloat16 with the weight and bias in the map's dtype, outside
-    torch.compile, and no gradient recorded (the op writes over ``x`` and has no autograd formula)."""
+    would run the convolution in bf16) or bfloat16 with the weight and bias in the map's dtype, and no gradient
+    recorded (the op writes over ``x`` and has no autograd formula). Under torch.compile the op is a graph node
+    that Inductor runs in place when nothing else reads ``x`` afterwards (a copy of ``x`` first otherwise)."""
     return (
         _HAS_OP
         and _dispatch.get_impl() == "fused"
@@ -184,7 +185,6 @@ def uses_residual_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         and x.is_contiguous()
         and not records_grad(x, weight, *(() if bias is None else (bias,)))
         and not (x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"))
-        and not torch.compiler.is_compiling()
     )
 
 
@@ -209,7 +209,8 @@ def depthwise_conv2d_residual_(
     """
     op = "ppma.ops.cpu.depthwise_conv2d_residual_"
     _check(x, weight, bias, op)
-    check_no_overlap(op, "x", x, weight=weight, bias=bias)  # the kernel writes x while it reads the taps
+    if not torch.compiler.is_compiling():  # traced, the op's functional form aliases nothing
+        check_no_overlap(op, "x", x, weight=weight, bias=bias)  # the kernel writes x while it reads the taps
     if not uses_residual_kernel(x, weight, bias):
         if x.dtype in (torch.float32, torch.float64):
             return depthwise_conv2d(x, weight, bias, residual=True)
