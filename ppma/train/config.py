@@ -162,6 +162,8 @@ class RunConfig:
     # The bar of a run that must reach an accuracy (the demos: README "Training"): when the schedule's last
     # epoch ends with a test acc1 (%) below it, train() raises AccuracyBelowBar and the CLI exits non-zero.
     min_test_acc1: Optional[float] = None
+    # torch.compile the model: on the CPU ppma's recipe (ppma.compile.compile_model, docs/compile.md), elsewhere
+    # plain torch.compile
     compile: bool = False
 
 
