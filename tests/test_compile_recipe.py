@@ -67,6 +67,8 @@ def test_inference_bf16_autocast_within_2e2_of_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             eager_bf16 = model(x).float()
             got = fast(x).float()
+            called = ops_called(lambda: fast(x))
+    assert "ppma::depthwise_conv2d_residual_" in called  # the FFN's h + dwconv(h) on ppma's bf16 kernel
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-2)
     torch.testing.assert_close(got, eager_bf16, rtol=0, atol=2e-2)
 

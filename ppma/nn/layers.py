@@ -445,13 +445,17 @@ class ConvFFN(nn.Module):
             dt = _fused_dtype(self, x)
             return _fused_linear(self.dwconv(_fused_linear(x, self.fc1, dt, gelu=True), residual=True, inplace=True),
                                  self.fc2, dt)
-        if (compiled_onednn_linears(x, self.fc1, self.fc2) and _exact_gelu(self.act) and type(self.dwconv) is DWConv2d
-                and not any(_has_hooks(m) for m in (self.act, self.dwconv))):
-            # compiled inference, as eager's fused FFN: oneDNN's fc1 with the GELU inside, h + dwconv(h) over fc1's
-            # output (ppma's kernel, in place: nothing else reads h), oneDNN's fc2
-            h = _fused_linear(x, self.fc1, torch.float32, gelu=True)
+        if self._compiled_inference(x):
+            # compiled CPU inference, as eager's fused FFN: h + dwconv(h) over fc1's output with ppma's kernel (in
+            # place: nothing else reads h); float32: oneDNN's fc1 with the GELU inside and its fc2; bf16 autocast:
+            # the layers, which frozen Inductor packs for oneDNN with the GELU fused, and the bf16 taps
             conv = self.dwconv.conv
-            return _fused_linear(depthwise_conv2d_residual_(h, conv.weight, conv.bias), self.fc2, torch.float32)
+            if compiled_onednn_linears(x, self.fc1, self.fc2):
+                h = _fused_linear(x, self.fc1, torch.float32, gelu=True)
+                return _fused_linear(depthwise_conv2d_residual_(h, conv.weight, conv.bias), self.fc2, torch.float32)
+            h = self.act(self.fc1(x))
+            bias = None if conv.bias is None else conv.bias.to(h.dtype)
+            return self.fc2(depthwise_conv2d_residual_(h, conv.weight.to(h.dtype), bias))
         h = self.fc1(x)
         conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
         if (conv is not None and _exact_gelu(self.act) and uses_gelu_kernel(h, conv.weight, conv.bias)
@@ -461,6 +465,18 @@ class ConvFFN(nn.Module):
             # modules' up to rounding); hooks on the replaced modules must see their calls
             return self.fc2(gelu_depthwise_conv2d_residual(h, conv.weight, conv.bias))
         return self.fc2(self.dwconv(self.act(h), residual=True))
+
+    def _compiled_inference(self, x: torch.Tensor) -> bool:
+        # traced by torch.compile (not torch.export) for CPU inference with the "fused" implementation, in float32
+        # or under bf16 autocast, with the exact GELU and plain layers (no hooks to keep)
+        return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+                and not torch.is_grad_enabled() and x.device.type == "cpu" and _dispatch.get_impl() == "fused"
+                and _exact_gelu(self.act) and type(self.dwconv) is DWConv2d
+                and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in (self.fc1, self.fc2))
+                and not any(_has_hooks(m) for m in (self.fc1, self.act, self.dwconv, self.fc2))
+                and (compiled_onednn_linears(x, self.fc1, self.fc2)
+                     or (autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                         and _ONEDNN_BF16)))
 
     def _fuse(self) -> None:
         """Part of :func:`ppma.nn.fuse_for_inference` (an FFN whose ``act`` is not the exact GELU or whose
