@@ -1,7 +1,7 @@
 """``torch.compile`` for PPMA models: the recipe of docs/compile.md in one call.
 
-Under ``torch.compile`` the modules run their plain torch calls (the eager CPU inference fast paths, oneDNN's fused
-linear and convolution ops with prepacked weights, switch themselves off while dynamo traces), and the fused attention
+Compile the unfused model: the modules of ``ppma.nn.fuse_for_inference`` refuse to be traced. Under ``torch.compile``
+the modules run their plain torch calls and ppma's CPU kernels (docs/compile.md lists which), and the fused attention
 ops stay opaque graph nodes (``torch.ops.ppma.*`` with their fake kernels, ``ppma/ops``). With Inductor's defaults
 the linear layers then become ``addmm`` / ``mm`` calls on unpacked weights, the convolutions plain ATen calls, and
 the compiled model ran slower than the eager one (docs/compile.md gives the measurements). For inference the recipe
