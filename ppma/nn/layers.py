@@ -130,18 +130,28 @@ def compiled_onednn_linears(x: torch.Tensor, *layers: nn.Module) -> bool:
     """Whether ``layers`` run as oneDNN's float32 linear op (:func:`_fused_linear`, the eager fused modules'
     products) inside a graph that ``torch.compile`` traces (not ``torch.export``: its programs keep portable ops).
 
-    Under ``torch.compile``, in float32 CPU inference (grad mode off, no CPU autocast) with the "fused"
-    implementation, for ``nn.Linear`` layers with float32 weights and no hooks. Compiled, the layers would otherwise
+    Under ``torch.compile`` with frozen weights (:func:`ppma.compile.compile_model`'s inference), in float32 CPU
+    inference (grad mode off, no CPU autocast) with the "fused" implementation, for ``nn.Linear`` layers with
+    float32 weights and no hooks. Compiled, the layers would otherwise
     run what Inductor makes of ``F.linear`` in float32: MKL's packed GEMM and a generated kernel for the bias and GELU
     in a frozen graph, ``addmm`` in an unfrozen one; oneDNN's linear with the bias and GELU inside is what eager
     inference runs, and the faster on PPMA-T's shapes (docs/compile.md). The products sum in another order than
     ``addmm``'s, so the results equal the layers' up to rounding, as the eager fused modules' do. Under bf16
     autocast Inductor's frozen graphs already pack the weights for oneDNN's linear and fuse the GELU; training
     graphs (grad mode on) keep the layers: oneDNN's op has no backward."""
-    return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting() and _frozen_trace()
             and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
             and not autocast_enabled("cpu") and _dispatch.get_impl() == "fused"
             and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers))
+
+
+def _frozen_trace() -> bool:
+    """Whether the graph being traced is for a frozen compile (Inductor's ``freezing`` on while dynamo traces, as
+    :class:`ppma.compile.FrozenInference` sets it): Inductor lowers oneDNN's linear op only with the weight a
+    constant of the graph."""
+    import torch._inductor.config as inductor_config  # loaded by torch.compile already; not at ppma's import
+
+    return bool(inductor_config.freezing)
 
 
 def fold_batch_norm(conv: nn.Conv2d, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,10 +457,10 @@ class ConvFFN(nn.Module):
                                  self.fc2, dt)
         if self._compiled_inference(x):
             # compiled CPU inference, as eager's fused FFN: h + dwconv(h) over fc1's output with ppma's kernel (in
-            # place: nothing else reads h); float32: oneDNN's fc1 with the GELU inside and its fc2; bf16 autocast:
-            # the layers, which frozen Inductor packs for oneDNN with the GELU fused, and the bf16 taps
+            # place: nothing else reads h); frozen float32: oneDNN's fc1 with the GELU inside and its fc2; else the
+            # layers (bf16 autocast: frozen Inductor packs them for oneDNN with the GELU fused), bf16 taps for bf16
             conv = self.dwconv.conv
-            if compiled_onednn_linears(x, self.fc1, self.fc2):
+            if compiled_onednn_linears(x, self.fc1, self.fc2):  # frozen float32
                 h = _fused_linear(x, self.fc1, torch.float32, gelu=True)
                 return _fused_linear(depthwise_conv2d_residual_(h, conv.weight, conv.bias), self.fc2, torch.float32)
             h = self.act(self.fc1(x))
@@ -474,7 +484,7 @@ class ConvFFN(nn.Module):
                 and _exact_gelu(self.act) and type(self.dwconv) is DWConv2d
                 and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in (self.fc1, self.fc2))
                 and not any(_has_hooks(m) for m in (self.fc1, self.act, self.dwconv, self.fc2))
-                and (compiled_onednn_linears(x, self.fc1, self.fc2)
+                and ((x.dtype == torch.float32 and not autocast_enabled("cpu"))
                      or (autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
                          and _ONEDNN_BF16)))
 
