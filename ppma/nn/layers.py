@@ -126,23 +126,30 @@ def _fused_linear(x: torch.Tensor, layer: nn.Module, dt: torch.dtype, gelu: bool
     return torch.ops.mkldnn._linear_pointwise(x.to(dt), _param_as(layer.weight, dt), layer.bias, *_attr(gelu))
 
 
+def _traced_cpu_inference(x: torch.Tensor, *layers: nn.Module) -> bool:
+    """Whether ``torch.compile`` (not ``torch.export``: its programs keep portable ops) is tracing a CPU inference
+    graph (grad mode off) with the "fused" implementation, ``layers`` being ``nn.Linear`` layers with float32
+    weights and no hooks: the common gate of the compiled-inference paths (:func:`compiled_onednn_linears`,
+    :class:`ConvFFN`)."""
+    return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and not torch.is_grad_enabled() and x.device.type == "cpu" and _dispatch.get_impl() == "fused"
+            and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers))
+
+
 def compiled_onednn_linears(x: torch.Tensor, *layers: nn.Module) -> bool:
     """Whether ``layers`` run as oneDNN's float32 linear op (:func:`_fused_linear`, the eager fused modules'
-    products) inside a graph that ``torch.compile`` traces (not ``torch.export``: its programs keep portable ops).
+    products) inside a graph that ``torch.compile`` traces.
 
     Under ``torch.compile`` with frozen weights (:func:`ppma.compile.compile_model`'s inference), in float32 CPU
-    inference (grad mode off, no CPU autocast) with the "fused" implementation, for ``nn.Linear`` layers with
-    float32 weights and no hooks. Compiled, the layers would otherwise
-    run what Inductor makes of ``F.linear`` in float32: MKL's packed GEMM and a generated kernel for the bias and GELU
-    in a frozen graph, ``addmm`` in an unfrozen one; oneDNN's linear with the bias and GELU inside is what eager
-    inference runs, and the faster on PPMA-T's shapes (docs/compile.md). The products sum in another order than
-    ``addmm``'s, so the results equal the layers' up to rounding, as the eager fused modules' do. Under bf16
-    autocast Inductor's frozen graphs already pack the weights for oneDNN's linear and fuse the GELU; training
-    graphs (grad mode on) keep the layers: oneDNN's op has no backward."""
-    return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting() and _frozen_trace()
-            and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-            and not autocast_enabled("cpu") and _dispatch.get_impl() == "fused"
-            and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers))
+    inference (no CPU autocast; the rest of :func:`_traced_cpu_inference`'s gate). Compiled, the layers would
+    otherwise run what Inductor makes of ``F.linear`` in float32: MKL's packed GEMM and a generated kernel for the
+    bias and GELU; oneDNN's linear with the bias and GELU inside is what eager inference runs, and the faster on
+    PPMA-T's shapes (docs/compile.md). The products sum in another order than ``addmm``'s, so the results equal the
+    layers' up to rounding, as the eager fused modules' do. Under bf16 autocast Inductor's frozen graphs already
+    pack the weights for oneDNN's linear and fuse the GELU; training graphs (grad mode on) keep the layers: oneDNN's
+    op has no backward."""
+    return (_traced_cpu_inference(x, *layers) and _frozen_trace() and x.dtype == torch.float32
+            and not autocast_enabled("cpu"))
 
 
 def _frozen_trace() -> bool:
@@ -477,13 +484,10 @@ class ConvFFN(nn.Module):
         return self.fc2(self.dwconv(self.act(h), residual=True))
 
     def _compiled_inference(self, x: torch.Tensor) -> bool:
-        # traced by torch.compile (not torch.export) for CPU inference with the "fused" implementation, in float32
-        # or under bf16 autocast, with the exact GELU and plain layers (no hooks to keep)
-        return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-                and not torch.is_grad_enabled() and x.device.type == "cpu" and _dispatch.get_impl() == "fused"
-                and _exact_gelu(self.act) and type(self.dwconv) is DWConv2d
-                and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in (self.fc1, self.fc2))
-                and not any(_has_hooks(m) for m in (self.fc1, self.act, self.dwconv, self.fc2))
+        # traced by torch.compile for CPU inference (_traced_cpu_inference), in float32 or under bf16 autocast,
+        # with the exact GELU and a plain DWConv2d (no hooks to keep)
+        return (_traced_cpu_inference(x, self.fc1, self.fc2) and _exact_gelu(self.act)
+                and type(self.dwconv) is DWConv2d and not any(_has_hooks(m) for m in (self.act, self.dwconv))
                 and ((x.dtype == torch.float32 and not autocast_enabled("cpu"))
                      or (autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
                          and _ONEDNN_BF16)))
