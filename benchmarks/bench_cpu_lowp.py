@@ -1,8 +1,9 @@
-"""bf16 / fp16 attention ops on the CPU: ppma's own SIMD products against torch's CPU batch-reduce GEMM (the internal
-option ``cpu_lowp_products``, docs/performance.md "bf16 and fp16 on the CPU"), with float32 as the baseline, at PPMA-T's
-stages for 224x224 inputs (the shapes from the model config): polyline_attention at its "full" stages (stage 3: 14x14,
-8 heads, d = 32; stage 4: 7x7, 16 heads, d = 32), criss_cross_attention at its "criss_cross" stages (stage 1: 56x56,
-4 heads, d = 16; stage 2: 28x28, 4 heads, d = 32).
+"""bf16 / fp16 attention ops on the CPU: ppma's own SIMD products against torch's CPU batch-reduce GEMM on plain
+operands and, where oneDNN generates it (``ppma.backends.cpu_lowp_vnni_available``), its micro-kernel on VNNI-packed
+operands (the internal option ``cpu_lowp_products``, docs/performance.md "bf16 and fp16 on the CPU"), with float32 as
+the baseline, at PPMA-T's stages for 224x224 inputs (the shapes from the model config): polyline_attention at its
+"full" stages (stage 3: 14x14, 8 heads, d = 32; stage 4: 7x7, 16 heads, d = 32), criss_cross_attention at its
+"criss_cross" stages (stage 1: 56x56, 4 heads, d = 16; stage 2: 28x28, 4 heads, d = 32).
 
 Per case, polyline_attention: the inference op (``polyline_attention_inference``), the training forward
 (``polyline_attention``: out, out_v2h, lse) and its backward (``polyline_attention_backward``), each timed alone;
@@ -30,9 +31,10 @@ import torch  # noqa: E402
 from ppma import backends, config  # noqa: E402
 from ppma.models.ppma import DEFAULT_MIXER, MODEL_CONFIGS  # noqa: E402
 
-# (label, dtype, cpu_lowp_products)
+# (label, dtype, cpu_lowp_products); the VNNI micro-kernel's columns (3) only where it runs (main())
 CONFIGS = [("fp32", torch.float32, 0), ("bf16 simd", torch.bfloat16, 1), ("bf16 brgemm", torch.bfloat16, 2),
-           ("fp16 simd", torch.float16, 1), ("fp16 brgemm", torch.float16, 2)]
+           ("bf16 brgemm_vnni", torch.bfloat16, 3), ("fp16 simd", torch.float16, 1), ("fp16 brgemm", torch.float16, 2),
+           ("fp16 brgemm_vnni", torch.float16, 3)]
 # op -> (PPMA-T's mixer of the stages it runs, the parts timed)
 OPS = {"polyline": ("full", ("inference", "forward", "backward")),
        "criss_cross": ("criss_cross", ("forward", "forward+backward"))}
@@ -99,12 +101,13 @@ def main() -> None:
     if any(op not in OPS for op in ops):
         ap.error(f"--ops: choose from {', '.join(OPS)}")
     torch.set_num_threads(args.threads)
+    configs = [c for c in CONFIGS if c[2] != 3 or backends.cpu_lowp_vnni_available(c[1])]
     best: dict = {}
     for _ in range(args.rounds):
         for op in ops:
             mixer, parts = OPS[op]
             for stage, shape in _stages(mixer):
-                for label, dtype, products in CONFIGS:
+                for label, dtype, products in configs:
                     inputs, go, scale = _case(args.batch, shape, dtype)
                     with config.internal_option("cpu_lowp_products", products):
                         fns = _fns(op, inputs, go, scale)  # (the polyline forward run once: a warm-up)
@@ -114,15 +117,15 @@ def main() -> None:
                             key = (op, stage, label, part)
                             best[key] = min(best.get(key, float("inf")), t)
     print(f"{backends.cpu_summary()}; {args.threads} thread(s), batch {args.batch}; cpu_lowp_products default: "
-          f"bf16 -> {'brgemm' if torch.ops.ppma.cpu_lowp_gemm_native(torch.bfloat16) else 'simd'}")
+          f"bf16 -> {backends.cpu_lowp_route(torch.bfloat16)}, fp16 -> {backends.cpu_lowp_route(torch.float16)}")
     for op in ops:
         mixer, parts = OPS[op]
         print(f"\n{op}_attention\n")
-        print("| stage | part | " + " | ".join(label for label, _, _ in CONFIGS) + " | bf16 brgemm / simd |")
-        print("|---|---|" + "---|" * (len(CONFIGS) + 1))
+        print("| stage | part | " + " | ".join(label for label, _, _ in configs) + " | bf16 brgemm / simd |")
+        print("|---|---|" + "---|" * (len(configs) + 1))
         for stage, shape in _stages(mixer):
             for part in parts:
-                row = [best[op, stage, label, part] * 1e3 for label, _, _ in CONFIGS]
+                row = [best[op, stage, label, part] * 1e3 for label, _, _ in configs]
                 ratio = best[op, stage, "bf16 brgemm", part] / best[op, stage, "bf16 simd", part]
                 print(f"| {stage} {shape[0]}x{shape[1]} | {part} | " + " | ".join(f"{t:.2f} ms" for t in row)
                       + f" | {ratio:.2f}x |")

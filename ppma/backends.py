@@ -6,6 +6,7 @@ The CPU kernels are built for baseline x86-64 and carry AVX2 and AVX-512 variant
     ppma.backends.cpu_capabilities_available() # every path this machine can run, e.g. ["default", "avx2", "avx512"]
     ppma.backends.cpu_bf16_dot()                # whether bf16 inputs use the AVX-512 BF16 dot products
     ppma.backends.cpu_lowp_gemm(torch.bfloat16) # whether bf16 inputs' attention products run on torch's CPU BLAS
+    ppma.backends.cpu_lowp_route(torch.bfloat16) # which: "simd", "brgemm" or "brgemm_vnni" (AMX's micro-kernel)
 
 The environment variable ``PPMA_CPU_CAPABILITY=default|avx2|avx512`` caps the path, like PyTorch's
 ``ATEN_CPU_CAPABILITY``: the kernels run the lower of the cap and the best path the CPU has (a cap never turns
@@ -18,8 +19,10 @@ accumulate in float32 on every path; where :func:`cpu_bf16_dot` is true, the for
 instruction instead of converting them to float32 first (docs/ops.md says which intermediates are rounded).
 Where :func:`cpu_lowp_gemm` is true for the inputs' dtype (bf16 or fp16), every product of ``polyline_attention``
 and ``criss_cross_attention``, forward and backward, multiplies bf16 (fp16) operands on torch's CPU batch-reduce GEMM
-instead (MKL / oneDNN: AMX tiles where the CPU has them); by default on CPUs with AMX, forced either way by the
-internal option ``cpu_lowp_products`` (docs/configuration.md, docs/performance.md "bf16 and fp16 on the CPU").
+instead (MKL / oneDNN: AMX tiles where the CPU has them); by default on CPUs with AMX, where the operands are packed
+in VNNI order for oneDNN's batch-reduce micro-kernel as torch's own CPU flash attention packs them
+(:func:`cpu_lowp_route`), forced either way by the internal option ``cpu_lowp_products`` (docs/configuration.md,
+docs/performance.md "bf16 and fp16 on the CPU").
 
 The matrix unit: under bf16 autocast the model's linear layers and convolutions run oneDNN's bf16 kernels, whose speed
 depends on the unit the CPU has for bf16 products: Intel's AMX tiles, the AVX-512 BF16 dot products (AMD Zen 4,
@@ -41,8 +44,9 @@ import torch
 
 from ppma import _ext, config
 
-__all__ = ["CPU_CAPABILITIES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
-           "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_lowp_gemm", "cpu_name",
+__all__ = ["CPU_CAPABILITIES", "LOWP_ROUTES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
+           "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_lowp_gemm", "cpu_lowp_route",
+           "cpu_lowp_vnni_available", "cpu_name",
            "cpu_matrix_unit", "cpu_matrix_units", "cpu_summary"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
@@ -102,9 +106,38 @@ def cpu_lowp_gemm(dtype: torch.dtype = torch.bfloat16) -> bool:
     BF16 or AVX-512). By default true where torch
     packs ``dtype`` for its batch-reduce micro-kernels (AMX, as its own CPU flash attention decides); the internal
     option ``cpu_lowp_products`` (1: never, 2: always) overrides it. Otherwise ppma's own SIMD products run
-    (:func:`cpu_bf16_dot`). False for other dtypes."""
+    (:func:`cpu_bf16_dot`). False for other dtypes. :func:`cpu_lowp_route` says which of torch's routes runs."""
     _require_ext()
     return bool(torch.ops.ppma.cpu_lowp_gemm(dtype))
+
+
+#: The products of bf16 / fp16 attention inputs (:func:`cpu_lowp_route`).
+LOWP_ROUTES: tuple[str, ...] = ("simd", "brgemm", "brgemm_vnni", "brgemm_vnni_emulated")
+
+
+def cpu_lowp_route(dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which products ``polyline_attention`` and ``criss_cross_attention`` run for ``dtype`` inputs on the CPU, one of
+    :data:`LOWP_ROUTES`:
+
+    - ``"simd"``: ppma's own SIMD products (:func:`cpu_bf16_dot`); always for dtypes other than bf16 and fp16;
+    - ``"brgemm"``: torch's CPU batch-reduce GEMM on plain row-major operands (one MKL / oneDNN GEMM call per product);
+    - ``"brgemm_vnni"``: torch's batch-reduce micro-kernel (oneDNN's, on AMX tiles) on operands packed in VNNI order,
+      the route torch's CPU flash attention takes on AMX; the default where torch packs ``dtype`` (AMX) and the
+      route runs here (:func:`cpu_lowp_vnni_available`);
+    - ``"brgemm_vnni_emulated"``: the same packing with a scalar loop for the micro-kernel (tests only).
+
+    The internal option ``cpu_lowp_products`` (1 to 4: these in order) forces one; forcing ``"brgemm_vnni"`` where it
+    does not run makes the ops raise a ``RuntimeError``, and this function too."""
+    _require_ext()
+    return str(torch.ops.ppma.cpu_lowp_route(dtype))
+
+
+def cpu_lowp_vnni_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether torch's VNNI-packed batch-reduce micro-kernel (``at::native::cpublas::brgemm`` with ``is_vnni``) runs
+    ``dtype`` products on this CPU: oneDNN generates it for AMX (bf16; fp16 with AMX-FP16) and, for bf16, possibly
+    for AVX-512 BF16. Probed once per process with two products of known result (an error or a wrong result: False)."""
+    _require_ext()
+    return bool(torch.ops.ppma.cpu_lowp_vnni_available(dtype))
 
 
 #: The units bf16 matrix products can run on, fastest first (see :func:`cpu_matrix_unit`).
@@ -228,8 +261,8 @@ def cpu_matrix_units() -> dict:
     ``matrix_unit`` (:func:`cpu_matrix_unit`), the flags ``amx_bf16``, ``amx_fp16``, ``amx_usable`` (AMX bf16 tiles
     granted by the OS), ``avx512_bf16``, ``avx512_fp16``, ``avx512_vnni``; ``onednn_bf16`` and ``onednn_fp16``
     (whether torch's oneDNN has bf16 / fp16 kernels on this CPU); and, where ``ppma._C`` is built,
-    ``ppma_kernels`` (:func:`cpu_capability`), ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`) and ``ppma_lowp_gemm``
-    (:func:`cpu_lowp_gemm` for bf16), else None."""
+    ``ppma_kernels`` (:func:`cpu_capability`), ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`), ``ppma_lowp_gemm``
+    (:func:`cpu_lowp_gemm` for bf16) and ``ppma_lowp_route`` (:func:`cpu_lowp_route` for bf16), else None."""
     flags = _cpu_flags()
     mkldnn = torch.backends.mkldnn.is_available()
     info = {
@@ -246,11 +279,13 @@ def cpu_matrix_units() -> dict:
         "ppma_kernels": None,
         "ppma_bf16_dot": None,
         "ppma_lowp_gemm": None,
+        "ppma_lowp_route": None,
     }
     if _ext.has_ext():
         info["ppma_kernels"] = cpu_capability()
         info["ppma_bf16_dot"] = cpu_bf16_dot()
         info["ppma_lowp_gemm"] = cpu_lowp_gemm(torch.bfloat16)
+        info["ppma_lowp_route"] = cpu_lowp_route(torch.bfloat16)
     return info
 
 
@@ -270,7 +305,9 @@ def cpu_summary() -> str:
     info = cpu_matrix_units()
     line = f"CPU: {info['cpu']}; bf16 products (oneDNN): {_UNIT_WORDS[info['matrix_unit']]}"
     if info["ppma_kernels"] is not None:
-        dot = ("torch's CPU batch-reduce GEMM" if info["ppma_lowp_gemm"]
+        vnni = info["ppma_lowp_route"].startswith("brgemm_vnni")
+        dot = ("torch's CPU batch-reduce micro-kernel (VNNI-packed)" if vnni
+               else "torch's CPU batch-reduce GEMM" if info["ppma_lowp_gemm"]
                else "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32")
         line += f"; ppma kernels: {info['ppma_kernels']}, attention bf16 products via {dot}"
     return line

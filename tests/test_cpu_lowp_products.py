@@ -1,7 +1,8 @@
 """bf16 / fp16 ``polyline_attention`` and ``criss_cross_attention`` on the CPU with each choice of products
-(docs/performance.md "bf16 and fp16 on the CPU"): ppma's own SIMD products (internal option ``cpu_lowp_products=1``)
-and torch's CPU batch-reduce GEMM (``=2``, the default on CPUs with AMX), each forced here so that both run on every
-machine. polyline_attention: the training op (out, out_v2h, lse), the inference op and the five gradients (of both
+(docs/performance.md "bf16 and fp16 on the CPU"): ppma's own SIMD products (internal option ``cpu_lowp_products=1``),
+torch's CPU batch-reduce GEMM on plain operands (``=2``), its micro-kernel on VNNI-packed operands (``=3``, the default
+on CPUs with AMX; only where oneDNN generates it) and the same packing with the micro-kernel emulated (``=4``), each
+forced here so that every route this machine can run runs. polyline_attention: the training op (out, out_v2h, lse), the inference op and the five gradients (of both
 backward ops) against the float64 reference within the 16-bit tolerance, over narrow and wide maps, odd sizes, head
 dims 16 / 32 / 64 and several heads. criss_cross_attention: out and the five gradients against the float64 reference
 over single rows and columns, odd and unequal H and W, lines past 32 tokens, head dims 16 / 32 / 33 / 64, value dims
@@ -19,8 +20,8 @@ from op_utils import assert_close, make_attention_inputs, needs_ext, shape_id
 from ppma import backends, config
 from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref
 
-# option value -> name in the test ids
-PRODUCTS = {1: "simd", 2: "brgemm"}
+# option value -> name in the test ids, as ppma.backends.cpu_lowp_route reports it
+PRODUCTS = {1: "simd", 2: "brgemm", 3: "brgemm_vnni", 4: "brgemm_vnni_emulated"}
 DTYPES = [torch.bfloat16, torch.float16]
 # Tighter than the table's 16-bit tolerance (2e-2): the float32 result rounded to bf16 is ~1.7e-3 off the float64
 # one, to fp16 ~2e-4; either choice of products stays within about twice that (measured: polyline_attention
@@ -32,6 +33,18 @@ MULT = {torch.bfloat16: 0.25, torch.float16: 0.05}
 # regrouped prefix-sum gradients take (W <= 32 on the avx512 path: per-key-row sums instead).
 SHAPES = [(1, 1, 23, 2, 16, 8), (1, 11, 1, 2, 32, 16), (1, 3, 17, 2, 16, 16), (2, 9, 7, 2, 32, 32),
           (1, 8, 9, 4, 33, 7), (1, 13, 5, 3, 64, 64), (1, 12, 12, 1, 64, 64), (1, 3, 40, 2, 16, 16)]
+
+
+def _need_route(products, dtype):
+    """Skips where ``products`` is the VNNI micro-kernel route (3) and oneDNN does not generate it for ``dtype`` here
+    (it needs AMX, or AVX-512 BF16 for bf16): what the probe of ``ppma.backends.cpu_lowp_vnni_available`` says."""
+    if products == 3 and not backends.cpu_lowp_vnni_available(dtype):
+        pytest.skip(f"torch's VNNI-packed batch-reduce micro-kernel does not run {dtype} here")
+
+
+def _routes(dtype):
+    """The routes besides ppma's SIMD products that run here for ``dtype``."""
+    return [p for p in (2, 3, 4) if p != 3 or backends.cpu_lowp_vnni_available(dtype)]
 
 
 def _inputs(shape, dtype, seed=0):
@@ -59,22 +72,38 @@ def _run_all(inputs, scale, go):
 
 @needs_ext
 def test_option_selects_the_products():
-    """``cpu_lowp_products``: 0 (default) follows the CPU (torch's packing for AMX), 1 and 2 force each choice, for
-    bf16 and fp16 alike; other dtypes never take them; out-of-range values raise."""
+    """``cpu_lowp_products``: 0 (default) follows the CPU (where torch packs for AMX: the VNNI micro-kernel, or the
+    plain operands should its probe fail; ppma's SIMD products elsewhere), 1 to 4 force each route, for bf16 and fp16
+    alike; other dtypes never take them; 3 where the micro-kernel does not run raises at the op's call (no silent
+    fallback); out-of-range values raise."""
     assert config.get_internal_option("cpu_lowp_products") == 0
     native = {dt: bool(torch.ops.ppma.cpu_lowp_gemm_native(dt)) for dt in DTYPES}
     for dt in DTYPES:
         assert backends.cpu_lowp_gemm(dt) == native[dt]
+        want = ("simd" if not native[dt] else "brgemm_vnni" if backends.cpu_lowp_vnni_available(dt) else "brgemm")
+        assert backends.cpu_lowp_route(dt) == want
     with config.internal_option("cpu_lowp_products", 1):
         assert not any(backends.cpu_lowp_gemm(dt) for dt in DTYPES)
-    with config.internal_option("cpu_lowp_products", 2):
-        assert all(backends.cpu_lowp_gemm(dt) for dt in DTYPES)
-        assert not backends.cpu_lowp_gemm(torch.float32) and not backends.cpu_lowp_gemm(torch.float64)
-        assert "torch's CPU batch-reduce GEMM" in backends.cpu_summary()
-    with config.internal_option("cpu_lowp_products", 1):
-        assert "torch's CPU batch-reduce GEMM" not in backends.cpu_summary()
+        assert "torch's CPU batch-reduce" not in backends.cpu_summary()
+    for products in (2, 4):
+        with config.internal_option("cpu_lowp_products", products):
+            assert all(backends.cpu_lowp_gemm(dt) for dt in DTYPES)
+            assert all(backends.cpu_lowp_route(dt) == PRODUCTS[products] for dt in DTYPES)
+            assert not backends.cpu_lowp_gemm(torch.float32) and not backends.cpu_lowp_gemm(torch.float64)
+            assert backends.cpu_lowp_route(torch.float32) == "simd"
+            assert "torch's CPU batch-reduce" in backends.cpu_summary()
+    with config.internal_option("cpu_lowp_products", 3):
+        for dt in DTYPES:
+            if backends.cpu_lowp_vnni_available(dt):
+                assert backends.cpu_lowp_route(dt) == "brgemm_vnni"
+            else:
+                inputs = _inputs((1, 2, 3, 1, 16, 16), dt)
+                with pytest.raises(RuntimeError, match="cpu_lowp_products=3"):
+                    torch.ops.ppma.polyline_attention(*inputs, 0.25)
+                with pytest.raises(RuntimeError, match="cpu_lowp_products=3"):
+                    torch.ops.ppma.criss_cross_attention(*inputs, 0.25)
     with pytest.raises(ValueError):
-        config.set_internal_option("cpu_lowp_products", 3)
+        config.set_internal_option("cpu_lowp_products", 5)
     assert config.get_internal_option("cpu_lowp_products") == 0
 
 
@@ -88,8 +117,10 @@ def test_matches_reference(shape, products, dtype):
     inputs = _inputs(shape, dtype)
     scale = 0.8 * shape[4] ** -0.5
     go = torch.randn(shape[:4] + (shape[5],), generator=torch.Generator().manual_seed(1)).to(dtype)
+    _need_route(products, dtype)
     with config.internal_option("cpu_lowp_products", products):
-        assert backends.cpu_lowp_gemm(dtype) == (products == 2)
+        assert backends.cpu_lowp_gemm(dtype) == (products != 1)
+        assert backends.cpu_lowp_route(dtype) == PRODUCTS[products]
         out, out_v2h, lse, grads, inf, lse_grads = _run_all(inputs, scale, go)
     want, want_grads = _reference(inputs, scale, go)
     what = f"{PRODUCTS[products]}, {dtype}"
@@ -114,15 +145,17 @@ def test_brgemm_and_simd_products_agree(shape, dtype):
     scale = shape[4] ** -0.5
     go = torch.randn(shape[:4] + (shape[5],), generator=torch.Generator().manual_seed(2)).to(dtype)
     res = {}
-    for products in PRODUCTS:
+    for products in [1, *_routes(dtype)]:
         with config.internal_option("cpu_lowp_products", products):
             res[products] = _run_all(inputs, scale, go)
-    a, b = res[1], res[2]
-    torch.testing.assert_close(a[2], b[2], rtol=0, atol=2e-2)  # lse: logits of 16-bit q, k in float32 either way
-    assert_close(b[0], a[0], dtype, "out")
-    assert_close(b[4], a[4], dtype, "inference out")
-    for g1, g2 in zip(a[3], b[3]):
-        assert_close(g2, g1, dtype, "gradient", grad=True)
+    a = res[1]
+    for products in _routes(dtype):
+        b, what = res[products], PRODUCTS[products]
+        torch.testing.assert_close(a[2], b[2], rtol=0, atol=2e-2)  # lse: logits of 16-bit q, k in float32 either way
+        assert_close(b[0], a[0], dtype, f"{what}: out")
+        assert_close(b[4], a[4], dtype, f"{what}: inference out")
+        for g1, g2 in zip(a[3], b[3]):
+            assert_close(g2, g1, dtype, f"{what}: gradient", grad=True)
 
 
 @needs_ext
@@ -133,6 +166,7 @@ def test_thread_count_invariant(shape, products, dtype):
     """Bitwise the same results for 1, 2 and 3 threads and across runs (each task owns its outputs and partial
     sums; the products run inside the tasks). Shapes: B * heads = 4 (batch, head) pairs of two query tiles each,
     and a single task (one tile of one pair: the products then run outside a parallel region)."""
+    _need_route(products, dtype)
     inputs = _inputs(shape, dtype, seed=7)
     go = torch.randn(shape[:4] + (shape[5],), generator=torch.Generator().manual_seed(8)).to(dtype)
     n = torch.get_num_threads()
@@ -151,12 +185,14 @@ def test_thread_count_invariant(shape, products, dtype):
 
 
 @needs_ext
+@pytest.mark.parametrize("products", [2, 3, 4], ids=PRODUCTS.get)
 @pytest.mark.parametrize("mixer", ["full", "criss_cross"])
-def test_autocast_bf16_train_step_on_brgemm_products(mixer):
+def test_autocast_bf16_train_step_on_brgemm_products(mixer, products):
     """A training step of the tiny PPMA-T under ``torch.autocast("cpu", torch.bfloat16)`` on torch's batch-reduce
-    GEMM products, every stage polyline_attention (``mixer="full"``) or criss_cross_attention: finite gradients close
-    to the float32 step's (the model's bf16 rounding everywhere bounds how close), and the same as the step on ppma's
-    own products within bf16 rounding, but not bitwise (the forced products ran)."""
+    GEMM products (each route), every stage polyline_attention (``mixer="full"``) or criss_cross_attention: finite
+    gradients close to the float32 step's (the model's bf16 rounding everywhere bounds how close), and the same as the
+    step on ppma's own products within bf16 rounding, but not bitwise (the forced products ran)."""
+    _need_route(products, torch.bfloat16)
     import ppma
 
     torch.manual_seed(0)
@@ -175,7 +211,7 @@ def test_autocast_bf16_train_step_on_brgemm_products(mixer):
         return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     loss32, g32 = step(False, 0)
-    lossb, gb = step(True, 2)
+    lossb, gb = step(True, products)
     losss, gs = step(True, 1)
     assert torch.isfinite(gb).all() and torch.isfinite(lossb)
     assert abs(lossb.item() - loss32.item()) < 0.05 * max(1.0, abs(loss32.item()))
@@ -220,8 +256,10 @@ def test_criss_cross_matches_reference(shape, products, dtype):
     inputs = _inputs(shape, dtype)
     scale = 0.8 * shape[4] ** -0.5
     go = _grad_out(shape, dtype, 1)
+    _need_route(products, dtype)
     with config.internal_option("cpu_lowp_products", products):
-        assert backends.cpu_lowp_gemm(dtype) == (products == 2)
+        assert backends.cpu_lowp_gemm(dtype) == (products != 1)
+        assert backends.cpu_lowp_route(dtype) == PRODUCTS[products]
         out, lse, grads = _run_cc(inputs, scale, go)
     want, want_grads = _reference(inputs, scale, go, ref=criss_cross_attention_ref)
     what = f"{PRODUCTS[products]}, {dtype}"
@@ -242,14 +280,16 @@ def test_criss_cross_brgemm_and_simd_products_agree(shape, dtype):
     inputs = _inputs(shape, dtype, seed=4)
     go = _grad_out(shape, dtype, 2)
     res = {}
-    for products in PRODUCTS:
+    for products in [1, *_routes(dtype)]:
         with config.internal_option("cpu_lowp_products", products):
             res[products] = _run_cc(inputs, shape[4] ** -0.5, go)
-    a, b = res[1], res[2]
-    torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-4)
-    assert_close(b[0], a[0], dtype, "out")
-    for g1, g2 in zip(a[2], b[2]):
-        assert_close(g2, g1, dtype, "gradient", grad=True)
+    a = res[1]
+    for products in _routes(dtype):
+        b, what = res[products], PRODUCTS[products]
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-4)
+        assert_close(b[0], a[0], dtype, f"{what}: out")
+        for g1, g2 in zip(a[2], b[2]):
+            assert_close(g2, g1, dtype, f"{what}: gradient", grad=True)
 
 
 def _cc_threads(inputs, go, products, scale=0.3, threads=(1, 2, 3, 2)):
@@ -275,6 +315,7 @@ def test_criss_cross_thread_count_invariant(shape, products, dtype):
     """Bitwise the same results for 1, 2 and 3 threads and across runs (each line is a task writing its own outputs;
     the products run inside the tasks). Shapes: 4 (batch, head) pairs of several lines each; a single row and a single
     column (the row or the column phases a single task: its products then run outside a parallel region)."""
+    _need_route(products, dtype)
     runs = _cc_threads(_inputs(shape, dtype, seed=7), _grad_out(shape, dtype, 8), products)
     for r in runs[1:]:
         for x, y in zip(r, runs[0]):
@@ -283,15 +324,17 @@ def test_criss_cross_thread_count_invariant(shape, products, dtype):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_criss_cross_brgemm_groups_and_recomputed_maps(dtype):
+@pytest.mark.parametrize("products", [2, 3, 4], ids=PRODUCTS.get)
+def test_criss_cross_brgemm_groups_and_recomputed_maps(products, dtype):
     """On the batch-reduce GEMM: the phases run per group of (batch, head) pairs whose row maps fit 2 MiB (64 x 64
     maps: 4 pairs a group in the forward, 2 in the backward, whose maps are float32; 6 pairs make full and partial
     groups), and a pair's results do not depend on which pairs share its group; lines too long to keep (104 x 104:
     one pair's maps > 2 MiB) are recomputed from their statistics (forward) or from lse (backward), within the
     tolerance of the reference and the same for any thread count."""
+    _need_route(products, dtype)
     shape = (3, 64, 64, 2, 8, 8)
     inputs, go = _inputs(shape, dtype, seed=2), _grad_out(shape, dtype, 3)
-    with config.internal_option("cpu_lowp_products", 2):
+    with config.internal_option("cpu_lowp_products", products):
         out, lse, grads = _run_cc(inputs, 0.4, go)
         for b in range(3):
             for g in range(2):
@@ -301,7 +344,7 @@ def test_criss_cross_brgemm_groups_and_recomputed_maps(dtype):
                     assert torch.equal(x, part(y)), (b, g)
     shape = (1, 104, 104, 1, 4, 4)
     inputs, go = _inputs(shape, dtype, seed=3), _grad_out(shape, dtype, 4)
-    runs = _cc_threads(inputs, go, 2, scale=0.4, threads=(1, 2, 3))
+    runs = _cc_threads(inputs, go, products, scale=0.4, threads=(1, 2, 3))
     for r in runs[1:]:
         for x, y in zip(r, runs[0]):
             assert torch.equal(x, y)

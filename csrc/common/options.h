@@ -23,9 +23,11 @@ enum class Option : int {
   kCudaNextCrissCrossAttention,
   kCudaNextPolylineLinearAttention,
   // The products of bf16 / fp16 q, k, v in the CPU attention kernels (docs/configuration.md "Internal options",
-  // docs/performance.md "bf16 and fp16 on the CPU"): 0 by the CPU's matrix unit (torch's CPU batch-reduce GEMM
-  // where torch can pack for it, i.e. AMX; ppma's own SIMD products elsewhere), 1 ppma's own SIMD products, 2 torch's
-  // CPU batch-reduce GEMM (at::native::cpublas::brgemm). Read on every call.
+  // docs/performance.md "bf16 and fp16 on the CPU", cpu/lowp_gemm.h): 0 by the CPU's matrix unit (torch's CPU
+  // batch-reduce micro-kernel on VNNI-packed operands where torch can pack for it, i.e. AMX; ppma's own SIMD products
+  // elsewhere), 1 ppma's own SIMD products, 2 torch's CPU batch-reduce GEMM on plain operands
+  // (at::native::cpublas::brgemm), 3 its micro-kernel on VNNI-packed operands, 4 the same packing with the
+  // micro-kernel emulated by a scalar loop (tests). Read on every call.
   kCpuLowpProducts,
   kCount
 };
@@ -43,7 +45,7 @@ inline constexpr OptionSpec kOptionSpecs[] = {
     {"cuda_next_polyline_attention", 0, 0, 1},
     {"cuda_next_criss_cross_attention", 0, 0, 1},
     {"cuda_next_polyline_linear_attention", 0, 0, 1},
-    {"cpu_lowp_products", 0, 0, 2},
+    {"cpu_lowp_products", 0, 0, 4},
 };
 static_assert(sizeof(kOptionSpecs) / sizeof(kOptionSpecs[0]) == static_cast<int>(Option::kCount),
               "one OptionSpec per Option");

@@ -10,7 +10,10 @@
 //                                             that dtype run on torch's CPU batch-reduce GEMM (cpu/lowp_gemm.h:
 //                                             the internal option cpu_lowp_products, or the CPU's matrix unit);
 //   ppma::cpu_lowp_gemm_native(ScalarType dtype) -> bool  whether torch packs that dtype for its batch-reduce
-//                                             micro-kernels on this CPU (AMX), the default choice of the above.
+//                                             micro-kernels on this CPU (AMX), the default choice of the above;
+//   ppma::cpu_lowp_route(ScalarType dtype) -> str  which products: "simd", "brgemm" (plain operands),
+//                                             "brgemm_vnni" (VNNI-packed, the micro-kernel) or "brgemm_vnni_emulated";
+//   ppma::cpu_lowp_vnni_available(ScalarType dtype) -> bool  whether the VNNI-packed route runs on this CPU (probed).
 #include <torch/library.h>
 
 #include <string>
@@ -34,6 +37,10 @@ bool cpu_lowp_gemm_op(at::ScalarType dtype) { return use_lowp_gemm(dtype); }
 
 bool cpu_lowp_gemm_native_op(at::ScalarType dtype) { return lowp_gemm_native(dtype); }
 
+std::string cpu_lowp_route_op(at::ScalarType dtype) { return lowp_route_name(lowp_route(dtype)); }
+
+bool cpu_lowp_vnni_available_op(at::ScalarType dtype) { return lowp_vnni_available(dtype); }
+
 }  // namespace
 }  // namespace cpu
 }  // namespace ppma
@@ -45,4 +52,6 @@ TORCH_LIBRARY_FRAGMENT(ppma, m) {
   m.def("cpu_bf16_dot_supported() -> bool", &ppma::cpu::cpu_bf16_dot_supported_op);
   m.def("cpu_lowp_gemm(ScalarType dtype) -> bool", &ppma::cpu::cpu_lowp_gemm_op);
   m.def("cpu_lowp_gemm_native(ScalarType dtype) -> bool", &ppma::cpu::cpu_lowp_gemm_native_op);
+  m.def("cpu_lowp_route(ScalarType dtype) -> str", &ppma::cpu::cpu_lowp_route_op);
+  m.def("cpu_lowp_vnni_available(ScalarType dtype) -> bool", &ppma::cpu::cpu_lowp_vnni_available_op);
 }

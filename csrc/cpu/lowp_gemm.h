@@ -1,30 +1,142 @@
 // The bf16 / fp16 products of the CPU attention kernels through torch's CPU batch-reduce GEMM
 // (at::native::cpublas::brgemm; docs/performance.md "bf16 and fp16 on the CPU"): operands in bf16 or fp16, results
-// and accumulation in float32. The kernels call it inside their own tasks, one call per product on the task's own
-// operands and outputs; the results do not depend on the thread count (tests/test_cpu_lowp_products.py: bitwise the
-// same for 1, 2 and 3 threads on this path, also where a single task runs outside a parallel region and the library
-// may split a product over threads).
+// and accumulation in float32. The kernels call lowp_gemm inside their own tasks, one call per product on the task's
+// own operands and outputs; the results do not depend on the thread count (tests/test_cpu_lowp_products.py: bitwise
+// the same for 1, 2 and 3 threads on each route, also where a single task runs outside a parallel region and the
+// library may split a product over threads).
 //
-// The operands are plain row-major matrices (is_vnni = false): torch's brgemm then runs its bf16 / fp16 GEMM with
-// float32 output (MKL or oneDNN, which use the CPU's matrix unit: AMX tiles, AVX-512 BF16 or AVX-512), on every
-// CPU. torch's VNNI-packed micro-kernel route (cpublas::pack, is_vnni = true) runs on AMX CPUs only and is not used:
-// this path is the one a CPU without AMX can test.
+// Two routes into torch's brgemm (the internal option cpu_lowp_products, common/options.h):
+// - plain row-major operands (is_vnni = false, option 2): torch runs its bf16 / fp16 GEMM with float32 output (MKL
+//   or oneDNN, on AMX tiles, AVX-512 BF16 or AVX-512), on every CPU, one library call per product;
+// - VNNI-packed operands (is_vnni = true, option 3), the route torch's own CPU flash attention takes where
+//   cpublas::could_pack holds (AMX): B is reordered [k][n] -> [k/2][n][2] (pairs of rows interleaved, an odd k
+//   padded with a zero row, and A with a zero column), and oneDNN's batch-reduce micro-kernel multiplies them
+//   (AMX tiles; AVX-512 BF16 on CPUs without AMX where oneDNN generates the kernel). Where oneDNN cannot generate it
+//   (e.g. AVX-512 without BF16) the route is unavailable: lowp_vnni_available() probes it once with a product of known
+//   result. Option 4 runs the same packing with the micro-kernel replaced by a scalar loop reading the packed
+//   operands, so that a CPU without the micro-kernel tests the packing (tests/test_cpu_lowp_products.py).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #include "common/options.h"
 
 namespace ppma {
 namespace cpu {
 
-// C[m][n] = (C[m][n] if add else 0) + sum_k A[m][k] B[k][n]; A [m][lda], B [k][ldb] in Lp (c10::BFloat16 or
-// c10::Half), C [m][ldc] float32. m, n, k > 0.
+// Which products the attention kernels run for bf16 / fp16 q, k, v (the internal option cpu_lowp_products).
+enum class LowpRoute { kSimd, kGemm, kVnni, kVnniEmulated };
+
+// B [k][ldb] (k, n > 0) reordered as [kp / 2][n][2], kp = k rounded up to even: dst[(r / 2) * 2n + 2c + r % 2] =
+// B[r][c], the row past an odd k zero. The layout of torch's at::vec::pack_vnni2 and oneDNN's VNNI-2 B operand.
 template <typename Lp>
-inline void lowp_gemm(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* b, int64_t ldb, float* c,
-                      int64_t ldc, bool add) {
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
+inline void pack_vnni2(int64_t k, int64_t n, const Lp* b, int64_t ldb, Lp* __restrict dst) {
+  static_assert(sizeof(Lp) == 2, "16-bit operands");
+  for (int64_t r = 0; r < k; r += 2) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(b + r * ldb);
+    const uint16_t* r1 = reinterpret_cast<const uint16_t*>(b + (r + 1) * ldb);
+    uint16_t* o = reinterpret_cast<uint16_t*>(dst + r * n);
+    if (r + 1 < k) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[2 * c] = r0[c], o[2 * c + 1] = r1[c];
+    } else {
+      for (int64_t c = 0; c < n; ++c) o[2 * c] = r0[c], o[2 * c + 1] = 0;
+    }
+  }
+}
+
+// What the micro-kernel computes, in a scalar loop: C[m][n] = (C if add else 0) + A[m][kp] B, B packed by pack_vnni2
+// (option 4: tests the packing where the micro-kernel is unavailable; float32 products and sums).
+template <typename Lp>
+inline void vnni_gemm_emulated(int64_t m, int64_t n, int64_t kp, const Lp* a, int64_t lda, const Lp* bp, float* c,
+                               int64_t ldc, bool add) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float s = 0.f;
+      for (int64_t r = 0; r < kp; ++r)
+        s += static_cast<float>(a[i * lda + r]) * static_cast<float>(bp[(r / 2) * 2 * n + 2 * j + (r % 2)]);
+      c[i * ldc + j] = add ? c[i * ldc + j] + s : s;
+    }
+  }
+}
+
+// lowp_gemm on the VNNI route (the header's comment): B packed into a buffer of the calling thread on every call (a
+// k x n copy beside the m x n x k product), A copied with a zero column where k is odd. The real micro-kernel's
+// hardware context (AMX's tile configuration) is released after each call, so nothing of it outlives the call (a
+// oneDNN primitive on the same thread may release or reconfigure the tiles between two calls).
+template <typename Lp>
+inline void lowp_gemm_vnni(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* b, int64_t ldb,
+                           float* c, int64_t ldc, bool add, bool emulate) {
+  thread_local std::vector<Lp> bp, ap;
+  const int64_t kp = (k + 1) / 2 * 2;
+  if (static_cast<int64_t>(bp.size()) < kp * n) bp.resize(kp * n);
+  pack_vnni2(k, n, b, ldb, bp.data());
+  if (kp != k) {
+    if (static_cast<int64_t>(ap.size()) < m * kp) ap.resize(m * kp);
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(ap.data() + i * kp, a + i * lda, k * sizeof(Lp));
+      ap[i * kp + k] = Lp(0.f);
+    }
+    a = ap.data(), lda = kp;
+  }
+  if (emulate) {
+    vnni_gemm_emulated(m, n, kp, a, lda, bp.data(), c, ldc, add);
+  } else {
+    at::native::cpublas::brgemm(m, n, kp, lda, n, ldc, add, a, bp.data(), c, /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  }
+}
+
+// Whether torch's VNNI micro-kernel route runs correctly for Lp on this CPU: two products with known results (odd and
+// even k, leading dimensions past the sizes, with and without add), on the real micro-kernel. False where torch or
+// oneDNN refuses (an exception: no ukernel in this torch build, or no kernel for this CPU) or a result differs.
+template <typename Lp>
+inline bool vnni_probe() {
+  try {
+    for (const int64_t k : {7, 16}) {
+      const int64_t m = 3, n = 5, lda = k + 3, ldb = n + 2, ldc = n + 1;
+      std::vector<Lp> a(m * lda, Lp(0.f)), b(k * ldb, Lp(0.f));
+      std::vector<float> c(m * ldc, 0.f), want(m * ldc, 0.f);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t r = 0; r < k; ++r) a[i * lda + r] = Lp(static_cast<float>((i * 7 + r * 3) % 5) - 2.f);
+      for (int64_t r = 0; r < k; ++r)
+        for (int64_t j = 0; j < n; ++j) b[r * ldb + j] = Lp(static_cast<float>((r * 5 + j * 2) % 7) - 3.f);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          float s = 0.f;  // small integers: exact in 16 bits and in every order of float32 sums
+          for (int64_t r = 0; r < k; ++r) s += static_cast<float>(a[i * lda + r]) * static_cast<float>(b[r * ldb + j]);
+          want[i * ldc + j] = s;
+        }
+      for (const bool add : {false, true}) {
+        lowp_gemm_vnni(m, n, k, a.data(), lda, b.data(), ldb, c.data(), ldc, add, /*emulate=*/false);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j)
+            if (c[i * ldc + j] != (add ? 2.f : 1.f) * want[i * ldc + j]) return false;
+      }
+    }
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+// Whether the VNNI route runs on this CPU for dtype t (bf16 or fp16), probed once per dtype.
+inline bool lowp_vnni_available(at::ScalarType t) {
+  if (t == at::kBFloat16) {
+    static const bool ok = vnni_probe<c10::BFloat16>();
+    return ok;
+  }
+  if (t == at::kHalf) {
+    static const bool ok = vnni_probe<c10::Half>();
+    return ok;
+  }
+  return false;
 }
 
 // Whether torch packs bf16 (or fp16) operands for its batch-reduce micro-kernels on this CPU (AMX), read once.
@@ -34,14 +146,65 @@ inline bool lowp_gemm_native(at::ScalarType t) {
   return t == at::kBFloat16 ? bf16 : (t == at::kHalf ? f16 : false);
 }
 
-// Whether the attention kernels' products of q, k, v of dtype t (bf16 or fp16) run on lowp_gemm: the internal option
-// cpu_lowp_products (common/options.h): 1 never, 2 always, 0 (default) where torch's CPU flash attention would take
-// its batch-reduce micro-kernels too (lowp_gemm_native: AMX). Other dtypes: never.
-inline bool use_lowp_gemm(at::ScalarType t) {
-  if (t != at::kBFloat16 && t != at::kHalf) return false;
-  const int o = get_option(Option::kCpuLowpProducts);
-  return o == 2 || (o == 0 && lowp_gemm_native(t));
+// The products of q, k, v of dtype t: the internal option cpu_lowp_products (common/options.h): 1 ppma's SIMD
+// products, 2 the plain route, 3 the VNNI route (an error where it is unavailable: lowp_vnni_available), 4 the VNNI
+// route emulated; 0 (default) where torch's CPU flash attention would take its batch-reduce micro-kernels
+// (lowp_gemm_native: AMX) the VNNI route, or the plain one should its probe fail, and the SIMD products elsewhere.
+// Other dtypes than bf16 and fp16: the SIMD products (their float32 paths).
+inline LowpRoute lowp_route(at::ScalarType t) {
+  if (t != at::kBFloat16 && t != at::kHalf) return LowpRoute::kSimd;
+  switch (get_option(Option::kCpuLowpProducts)) {
+    case 1:
+      return LowpRoute::kSimd;
+    case 2:
+      return LowpRoute::kGemm;
+    case 3:
+      TORCH_CHECK(lowp_vnni_available(t), "ppma: internal option cpu_lowp_products=3: torch's VNNI-packed ",
+                  "batch-reduce micro-kernel (at::native::cpublas::brgemm with is_vnni) does not run ", t,
+                  " products on this CPU (oneDNN generates it for AMX, or AVX-512 BF16 for bf16); use 0, 1 or 2");
+      return LowpRoute::kVnni;
+    case 4:
+      return LowpRoute::kVnniEmulated;
+    default:
+      if (!lowp_gemm_native(t)) return LowpRoute::kSimd;
+      return lowp_vnni_available(t) ? LowpRoute::kVnni : LowpRoute::kGemm;
+  }
 }
+
+// The route's name, as ppma.backends.cpu_lowp_route reports it.
+inline const char* lowp_route_name(LowpRoute r) {
+  switch (r) {
+    case LowpRoute::kGemm:
+      return "brgemm";
+    case LowpRoute::kVnni:
+      return "brgemm_vnni";
+    case LowpRoute::kVnniEmulated:
+      return "brgemm_vnni_emulated";
+    default:
+      return "simd";
+  }
+}
+
+// C[m][n] = (C[m][n] if add else 0) + sum_k A[m][k] B[k][n]; A [m][lda], B [k][ldb] in Lp (c10::BFloat16 or
+// c10::Half), C [m][ldc] float32. m, n, k > 0. On the route of lowp_route(Lp) (the kernels call it where that is not
+// kSimd).
+template <typename Lp>
+inline void lowp_gemm(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* b, int64_t ldb, float* c,
+                      int64_t ldc, bool add) {
+  switch (lowp_route(c10::CppTypeToScalarType<Lp>::value)) {
+    case LowpRoute::kVnni:
+      lowp_gemm_vnni(m, n, k, a, lda, b, ldb, c, ldc, add, /*emulate=*/false);
+      break;
+    case LowpRoute::kVnniEmulated:
+      lowp_gemm_vnni(m, n, k, a, lda, b, ldb, c, ldc, add, /*emulate=*/true);
+      break;
+    default:
+      at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
+  }
+}
+
+// Whether the attention kernels' products of q, k, v of dtype t run on lowp_gemm (any route but the SIMD products).
+inline bool use_lowp_gemm(at::ScalarType t) { return lowp_route(t) != LowpRoute::kSimd; }
 
 // Whether an attention op's products of q, k, v run on lowp_gemm: one dtype, bf16 or fp16, where use_lowp_gemm.
 inline bool lowp_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
