@@ -46,7 +46,7 @@ from ppma import _ext, config
 
 __all__ = ["CPU_CAPABILITIES", "LOWP_ROUTES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
            "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_lowp_gemm", "cpu_lowp_route",
-           "cpu_lowp_vnni_available", "cpu_name",
+           "cpu_lowp_vnni_available", "cpu_bf16_widened", "cpu_name",
            "cpu_matrix_unit", "cpu_matrix_units", "cpu_summary"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
@@ -256,13 +256,24 @@ def cpu_matrix_unit() -> str:
     return unit
 
 
+def cpu_bf16_widened() -> bool:
+    """Whether the linear layers and convolutions of a model fused by :func:`ppma.nn.fuse_for_inference` (and of
+    ``ppma.compile.compile_model``'s frozen graphs) run bf16 autocast inference on oneDNN's float32 kernels, fed the
+    bf16-rounded values: where bf16 products have no instructions of their own (:func:`cpu_matrix_unit` is
+    ``"avx512"`` or ``"avx2"``), oneDNN's bf16 kernels widen the operands inside their loops and run 2.5-3.4x slower
+    than its float32 ones on PPMA-T's shapes; the product of two bf16 values is exact in float32, so both compute the
+    same up to the order of the float32 sums (docs/performance.md "bf16 and fp16 on the CPU")."""
+    return cpu_matrix_unit() in ("avx512", "avx2")
+
+
 def cpu_matrix_units() -> dict:
     """What this CPU has for low-precision matrix products and what runs on it, as a dict: ``cpu`` (:func:`cpu_name`),
     ``matrix_unit`` (:func:`cpu_matrix_unit`), the flags ``amx_bf16``, ``amx_fp16``, ``amx_usable`` (AMX bf16 tiles
     granted by the OS), ``avx512_bf16``, ``avx512_fp16``, ``avx512_vnni``; ``onednn_bf16`` and ``onednn_fp16``
     (whether torch's oneDNN has bf16 / fp16 kernels on this CPU); and, where ``ppma._C`` is built,
     ``ppma_kernels`` (:func:`cpu_capability`), ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`), ``ppma_lowp_gemm``
-    (:func:`cpu_lowp_gemm` for bf16) and ``ppma_lowp_route`` (:func:`cpu_lowp_route` for bf16), else None."""
+    (:func:`cpu_lowp_gemm` for bf16) and ``ppma_lowp_route`` (:func:`cpu_lowp_route` for bf16), else None; and
+    ``ppma_bf16_widened`` (:func:`cpu_bf16_widened`)."""
     flags = _cpu_flags()
     mkldnn = torch.backends.mkldnn.is_available()
     info = {
@@ -280,6 +291,7 @@ def cpu_matrix_units() -> dict:
         "ppma_bf16_dot": None,
         "ppma_lowp_gemm": None,
         "ppma_lowp_route": None,
+        "ppma_bf16_widened": cpu_bf16_widened(),
     }
     if _ext.has_ext():
         info["ppma_kernels"] = cpu_capability()
@@ -301,7 +313,8 @@ _UNIT_WORDS = {
 def cpu_summary() -> str:
     """One line naming the CPU and its matrix unit, e.g. ``"CPU: Intel(R) Xeon(R) ... (family 6, model 106);
     bf16 products (oneDNN): AVX-512, bf16 emulated in float32 (no AMX, no AVX-512 BF16); ppma kernels: avx512,
-    attention bf16 products via float32"``: what ``ppma-benchmark --device cpu`` prints beside its figures."""
+    attention bf16 products via float32; fused bf16 linear layers and convolutions: oneDNN float32 on bf16-rounded
+    values"``: what ``ppma-benchmark --device cpu`` prints beside its figures."""
     info = cpu_matrix_units()
     line = f"CPU: {info['cpu']}; bf16 products (oneDNN): {_UNIT_WORDS[info['matrix_unit']]}"
     if info["ppma_kernels"] is not None:
@@ -310,4 +323,6 @@ def cpu_summary() -> str:
                else "torch's CPU batch-reduce GEMM" if info["ppma_lowp_gemm"]
                else "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32")
         line += f"; ppma kernels: {info['ppma_kernels']}, attention bf16 products via {dot}"
+    if info["ppma_bf16_widened"]:
+        line += "; fused bf16 linear layers and convolutions: oneDNN float32 on bf16-rounded values"
     return line

@@ -8,7 +8,7 @@ the compiled model ran slower than the eager one (docs/compile.md gives the meas
 freezes the weights (Inductor's ``freezing``): they become constants of the graph, so Inductor packs the
 convolution and bf16 linear weights once for oneDNN, folds the BatchNorms into the convolutions and fuses the bias
 and activation into the products, as the eager fast paths do; float32 linear layers call oneDNN's linear op
-themselves when traced for inference (``ppma.nn.layers.compiled_onednn_linears``). Inductor's layout optimization
+themselves when traced for inference (``ppma.nn.layers.compiled_onednn_dtype``). Inductor's layout optimization
 is off: it took the channels-last ``[B, H, W, C]`` maps for NCHW ones and transposed them around ppma's ops::
 
     model = ppma.create_model("ppma_tiny").eval()

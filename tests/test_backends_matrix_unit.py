@@ -83,6 +83,10 @@ def test_cpu_name_and_summary():
     assert words in summary
     if backends.cpu_matrix_units()["ppma_kernels"] is not None:
         assert f"ppma kernels: {backends.cpu_capability()}" in summary
+    # bf16 products without bf16 instructions: the fused layers widen them (ppma.nn.layers.bf16_products_widened)
+    assert backends.cpu_bf16_widened() == (backends.cpu_matrix_unit() in ("avx512", "avx2"))
+    assert backends.cpu_matrix_units()["ppma_bf16_widened"] == backends.cpu_bf16_widened()
+    assert ("oneDNN float32 on bf16-rounded values" in summary) == backends.cpu_bf16_widened()
 
 
 

@@ -49,7 +49,7 @@ def test_inference_fp32_equals_eager_and_packs_weights():
     # the glue runs ppma's kernels as opaque graph nodes, not Inductor's generated code (docs/compile.md)
     assert {"ppma::layer_norm", "ppma::path_decay", "ppma::rope"} <= called, sorted(called)
     # the blocks' linear layers run oneDNN's linear op with the bias and GELU inside and the FFN's depthwise
-    # residual ppma's in-place kernel, as eager's fused modules do (ppma.nn.layers.compiled_onednn_linears);
+    # residual ppma's in-place kernel, as eager's fused modules do (ppma.nn.layers.compiled_onednn_dtype);
     # frozen: Inductor packed the head's weights, and the global switch is back
     assert {"mkldnn::_linear_pointwise", "ppma::depthwise_conv2d_residual_"} <= called, sorted(called)
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0

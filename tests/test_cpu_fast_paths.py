@@ -192,6 +192,54 @@ def test_fused_bf16_weights_cast_once_and_follow_writes():
     assert torch.equal(_param_as(lin.weight, torch.bfloat16), lin.weight.to(torch.bfloat16))
 
 
+class _OpDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op name, dtype of its first tensor argument) of every op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self.seen.append((func._schema.name, None if first is None else first.dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
+@pytest.mark.parametrize("widened", [False, True], ids=["bf16_kernels", "widened"])
+def test_fused_bf16_products_widened(widened, monkeypatch):
+    """Fused bf16 autocast inference on a CPU without bf16 instructions (``ppma.nn.layers.bf16_products_widened``,
+    forced either way here): the linear layers and convolutions run oneDNN's float32 kernels on the bf16-rounded
+    input and weight, the output rounded to bf16 once, which is what the bf16 kernels compute up to the order of the
+    float32 sums: a linear layer within one bf16 rounding of the float64 product of the rounded values; the logits
+    as close to the bf16 kernels' as bf16 allows; without widening the bf16 kernels run."""
+    from ppma.nn import layers
+
+    monkeypatch.setattr(layers, "_WIDENED", widened)
+    assert layers.bf16_products_widened() is widened
+    lin = torch.nn.Linear(40, 24).eval()
+    x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        y = layers._fused_linear(x, lin, torch.bfloat16, gelu=True)
+    exact = torch.nn.functional.gelu(x.double() @ lin.weight.bfloat16().double().t() + lin.bias.double())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-6)  # one bf16 rounding (and float32 sums)
+    model = ppma.nn.fuse_for_inference(small_model(mixer=("criss_cross", "criss_cross", "full", "full")).eval())
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), _OpDtypes() as mode:
+        out = model(x)
+    onednn = {(n, dt) for n, dt in mode.seen if n.startswith("mkldnn::_")}
+    want = torch.float32 if widened else torch.bfloat16
+    assert {n for n, _ in onednn} >= {"mkldnn::_linear_pointwise", "mkldnn::_convolution_pointwise"}
+    for name in ("mkldnn::_linear_pointwise", "mkldnn::_convolution_pointwise"):
+        assert {dt for n, dt in onednn if n == name} == {want}, onednn
+    assert out.dtype == torch.bfloat16
+    monkeypatch.setattr(layers, "_WIDENED", not widened)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        other = model(x)
+    torch.testing.assert_close(out.float(), other.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_fuse_is_idempotent_and_keeps_the_state_dict():
     """A second ``fuse_for_inference`` changes no output bit; the state_dict keeps its keys and values and loads
     into an unfused model, which then gives the unfused logits; loading weights into a fused model folds them

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import (DWConv2d, _fused_dtype, _fused_linear, autocast_enabled, compiled_onednn_linears,
+from ppma.nn.layers import (DWConv2d, _fused_dtype, _fused_linear, autocast_enabled, compiled_onednn_dtype,
                              linears)
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
@@ -171,8 +171,9 @@ class PPMAAttention(nn.Module):
         # attention runs (DWConv2d, inplace=True)
         out = self.lepe(v, add=out, inplace=fused)
         del v
-        if compiled_onednn_linears(out, self.proj):  # compiled fp32 inference: oneDNN's linear, as fused
-            return _fused_linear(out, self.proj, torch.float32)
+        cdt = compiled_onednn_dtype(out, self.proj)
+        if cdt is not None:  # compiled frozen inference: oneDNN's linear, as fused
+            return _fused_linear(out, self.proj, cdt)
         return _fused_linear(out, self.proj, dt) if fused else self.proj(out)
 
     def _fuse(self) -> None:

@@ -47,6 +47,28 @@ _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_
            and hasattr(torch.ops.mkldnn, "_convolution_pointwise"))
 _ONEDNN_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
+
+
+@torch.compiler.assume_constant_result  # traced: called, not traced (it reads the CPU's flags once)
+def bf16_products_widened() -> bool:
+    """Whether the fused modules' bf16 linear layers and convolutions (bf16 autocast inference of a model fused by
+    :func:`ppma.nn.fuse_for_inference`) run oneDNN's float32 kernels on the bf16-rounded values: where this CPU has no
+    bf16 instructions (``ppma.backends.cpu_matrix_unit()`` is ``"avx512"`` or ``"avx2"``), oneDNN's bf16 kernels
+    widen every bf16 operand to float32 inside their loops and ran 2.5-3.4x slower than its float32 kernels on
+    PPMA-T's shapes (docs/performance.md "bf16 and fp16 on the CPU"). The product of two bf16 values is exact in
+    float32 and both sum in float32, so the widened products compute what oneDNN's bf16 kernels compute, up to the
+    order of the sums: the input and the weight rounded to bf16 (the weight once, kept), float32 products, sums,
+    bias and GELU, the output rounded to bf16 once. On CPUs with AMX or AVX-512 BF16 the bf16 kernels run."""
+    global _WIDENED
+    if _WIDENED is None:
+        from ppma import backends
+
+        _WIDENED = backends.cpu_bf16_widened()
+    return _WIDENED
+
+
+_WIDENED: bool | None = None  # bf16_products_widened(), read once
+
 # The first words of every error of a fused module's guard (:func:`_fused_dtype`).
 FUSED_FOR_INFERENCE = "this model was fused for CPU inference by ppma.nn.fuse_for_inference"
 
@@ -87,27 +109,33 @@ def _fused_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16
 
 
-# The bf16 copies of fused modules' weights (:func:`_param_as`), by weight: an entry goes with its weight.
+# The bf16 copies of fused modules' weights (:func:`_param_as`), by weight, then by (dtype, widened): an entry goes
+# with its weight.
 # (by identity: torch.utils.weak.WeakIdKeyDictionary, since tensors compare element-wise)
 _CASTS = WeakIdKeyDictionary()
 
 
-def _param_as(t: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor | None:
+def _param_as(t: torch.Tensor | None, dt: torch.dtype, widened: bool = False) -> torch.Tensor | None:
     """``t.to(dt)`` for a parameter or buffer ``t`` of a fused module, kept between calls: bf16 autocast inference
-    rounds each weight to bf16 once, not on every call (about 1 % of PPMA-T's bf16 forward). The copy is made again
+    rounds each weight to bf16 once, not on every call (about 1 % of PPMA-T's bf16 forward). With ``widened``,
+    ``t.to(dt).float()`` (the bf16-rounded weight in float32, :func:`bf16_products_widened`). The copy is made again
     when ``t`` points to other memory or was written in place (its version counter: ``load_state_dict``,
     ``copy_``), so it always equals ``t.to(dt)``; it is held beside ``t`` (not in any module or state_dict) and
     freed with it."""
-    if t is None or t.dtype == dt:
+    if t is None or (t.dtype == dt and not widened):
         return t
+    cast = (lambda: t.detach().to(dt).float()) if widened else (lambda: t.detach().to(dt))
     if t.is_inference():  # no version counter: an in-place write could not be seen
-        return t.to(dt)
-    hit = _CASTS.get(t)
-    if hit is not None and hit[:3] == (t.data_ptr(), t._version, dt):
-        return hit[3]
-    cast = t.detach().to(dt)
-    _CASTS[t] = (t.data_ptr(), t._version, dt, cast)
-    return cast
+        return cast()
+    kept = _CASTS.get(t)
+    if kept is None:
+        kept = _CASTS[t] = {}
+    hit = kept.get((dt, widened))
+    if hit is not None and hit[:2] == (t.data_ptr(), t._version):
+        return hit[2]
+    out = cast()
+    kept[dt, widened] = (t.data_ptr(), t._version, out)
+    return out
 
 
 def _attr(gelu: bool) -> tuple[str, list, str]:
@@ -123,33 +151,47 @@ def _fused_linear(x: torch.Tensor, layer: nn.Module, dt: torch.dtype, gelu: bool
     if type(layer) is not nn.Linear:
         y = layer(x)
         return F.gelu(y) if gelu else y
+    if dt == torch.bfloat16 and bf16_products_widened():
+        # float32 products of the bf16-rounded values, the output rounded once (bf16_products_widened); traced, the
+        # weight's rounding is a constant of the frozen graph
+        w = (layer.weight.to(dt).float() if torch.compiler.is_compiling()
+             else _param_as(layer.weight, dt, widened=True))
+        return torch.ops.mkldnn._linear_pointwise(x.to(dt).float(), w, layer.bias, *_attr(gelu)).to(dt)
     return torch.ops.mkldnn._linear_pointwise(x.to(dt), _param_as(layer.weight, dt), layer.bias, *_attr(gelu))
 
 
 def _traced_cpu_inference(x: torch.Tensor, *layers: nn.Module) -> bool:
     """Whether ``torch.compile`` (not ``torch.export``: its programs keep portable ops) is tracing a CPU inference
     graph (grad mode off) with the "fused" implementation, ``layers`` being ``nn.Linear`` layers with float32
-    weights and no hooks: the common gate of the compiled-inference paths (:func:`compiled_onednn_linears`,
+    weights and no hooks: the common gate of the compiled-inference paths (:func:`compiled_onednn_dtype`,
     :class:`ConvFFN`)."""
     return (_ONEDNN and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
             and not torch.is_grad_enabled() and x.device.type == "cpu" and _dispatch.get_impl() == "fused"
             and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers))
 
 
-def compiled_onednn_linears(x: torch.Tensor, *layers: nn.Module) -> bool:
-    """Whether ``layers`` run as oneDNN's float32 linear op (:func:`_fused_linear`, the eager fused modules'
-    products) inside a graph that ``torch.compile`` traces.
+def compiled_onednn_dtype(x: torch.Tensor, *layers: nn.Module) -> torch.dtype | None:
+    """The dtype in which ``layers`` run as oneDNN's float32 linear op (:func:`_fused_linear`, the eager fused
+    modules' products) inside a graph that ``torch.compile`` traces, or None where they run as they are.
 
-    Under ``torch.compile`` with frozen weights (:func:`ppma.compile.compile_model`'s inference), in float32 CPU
-    inference (no CPU autocast; the rest of :func:`_traced_cpu_inference`'s gate). Compiled, the layers would
-    otherwise run what Inductor makes of ``F.linear`` in float32: MKL's packed GEMM and a generated kernel for the
-    bias and GELU; oneDNN's linear with the bias and GELU inside is what eager inference runs, and the faster on
-    PPMA-T's shapes (docs/compile.md). The products sum in another order than ``addmm``'s, so the results equal the
-    layers' up to rounding, as the eager fused modules' do. Under bf16 autocast Inductor's frozen graphs already
-    pack the weights for oneDNN's linear and fuse the GELU; training graphs (grad mode on) keep the layers: oneDNN's
-    op has no backward."""
-    return (_traced_cpu_inference(x, *layers) and _frozen_trace() and x.dtype == torch.float32
-            and not autocast_enabled("cpu"))
+    Under ``torch.compile`` with frozen weights (:func:`ppma.compile.compile_model`'s inference), in CPU inference
+    (the rest of :func:`_traced_cpu_inference`'s gate): ``torch.float32`` without CPU autocast; ``torch.bfloat16``
+    under bf16 autocast on a CPU without bf16 instructions (:func:`bf16_products_widened`: float32 products of the
+    bf16-rounded values, the weight's rounding folded into the frozen constant). Compiled, the float32 layers would
+    otherwise run what Inductor makes of ``F.linear``: MKL's packed GEMM and a generated kernel for the bias and
+    GELU; oneDNN's linear with the bias and GELU inside is what eager inference runs, and the faster on PPMA-T's
+    shapes (docs/compile.md); the bf16 ones oneDNN's bf16 kernels, 2.5-3.4x slower there. The products sum in
+    another order than ``addmm``'s, so the results equal the layers' up to rounding, as the eager fused modules'
+    do. Under bf16 autocast on CPUs with bf16 instructions Inductor's frozen graphs pack the weights for oneDNN's
+    bf16 linear and fuse the GELU (None); training graphs (grad mode on) keep the layers: oneDNN's op has no
+    backward."""
+    if not (_traced_cpu_inference(x, *layers) and _frozen_trace()):
+        return None
+    if not autocast_enabled("cpu"):
+        return torch.float32 if x.dtype == torch.float32 else None
+    if torch.get_autocast_dtype("cpu") == torch.bfloat16 and _ONEDNN_BF16 and bf16_products_widened():
+        return torch.bfloat16
+    return None
 
 
 def _frozen_trace() -> bool:
@@ -193,9 +235,13 @@ def _fold_into(conv: nn.Conv2d, bn: nn.Module) -> None:
 
 def _fused_conv(x: torch.Tensor, conv: nn.Conv2d, dt: torch.dtype, gelu: bool = False) -> torch.Tensor:
     """``bn(conv(x))`` (+ the exact GELU) with the BatchNorm folded into ``conv`` (:func:`_fold_into`): oneDNN's
-    convolution with the GELU fused, one pass instead of three, in ``dt`` (the bias float32)."""
-    return torch.ops.mkldnn._convolution_pointwise(x.to(dt), _param_as(conv.folded_weight, dt), conv.folded_bias,
-                                                   conv.padding, conv.stride, conv.dilation, conv.groups, *_attr(gelu))
+    convolution with the GELU fused, one pass instead of three, in ``dt`` (the bias float32; bf16 on float32 products
+    of the bf16-rounded values where :func:`bf16_products_widened`)."""
+    widened = dt == torch.bfloat16 and bf16_products_widened()
+    y = torch.ops.mkldnn._convolution_pointwise(x.to(dt).float() if widened else x.to(dt),
+                                                _param_as(conv.folded_weight, dt, widened), conv.folded_bias,
+                                                conv.padding, conv.stride, conv.dilation, conv.groups, *_attr(gelu))
+    return y.to(dt)
 
 
 def _refuse(module: nn.Module, incompatible_keys) -> None:
@@ -231,9 +277,10 @@ def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     products (``addmm`` into the first product's result) instead of autograd adding one map of ``x``'s size per
     layer: one pass over ``x``'s gradient per layer fewer. The gradients equal the separate layers' up to float
     rounding (the sum's order). Layers with forward hooks keep their calls. In float32 inference under
-    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_linears`)."""
-    if compiled_onednn_linears(x, *layers):
-        return tuple(_fused_linear(x, m, torch.float32) for m in layers)
+    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_dtype`)."""
+    dt = compiled_onednn_dtype(x, *layers)
+    if dt is not None:
+        return tuple(_fused_linear(x, m, dt) for m in layers)
     if not (torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and not autocast_enabled("cpu")
             and _fused_eager_cpu(x)
             and all(type(m) is nn.Linear and m.bias is not None and not _has_hooks(m) for m in layers)):
@@ -464,15 +511,15 @@ class ConvFFN(nn.Module):
                                  self.fc2, dt)
         if self._compiled_inference(x):
             # compiled CPU inference, as eager's fused FFN: h + dwconv(h) over fc1's output with ppma's kernel (in
-            # place: nothing else reads h); frozen float32: oneDNN's fc1 with the GELU inside and its fc2; else the
-            # layers (bf16 autocast: frozen Inductor packs them for oneDNN with the GELU fused), bf16 taps for bf16
+            # place: nothing else reads h); frozen (compiled_onednn_dtype): oneDNN's fc1 with the GELU inside and its
+            # fc2; else the layers (bf16 autocast: frozen Inductor packs them for oneDNN with the GELU fused); bf16
+            # taps for bf16
             conv = self.dwconv.conv
-            if compiled_onednn_linears(x, self.fc1, self.fc2):  # frozen float32
-                h = _fused_linear(x, self.fc1, torch.float32, gelu=True)
-                return _fused_linear(depthwise_conv2d_residual_(h, conv.weight, conv.bias), self.fc2, torch.float32)
-            h = self.act(self.fc1(x))
+            dt = compiled_onednn_dtype(x, self.fc1, self.fc2)
+            h = _fused_linear(x, self.fc1, dt, gelu=True) if dt is not None else self.act(self.fc1(x))
             bias = None if conv.bias is None else conv.bias.to(h.dtype)
-            return self.fc2(depthwise_conv2d_residual_(h, conv.weight.to(h.dtype), bias))
+            h = depthwise_conv2d_residual_(h, conv.weight.to(h.dtype), bias)
+            return _fused_linear(h, self.fc2, dt) if dt is not None else self.fc2(h)
         h = self.fc1(x)
         conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
         if (conv is not None and _exact_gelu(self.act) and uses_gelu_kernel(h, conv.weight, conv.bias)
