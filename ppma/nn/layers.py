@@ -194,6 +194,25 @@ def compiled_onednn_dtype(x: torch.Tensor, *layers: nn.Module) -> torch.dtype | 
     return None
 
 
+def _compiled_widened_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """``conv(x)`` of the unfused :class:`ConvStem` and :class:`PatchMerging`; traced for frozen CPU inference under
+    bf16 autocast on a CPU without bf16 instructions (:func:`compiled_onednn_dtype`'s bf16 case), a float32
+    convolution of the bf16-rounded input, weight and bias rounded to bf16 once (what autocast's bf16 convolution
+    computes, up to the order of the float32 sums: :func:`bf16_products_widened`), the weight's rounding a constant
+    of the frozen graph, as the eager fused modules run them (:func:`_fused_conv`)."""
+    if not (type(conv) is nn.Conv2d and not _has_hooks(conv) and torch.compiler.is_compiling()
+            and not torch.compiler.is_exporting() and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and _dispatch.get_impl() == "fused" and _frozen_trace() and autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and _ONEDNN_BF16 and bf16_products_widened()):
+        return conv(x)
+    bf16 = torch.bfloat16
+    bias = None if conv.bias is None else conv.bias.to(bf16).float()
+    with torch.autocast("cpu", enabled=False):
+        y = F.conv2d(x.to(bf16).float(), conv.weight.to(bf16).float(), bias, conv.stride, conv.padding, conv.dilation,
+                     conv.groups)
+    return y.to(bf16)
+
+
 def _frozen_trace() -> bool:
     """Whether the graph being traced is for a frozen compile (Inductor's ``freezing`` on while dynamo traces, as
     :class:`ppma.compile.FrozenInference` sets it): Inductor lowers oneDNN's linear op only with the weight a
@@ -582,10 +601,10 @@ class ConvStem(nn.Module):
         else:
             if _channels_last_convs(x):
                 x = x.contiguous(memory_format=torch.channels_last)
-            x = self.act(self.bn1(self.conv1(x)))
-            x = self.act(self.bn2(self.conv2(x)))
-            x = self.act(self.bn3(self.conv3(x)))
-            x = self.bn4(self.conv4(x))
+            x = self.act(self.bn1(_compiled_widened_conv(x, self.conv1)))
+            x = self.act(self.bn2(_compiled_widened_conv(x, self.conv2)))
+            x = self.act(self.bn3(_compiled_widened_conv(x, self.conv3)))
+            x = self.bn4(_compiled_widened_conv(x, self.conv4))
         return x.permute(0, 2, 3, 1).contiguous()  # see DWConv2d
 
     def _fuse(self) -> None:
@@ -623,7 +642,7 @@ class PatchMerging(nn.Module):
         else:
             # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
             # channels-last input (torch 2.13); the copy is one stage output, three times per forward
-            x = self.norm(self.conv(x.permute(0, 3, 1, 2).contiguous()))
+            x = self.norm(_compiled_widened_conv(x.permute(0, 3, 1, 2).contiguous(), self.conv))
         return x.permute(0, 2, 3, 1).contiguous()
 
     def _fuse(self) -> None:
