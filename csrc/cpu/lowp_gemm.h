@@ -40,9 +40,9 @@ inline void pack_vnni2(int64_t k, int64_t n, const Lp* b, int64_t ldb, Lp* __res
   static_assert(sizeof(Lp) == 2, "16-bit operands");
   for (int64_t r = 0; r < k; r += 2) {
     const uint16_t* r0 = reinterpret_cast<const uint16_t*>(b + r * ldb);
-    const uint16_t* r1 = reinterpret_cast<const uint16_t*>(b + (r + 1) * ldb);
     uint16_t* o = reinterpret_cast<uint16_t*>(dst + r * n);
     if (r + 1 < k) {
+      const uint16_t* r1 = r0 + ldb;
 #pragma omp simd
       for (int64_t c = 0; c < n; ++c) o[2 * c] = r0[c], o[2 * c + 1] = r1[c];
     } else {
