@@ -73,6 +73,36 @@ def test_inference_bf16_autocast_within_2e2_of_fp32():
     torch.testing.assert_close(got, eager_bf16, rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("widened", [True, False], ids=["widened", "bf16_kernels"])
+def test_bf16_inference_of_the_convolutions_and_linears(widened, monkeypatch):
+    """Frozen bf16 autocast inference of the stem (its convolutions) and an FFN (its linear layers), with the bf16
+    products widened to oneDNN's float32 kernels as on CPUs without bf16 instructions or not
+    (``ppma.nn.layers.bf16_products_widened``, forced either way): within bf16 rounding of the eager fused modules
+    (which widen the same way) and of the plain modules under autocast."""
+    from ppma.nn import layers
+
+    monkeypatch.setattr(layers, "_WIDENED", widened)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stem, ffn = layers.ConvStem(3, 16), layers.ConvFFN(16, 32)
+    for bn in (stem.bn1, stem.bn2, stem.bn3, stem.bn4):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    for module, x in ((stem, _images()), (ffn, torch.randn(2, 8, 8, 16, generator=torch.Generator().manual_seed(3)))):
+        module.eval()
+        fast = compile_model(module)
+        fused = ppma.nn.fuse_for_inference(copy.deepcopy(module))
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want, plain = fast(x), fused(x), module(x)
+            called = ops_called(lambda: fast(x))
+        assert got.dtype == want.dtype == torch.bfloat16
+        scale = plain.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+        torch.testing.assert_close(got.float(), plain.float(), rtol=2e-2, atol=2e-2 * scale)
+        if module is ffn:
+            assert {"mkldnn::_linear_pointwise", "ppma::depthwise_conv2d_residual_"} <= called, sorted(called)
+
+
 def test_training_equals_eager_and_runs_ppma_kernels():
     """A compiled training step (forward, loss, backward) gives the eager step's loss and gradients, and its graphs
     call ppma's training kernels (path decays, the FFN's GELU + depthwise convolution, the LePE's weight gradient)
