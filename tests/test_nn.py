@@ -385,3 +385,65 @@ def test_shared_input_linears(dtype):
     finally:
         h.remove()
     assert calls
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_widened_bf16_training_linear(x_dtype, monkeypatch):
+    """``ppma.nn.layers.linear`` in CPU training under bf16 autocast where the bf16 products are widened
+    (``bf16_products_widened``, forced): float32 GEMMs of the bf16-rounded values with autocast's roundings (output,
+    grad_x, grad_weight and the bias gradient each rounded to bf16), so output and gradients equal autocast's own bf16
+    linear layer up to the order of the float32 sums (within one bf16 rounding), in the inputs' dtypes; off the gate
+    (widening off, no autocast, no gradients, the reference implementation) the layer itself runs."""
+    from ppma.nn import layers
+
+    monkeypatch.setattr(layers, "_WIDENED", True)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 24)
+    x = torch.randn(3, 5, 40).to(x_dtype).requires_grad_()
+    go = torch.randn(3, 5, 24).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = lin(x)
+        got = layers.linear(x, lin)
+        q, k = layers.linears(x, lin, lin)
+    assert type(got.grad_fn).__name__ == "_WidenedLinearBackward" and got.dtype == torch.bfloat16
+    assert type(q.grad_fn).__name__ == "_WidenedLinearBackward" and torch.equal(q, got) and torch.equal(k, got)
+    gw = torch.autograd.grad(want, [x, lin.weight, lin.bias], go)
+    gg = torch.autograd.grad(got, [x, lin.weight, lin.bias], go)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-6)
+    for a, b in zip(gg, gw):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        monkeypatch.setattr(layers, "_WIDENED", False)
+        assert type(layers.linear(x, lin).grad_fn).__name__ != "_WidenedLinearBackward"
+        monkeypatch.setattr(layers, "_WIDENED", True)
+        with torch.no_grad():
+            assert layers.linear(x, lin).grad_fn is None
+        with ppma.ops.use_impl("reference"):
+            assert type(layers.linear(x, lin).grad_fn).__name__ != "_WidenedLinearBackward"
+    assert type(layers.linear(x.float(), lin).grad_fn).__name__ != "_WidenedLinearBackward"  # no autocast
+
+
+def test_widened_bf16_training_step(monkeypatch):
+    """A bf16-autocast training step of the tiny PPMA-T with the widened products (forced) against the bf16 kernels:
+    the same loss and gradients up to bf16 rounding of the sums' order."""
+    import ppma
+    from ppma.nn import layers
+
+    torch.manual_seed(0)
+    model = ppma.create_model("ppma_tiny", num_classes=10, embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1),
+                              num_heads=(2, 2, 4, 4), drop_path_rate=0.0)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    y = torch.tensor([1, 3])
+
+    def step(widened):
+        monkeypatch.setattr(layers, "_WIDENED", widened)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    (l0, g0), (l1, g1) = step(False), step(True)
+    assert abs(l0.item() - l1.item()) < 1e-2
+    assert F.cosine_similarity(g0.double(), g1.double(), dim=0).item() > 0.999

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ppma.ops as ops
-from ppma.nn.layers import (DWConv2d, _fused_dtype, _fused_linear, autocast_enabled, compiled_onednn_dtype,
+from ppma.nn.layers import (DWConv2d, _fused_dtype, _fused_linear, autocast_enabled, compiled_onednn_dtype, linear,
                              linears)
 from ppma.nn.masks import MASKS, RMT_GAMMA, build_decay, masked_attention
 from ppma.nn.rope import rotary_angle, rotary_sin_cos
@@ -174,7 +174,7 @@ class PPMAAttention(nn.Module):
         cdt = compiled_onednn_dtype(out, self.proj)
         if cdt is not None:  # compiled frozen inference: oneDNN's linear, as fused
             return _fused_linear(out, self.proj, cdt)
-        return _fused_linear(out, self.proj, dt) if fused else self.proj(out)
+        return _fused_linear(out, self.proj, dt) if fused else linear(out, self.proj)
 
     def _fuse(self) -> None:
         """Part of :func:`ppma.nn.fuse_for_inference` (after its children; the LePE must be a fused

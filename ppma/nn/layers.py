@@ -26,7 +26,7 @@ from ppma.ops.cpu.layer_norm import uses_kernel as _layer_norm_uses_kernel
 from ppma.ops import _dispatch
 
 __all__ = ["DWConv2d", "DropPath", "LayerNorm", "LayerScale", "ConvFFN", "ConvStem", "PatchMerging", "ClassifierHead",
-           "MLPS", "linears", "fold_batch_norm", "FUSED_FOR_INFERENCE"]
+           "MLPS", "linear", "linears", "fold_batch_norm", "FUSED_FOR_INFERENCE"]
 
 # The two linear layers of the FFN: "standard" is nn.Linear (the official model), "monarch" the Surrogate FFN Block's
 # Monarch matrices (seed paper "... via Structured Matrix", §4.2, Eq. 5; ppma.nn.MonarchLinear).
@@ -287,6 +287,65 @@ def _fused_eager_cpu(x: torch.Tensor) -> bool:
     )
 
 
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``layer(x)``; in CPU training under bf16 autocast on a CPU without bf16 instructions
+    (:func:`bf16_products_widened`), for an ``nn.Linear`` without hooks, the same function on float32 GEMMs of the
+    bf16-rounded values (:class:`_WidenedLinear`), eager or traced by ``torch.compile`` (not ``torch.export``), with
+    the "fused" implementation."""
+    if _widened_training(x, layer):
+        return _WidenedLinear.apply(x, layer.weight, layer.bias)
+    return layer(x)
+
+
+def _widened_training(x: torch.Tensor, *layers: nn.Module) -> bool:
+    """The gate of :func:`linear`'s widened products (and :func:`linears`')."""
+    return (torch.is_grad_enabled() and x.device.type == "cpu" and autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and _dispatch.get_impl() == "fused"
+            and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
+            and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers)
+            and bf16_products_widened())
+
+
+class _WidenedLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` as CPU bf16 autocast computes it, on float32 GEMMs (:func:`bf16_products_widened`:
+    oneDNN's bf16 kernels widen every operand in their loops on CPUs without bf16 instructions, 2.5-3.4x slower than
+    its float32 ones on PPMA-T's shapes). Autocast rounds x, weight and bias to bf16 and runs a bf16 GEMM with float32
+    sums whose output is rounded to bf16; its backward's GEMMs round grad_x and grad_weight to bf16, and the bias
+    gradient's sum too, before they return to the inputs' dtypes. Here the same roundings on float32 products of the
+    rounded values (exact: a product of two bf16 values fits in float32), so the results equal autocast's up to the
+    order of the float32 sums."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        bf16 = torch.bfloat16
+        xb, wb = x.to(bf16), weight.to(bf16)
+        ctx.save_for_backward(xb, wb)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        with torch.autocast("cpu", enabled=False):
+            x2 = xb.reshape(-1, xb.shape[-1]).float()
+            w = wb.float().t()
+            y = x2.mm(w) if bias is None else torch.addmm(bias.to(bf16).float(), x2, w)
+        return y.to(bf16).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        bf16 = torch.bfloat16
+        xb, wb = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        with torch.autocast("cpu", enabled=False):
+            g2 = g.reshape(-1, g.shape[-1]).to(bf16).float()
+            gx = gw = gb = None
+            if need[0]:
+                gx = g2.mm(wb.float()).to(bf16).view(xb.shape).to(ctx.x_dtype)
+            if need[1]:
+                gw = g2.t().mm(xb.reshape(-1, xb.shape[-1]).float()).to(bf16).to(ctx.w_dtype)
+            if ctx.b_dtype is not None and need[2]:
+                gb = g2.sum(0).to(bf16).to(ctx.b_dtype)
+        return gx, gw, gb
+
+
 def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in layers)``: several projections of one input (the attention's q, k and v).
 
@@ -295,11 +354,14 @@ def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     the layers' own ``addmm`` (the same bits as calling them), and the backward sums the input's gradient inside the
     products (``addmm`` into the first product's result) instead of autograd adding one map of ``x``'s size per
     layer: one pass over ``x``'s gradient per layer fewer. The gradients equal the separate layers' up to float
-    rounding (the sum's order). Layers with forward hooks keep their calls. In float32 inference under
-    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_dtype`)."""
+    rounding (the sum's order). Layers with forward hooks keep their calls. In frozen inference under
+    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_dtype`); in training under bf16 autocast
+    on a CPU without bf16 instructions, float32 GEMMs with autocast's roundings (:func:`linear`)."""
     dt = compiled_onednn_dtype(x, *layers)
     if dt is not None:
         return tuple(_fused_linear(x, m, dt) for m in layers)
+    if _widened_training(x, *layers):
+        return tuple(_WidenedLinear.apply(x, m.weight, m.bias) for m in layers)
     if not (torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and not autocast_enabled("cpu")
             and _fused_eager_cpu(x)
             and all(type(m) is nn.Linear and m.bias is not None and not _has_hooks(m) for m in layers)):
@@ -539,15 +601,15 @@ class ConvFFN(nn.Module):
             bias = None if conv.bias is None else conv.bias.to(h.dtype)
             h = depthwise_conv2d_residual_(h, conv.weight.to(h.dtype), bias)
             return _fused_linear(h, self.fc2, dt) if dt is not None else self.fc2(h)
-        h = self.fc1(x)
+        h = linear(x, self.fc1)
         conv = self.dwconv.conv if type(self.dwconv) is DWConv2d else None
         if (conv is not None and _exact_gelu(self.act) and uses_gelu_kernel(h, conv.weight, conv.bias)
                 and not any(_has_hooks(m) for m in (self.act, self.dwconv, conv))):
             # CPU training (the op's gate): GELU and h + dwconv(h) as one op that keeps fc1's output only, one ppma
             # kernel each way (ppma.ops.cpu.gelu_depthwise_conv2d_residual; output and gradients equal to the
             # modules' up to rounding); hooks on the replaced modules must see their calls
-            return self.fc2(gelu_depthwise_conv2d_residual(h, conv.weight, conv.bias))
-        return self.fc2(self.dwconv(self.act(h), residual=True))
+            return linear(gelu_depthwise_conv2d_residual(h, conv.weight, conv.bias), self.fc2)
+        return linear(self.dwconv(self.act(h), residual=True), self.fc2)
 
     def _compiled_inference(self, x: torch.Tensor) -> bool:
         # traced by torch.compile for CPU inference (_traced_cpu_inference), in float32 or under bf16 autocast,
@@ -707,7 +769,7 @@ class ClassifierHead(nn.Module):
             nn.init.zeros_(self.fc.bias)
 
     def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.proj(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = linear(x.permute(0, 2, 3, 1), self.proj).permute(0, 3, 1, 2)
         x = F.silu(self.norm(x))  # swish
         if self.global_pool == "avg":
             x = x.flatten(2).mean(-1)
