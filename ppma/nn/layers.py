@@ -48,11 +48,11 @@ _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_
 _ONEDNN_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-
 @torch.compiler.assume_constant_result  # traced: called, not traced (it reads the CPU's flags once)
 def bf16_products_widened() -> bool:
-    """Whether the fused modules' bf16 linear layers and convolutions (bf16 autocast inference of a model fused by
-    :func:`ppma.nn.fuse_for_inference`) run oneDNN's float32 kernels on the bf16-rounded values: where this CPU has no
+    """Whether bf16 autocast runs the model's products on float32 kernels fed the bf16-rounded values: the linear
+    layers and convolutions of a model fused by :func:`ppma.nn.fuse_for_inference` and of ``compile_model``'s frozen
+    graphs (oneDNN's), and the linear layers in training (:func:`linear`, float32 GEMMs): where this CPU has no
     bf16 instructions (``ppma.backends.cpu_matrix_unit()`` is ``"avx512"`` or ``"avx2"``), oneDNN's bf16 kernels
     widen every bf16 operand to float32 inside their loops and ran 2.5-3.4x slower than its float32 kernels on
     PPMA-T's shapes (docs/performance.md "bf16 and fp16 on the CPU"). The product of two bf16 values is exact in
