@@ -298,12 +298,12 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 
 def _widened_training(x: torch.Tensor, *layers: nn.Module) -> bool:
-    """The gate of :func:`linear`'s widened products (and :func:`linears`')."""
-    return (torch.is_grad_enabled() and x.device.type == "cpu" and autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and _dispatch.get_impl() == "fused"
-            and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
+    """The gate of :func:`linear`'s widened products (and :func:`linears`'). ``x`` is read last, and only as a
+    tensor: torch.fx's symbolic tracing passes proxies, whose attributes cannot decide a branch."""
+    return (torch.is_grad_enabled() and autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and _dispatch.get_impl() == "fused" and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
             and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers)
-            and bf16_products_widened())
+            and bf16_products_widened() and isinstance(x, torch.Tensor) and x.device.type == "cpu")
 
 
 class _WidenedLinear(torch.autograd.Function):
