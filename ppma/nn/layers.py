@@ -200,10 +200,7 @@ def _compiled_widened_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
     convolution of the bf16-rounded input, weight and bias rounded to bf16 once (what autocast's bf16 convolution
     computes, up to the order of the float32 sums: :func:`bf16_products_widened`), the weight's rounding a constant
     of the frozen graph, as the eager fused modules run them (:func:`_fused_conv`)."""
-    if not (type(conv) is nn.Conv2d and not _has_hooks(conv) and torch.compiler.is_compiling()
-            and not torch.compiler.is_exporting() and not torch.is_grad_enabled() and x.device.type == "cpu"
-            and _dispatch.get_impl() == "fused" and _frozen_trace() and autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and _ONEDNN_BF16 and bf16_products_widened()):
+    if not (type(conv) is nn.Conv2d and not _has_hooks(conv) and compiled_onednn_dtype(x) == torch.bfloat16):
         return conv(x)
     bf16 = torch.bfloat16
     bias = None if conv.bias is None else conv.bias.to(bf16).float()
