@@ -87,7 +87,9 @@ def cpu_capabilities_available() -> list[str]:
 def cpu_bf16_dot() -> bool:
     """Whether the CPU kernels multiply bf16 inputs with the AVX-512 BF16 dot-product instruction
     (``vdpbf16ps``, float32 accumulation): the ``"avx512"`` path is selected and the CPU has ``avx512_bf16``.
-    Otherwise bf16 inputs are converted to float32 and take the float32 path (the same accumulation)."""
+    Otherwise bf16 inputs are converted to float32 and take the float32 path (the same accumulation). Also true on
+    the ``"avx512"`` path of any CPU under the internal option ``cpu_lowp_products=5``, which runs those kernels with
+    the instruction emulated on AVX-512F (tests; docs/configuration.md "Internal options")."""
     _require_ext()
     return bool(torch.ops.ppma.cpu_bf16_dot())
 
@@ -127,7 +129,8 @@ def cpu_lowp_route(dtype: torch.dtype = torch.bfloat16) -> str:
     - ``"brgemm_vnni_emulated"``: the same packing with a scalar loop for the micro-kernel (tests only).
 
     The internal option ``cpu_lowp_products`` (1 to 4: these in order) forces one; forcing ``"brgemm_vnni"`` where it
-    does not run makes the ops raise a ``RuntimeError``, and this function too."""
+    does not run makes the ops raise a ``RuntimeError``, and this function too. 5 is ``"simd"`` with AVX-512 BF16's
+    dot products emulated on the ``"avx512"`` path (:func:`cpu_bf16_dot`; tests)."""
     _require_ext()
     return str(torch.ops.ppma.cpu_lowp_route(dtype))
 
@@ -320,9 +323,10 @@ def cpu_summary() -> str:
     line = f"CPU: {info['cpu']}; bf16 products (oneDNN): {_UNIT_WORDS[info['matrix_unit']]}"
     if info["ppma_kernels"] is not None:
         vnni = info["ppma_lowp_route"].startswith("brgemm_vnni")
+        emulated = " (emulated)" if config.get_internal_option("cpu_lowp_products") == 5 else ""
         dot = ("torch's CPU batch-reduce micro-kernel (VNNI-packed)" if vnni
                else "torch's CPU batch-reduce GEMM" if info["ppma_lowp_gemm"]
-               else "AVX-512 BF16 dot products" if info["ppma_bf16_dot"] else "float32")
+               else f"AVX-512 BF16 dot products{emulated}" if info["ppma_bf16_dot"] else "float32")
         line += f"; ppma kernels: {info['ppma_kernels']}, attention bf16 products via {dot}"
     if info["ppma_bf16_widened"]:
         line += "; fused bf16 linear layers and convolutions: oneDNN float32 on bf16-rounded values"

@@ -20,8 +20,8 @@ CPU SIMD path cap           (environment only: read by the first         ``PPMA_
 
 Internal options, for comparisons and for kernels not yet verified on a GPU (:func:`set_internal_option`;
 environment ``PPMA_INTERNAL_OPTIONS="name=value,..."``): ``cuda_tensor_cores`` (0: polyline_attention's CUDA-core
-kernels only), ``cuda_next_<op>`` (1: the next generation of that op's CUDA kernel) and ``cpu_lowp_products`` (0, 1,
-2: which products bf16 / fp16 inputs take in the CPU kernels of polyline_attention and criss_cross_attention). Their
+kernels only), ``cuda_next_<op>`` (1: the next generation of that op's CUDA kernel) and ``cpu_lowp_products`` (0 to
+5: which products bf16 / fp16 inputs take in the CPU kernels of polyline_attention and criss_cross_attention). Their
 names and ranges are those of ``csrc/common/options.h``.
 
 Everything the op wrappers read on their traced path is a plain module-level value, so ``torch.compile``
@@ -193,8 +193,9 @@ def set_internal_option(name: str, value: int) -> int:
     "Internal options") and return its previous value: ``cuda_tensor_cores`` (0: polyline_attention's CUDA-core
     kernels only, to compare them with the tensor-core ones), ``cuda_next_<op>`` (1: the next generation of the
     op's CUDA kernel, before it is verified on a GPU) or ``cpu_lowp_products`` (the products of bf16 / fp16 inputs in
-    the CPU kernels of polyline_attention and criss_cross_attention: 0 by the CPU's matrix unit, 1 ppma's own SIMD products, 2 torch's CPU
-    batch-reduce GEMM; ``ppma.backends.cpu_lowp_gemm``). Raises ``ValueError`` for an unknown name or a value out of
+    the CPU kernels of polyline_attention and criss_cross_attention: 0 by the CPU's matrix unit, 1 ppma's own SIMD
+    products, 2 torch's CPU batch-reduce GEMM, 3 and 4 its VNNI-packed micro-kernel and that packing emulated, 5 the
+    SIMD products with AVX-512 BF16's dot products emulated; ``ppma.backends.cpu_lowp_route``). Raises ``ValueError`` for an unknown name or a value out of
     range, ``RuntimeError`` without the compiled library."""
     _require_library()
     return _set_option(name, value)

@@ -292,6 +292,26 @@ def cpu_paths() -> list[dict[str, str]]:
     return [{}] + [{"PPMA_CPU_CAPABILITY": c} for c in CPU_CAPABILITIES[: CPU_CAPABILITIES.index(best)]]
 
 
+#: The environment that runs the avx512 path's bf16 dot-product kernels with ``vdpbf16ps`` emulated on AVX-512F
+#: (the internal option ``cpu_lowp_products=5``): their tests on CPUs without AVX-512 BF16.
+BF16_DOT_EMULATED = {"PPMA_INTERNAL_OPTIONS": "cpu_lowp_products=5"}
+
+
+def bf16_paths() -> list[dict[str, str]]:
+    """:func:`cpu_paths`, and :data:`BF16_DOT_EMULATED` where the avx512 path runs here."""
+    from ppma.backends import cpu_capability
+
+    return cpu_paths() + ([BF16_DOT_EMULATED] if cpu_capability() == "avx512" else [])
+
+
+def expects_bf16_dot(env: dict, capability: str) -> bool:
+    """Whether a process with the environment settings ``env`` (an entry of :func:`bf16_paths`) whose kernels run
+    ``capability`` multiplies bf16 inputs with the AVX-512 BF16 dot products (``ppma.backends.cpu_bf16_dot``)."""
+    from ppma.backends import cpu_bf16_dot_supported
+
+    return capability == "avx512" and (cpu_bf16_dot_supported() or env == BF16_DOT_EMULATED)
+
+
 def path_id(env: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in env.items()) or "default"
 

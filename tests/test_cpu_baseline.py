@@ -144,21 +144,25 @@ for shape in [(2, 7, 9, 2, 16, 16), (1, 5, 5, 3, 7, 5), (1, 14, 14, 2, 32, 32)]:
 
 
 @needs_ext
-@pytest.mark.parametrize("capability", PATHS or [None])
-def test_bf16_products(capability):
+@pytest.mark.parametrize("capability, emulated", [(c, False) for c in PATHS or [None]]
+                         + [("avx512", True)] * ("avx512" in PATHS), ids=str)
+def test_bf16_products(capability, emulated):
     """bf16 polyline_attention: where ``cpu_bf16_dot()`` the forward runs the bf16 products (P rounded to bf16,
     so the output is not the float32 kernel's on the same values) within the bf16 tolerance of the float64
     reference (odd d, odd N and tails of 16 included); on the other paths bf16 inputs take the float32 kernel
-    (bitwise the float32 result rounded to bf16). Never the reference."""
+    (bitwise the float32 result rounded to bf16). Never the reference. ``emulated``: the avx512 path with the
+    products' instruction emulated (``cpu_lowp_products=5``), whatever the CPU has."""
     if capability is None:
         pytest.skip("no compiled library")
     env = cpu_subprocess_env(capability)
     env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
+    if emulated:
+        env["PPMA_INTERNAL_OPTIONS"] = "cpu_lowp_products=5"
     res = _python(_BF16_CHECK, env)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.split("\n")
     bf16dot = lines[0] == "True"
-    assert bf16dot == (capability == "avx512" and backends.cpu_bf16_dot_supported())
+    assert bf16dot == (capability == "avx512" and (emulated or backends.cpu_bf16_dot_supported()))
     for ln in lines[1:]:
         if not ln:
             continue

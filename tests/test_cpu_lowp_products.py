@@ -1,8 +1,10 @@
 """bf16 / fp16 ``polyline_attention`` and ``criss_cross_attention`` on the CPU with each choice of products
 (docs/performance.md "bf16 and fp16 on the CPU"): ppma's own SIMD products (internal option ``cpu_lowp_products=1``),
 torch's CPU batch-reduce GEMM on plain operands (``=2``), its micro-kernel on VNNI-packed operands (``=3``, the default
-on CPUs with AMX; only where oneDNN generates it) and the same packing with the micro-kernel emulated (``=4``), each
-forced here so that every route this machine can run runs. polyline_attention: the training op (out, out_v2h, lse), the inference op and the five gradients (of both
+on CPUs with AMX; only where oneDNN generates it), the same packing with the micro-kernel emulated (``=4``) and ppma's
+SIMD products with AVX-512 BF16's dot products emulated (``=5``: the bf16 kernels of CPUs with AVX-512 BF16, on the
+avx512 path of any CPU), each forced here so that every route this machine can run runs. polyline_attention: the
+training op (out, out_v2h, lse), the inference op and the five gradients (of both
 backward ops) against the float64 reference within the 16-bit tolerance, over narrow and wide maps, odd sizes, head
 dims 16 / 32 / 64 and several heads. criss_cross_attention: out and the five gradients against the float64 reference
 over single rows and columns, odd and unequal H and W, lines past 32 tokens, head dims 16 / 32 / 33 / 64, value dims
@@ -20,8 +22,10 @@ from op_utils import assert_close, make_attention_inputs, needs_ext, shape_id
 from ppma import backends, config
 from ppma.ops.reference import criss_cross_attention_ref, polyline_attention_ref
 
-# option value -> name in the test ids, as ppma.backends.cpu_lowp_route reports it
-PRODUCTS = {1: "simd", 2: "brgemm", 3: "brgemm_vnni", 4: "brgemm_vnni_emulated"}
+# option value -> route, as ppma.backends.cpu_lowp_route reports it (5: ppma's SIMD products with AVX-512 BF16's dot
+# products emulated, on the avx512 path), and the name in the test ids
+PRODUCTS = {1: "simd", 2: "brgemm", 3: "brgemm_vnni", 4: "brgemm_vnni_emulated", 5: "simd"}
+IDS = {**PRODUCTS, 5: "simd_bf16_dot_emulated"}
 DTYPES = [torch.bfloat16, torch.float16]
 # Tighter than the table's 16-bit tolerance (2e-2): the float32 result rounded to bf16 is ~1.7e-3 off the float64
 # one, to fp16 ~2e-4; either choice of products stays within about twice that (measured: polyline_attention
@@ -40,11 +44,15 @@ def _need_route(products, dtype):
     (it needs AMX, or AVX-512 BF16 for bf16): what the probe of ``ppma.backends.cpu_lowp_vnni_available`` says."""
     if products == 3 and not backends.cpu_lowp_vnni_available(dtype):
         pytest.skip(f"torch's VNNI-packed batch-reduce micro-kernel does not run {dtype} here")
+    if products == 5 and (dtype != torch.bfloat16 or backends.cpu_capability() != "avx512"):
+        pytest.skip("the emulated bf16 dot products: bf16 inputs on the avx512 path only")
 
 
 def _routes(dtype):
-    """The routes besides ppma's SIMD products that run here for ``dtype``."""
-    return [p for p in (2, 3, 4) if p != 3 or backends.cpu_lowp_vnni_available(dtype)]
+    """The routes besides ppma's SIMD products that run here for ``dtype``, and the SIMD products with the bf16 dot
+    products emulated (5) where they run (bf16 on the avx512 path)."""
+    return [p for p in (2, 3, 4) if p != 3 or backends.cpu_lowp_vnni_available(dtype)] + (
+        [5] if dtype == torch.bfloat16 and backends.cpu_capability() == "avx512" else [])
 
 
 def _inputs(shape, dtype, seed=0):
@@ -102,14 +110,19 @@ def test_option_selects_the_products():
                     torch.ops.ppma.polyline_attention(*inputs, 0.25)
                 with pytest.raises(RuntimeError, match="cpu_lowp_products=3"):
                     torch.ops.ppma.criss_cross_attention(*inputs, 0.25)
+    with config.internal_option("cpu_lowp_products", 5):
+        for dt in DTYPES:
+            assert not backends.cpu_lowp_gemm(dt) and backends.cpu_lowp_route(dt) == "simd"
+        assert backends.cpu_bf16_dot() == (backends.cpu_capability() == "avx512")
+    assert backends.cpu_bf16_dot() == (backends.cpu_capability() == "avx512" and backends.cpu_bf16_dot_supported())
     with pytest.raises(ValueError):
-        config.set_internal_option("cpu_lowp_products", 5)
+        config.set_internal_option("cpu_lowp_products", 6)
     assert config.get_internal_option("cpu_lowp_products") == 0
 
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=PRODUCTS.get)
+@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=IDS.get)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_matches_reference(shape, products, dtype):
     """Forward (both ops), lse and gradients (both backward ops) against the float64 reference of the 16-bit
@@ -119,11 +132,12 @@ def test_matches_reference(shape, products, dtype):
     go = torch.randn(shape[:4] + (shape[5],), generator=torch.Generator().manual_seed(1)).to(dtype)
     _need_route(products, dtype)
     with config.internal_option("cpu_lowp_products", products):
-        assert backends.cpu_lowp_gemm(dtype) == (products != 1)
+        assert backends.cpu_lowp_gemm(dtype) == (products not in (1, 5))
         assert backends.cpu_lowp_route(dtype) == PRODUCTS[products]
+        assert backends.cpu_bf16_dot() or products != 5
         out, out_v2h, lse, grads, inf, lse_grads = _run_all(inputs, scale, go)
     want, want_grads = _reference(inputs, scale, go)
-    what = f"{PRODUCTS[products]}, {dtype}"
+    what = f"{IDS[products]}, {dtype}"
     assert out.dtype == dtype and inf.dtype == dtype and lse.dtype == torch.float32
     assert_close(out, want, dtype, f"{what}: out", mult=MULT[dtype])
     assert_close(inf, want, dtype, f"{what}: inference out", mult=MULT[dtype])
@@ -150,7 +164,7 @@ def test_brgemm_and_simd_products_agree(shape, dtype):
             res[products] = _run_all(inputs, scale, go)
     a = res[1]
     for products in _routes(dtype):
-        b, what = res[products], PRODUCTS[products]
+        b, what = res[products], IDS[products]
         torch.testing.assert_close(a[2], b[2], rtol=0, atol=2e-2)  # lse: logits of 16-bit q, k in float32 either way
         assert_close(b[0], a[0], dtype, f"{what}: out")
         assert_close(b[4], a[4], dtype, f"{what}: inference out")
@@ -160,7 +174,7 @@ def test_brgemm_and_simd_products_agree(shape, dtype):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=PRODUCTS.get)
+@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=IDS.get)
 @pytest.mark.parametrize("shape", [(2, 9, 13, 2, 32, 16), (1, 7, 9, 1, 64, 16)], ids=shape_id)
 def test_thread_count_invariant(shape, products, dtype):
     """Bitwise the same results for 1, 2 and 3 threads and across runs (each task owns its outputs and partial
@@ -185,7 +199,7 @@ def test_thread_count_invariant(shape, products, dtype):
 
 
 @needs_ext
-@pytest.mark.parametrize("products", [2, 3, 4], ids=PRODUCTS.get)
+@pytest.mark.parametrize("products", [2, 3, 4], ids=IDS.get)
 @pytest.mark.parametrize("mixer", ["full", "criss_cross"])
 def test_autocast_bf16_train_step_on_brgemm_products(mixer, products):
     """A training step of the tiny PPMA-T under ``torch.autocast("cpu", torch.bfloat16)`` on torch's batch-reduce
@@ -248,7 +262,7 @@ def _grad_out(shape, dtype, seed):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=PRODUCTS.get)
+@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=IDS.get)
 @pytest.mark.parametrize("shape", CC_SHAPES, ids=shape_id)
 def test_criss_cross_matches_reference(shape, products, dtype):
     """out and the five gradients against the float64 reference of the 16-bit inputs, within the 16-bit tolerance;
@@ -258,11 +272,12 @@ def test_criss_cross_matches_reference(shape, products, dtype):
     go = _grad_out(shape, dtype, 1)
     _need_route(products, dtype)
     with config.internal_option("cpu_lowp_products", products):
-        assert backends.cpu_lowp_gemm(dtype) == (products != 1)
+        assert backends.cpu_lowp_gemm(dtype) == (products not in (1, 5))
         assert backends.cpu_lowp_route(dtype) == PRODUCTS[products]
+        assert backends.cpu_bf16_dot() or products != 5
         out, lse, grads = _run_cc(inputs, scale, go)
     want, want_grads = _reference(inputs, scale, go, ref=criss_cross_attention_ref)
-    what = f"{PRODUCTS[products]}, {dtype}"
+    what = f"{IDS[products]}, {dtype}"
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == shape[:4] + (2,)
     assert torch.isfinite(lse).all()
     assert_close(out, want, dtype, f"{what}: out", mult=MULT[dtype])
@@ -285,7 +300,7 @@ def test_criss_cross_brgemm_and_simd_products_agree(shape, dtype):
             res[products] = _run_cc(inputs, shape[4] ** -0.5, go)
     a = res[1]
     for products in _routes(dtype):
-        b, what = res[products], PRODUCTS[products]
+        b, what = res[products], IDS[products]
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-4)
         assert_close(b[0], a[0], dtype, f"{what}: out")
         for g1, g2 in zip(a[2], b[2]):
@@ -309,7 +324,7 @@ def _cc_threads(inputs, go, products, scale=0.3, threads=(1, 2, 3, 2)):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=PRODUCTS.get)
+@pytest.mark.parametrize("products", sorted(PRODUCTS), ids=IDS.get)
 @pytest.mark.parametrize("shape", [(2, 9, 13, 2, 32, 16), (1, 1, 9, 1, 64, 16), (1, 7, 1, 1, 16, 8)], ids=shape_id)
 def test_criss_cross_thread_count_invariant(shape, products, dtype):
     """Bitwise the same results for 1, 2 and 3 threads and across runs (each line is a task writing its own outputs;
@@ -324,7 +339,7 @@ def test_criss_cross_thread_count_invariant(shape, products, dtype):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("products", [2, 3, 4], ids=PRODUCTS.get)
+@pytest.mark.parametrize("products", [2, 3, 4], ids=IDS.get)
 def test_criss_cross_brgemm_groups_and_recomputed_maps(products, dtype):
     """On the batch-reduce GEMM: the phases run per group of (batch, head) pairs whose row maps fit 2 MiB (64 x 64
     maps: 4 pairs a group in the forward, 2 in the backward, whose maps are float32; 6 pairs make full and partial

@@ -12,9 +12,8 @@ import sys
 import pytest
 import torch
 
-from op_utils import (_TESTS_DIR, AttentionOpTests, cpu_paths, make_attention_inputs, needs_ext, path_id, rel_err,
-                      shape_id)
-from ppma import backends
+from op_utils import (_TESTS_DIR, AttentionOpTests, bf16_paths, expects_bf16_dot, make_attention_inputs, needs_ext,
+                      path_id, rel_err, shape_id)
 from ppma.ops import criss_cross_attention
 from ppma.ops.reference import criss_cross_attention_ref
 
@@ -81,10 +80,10 @@ torch.save(res, sys.argv[3])
 
 
 @needs_ext
-@pytest.mark.parametrize("path", cpu_paths(), ids=path_id)
+@pytest.mark.parametrize("path", bf16_paths(), ids=path_id)
 def test_bf16_products(path, tmp_path):
     """bf16 q, k, v on each SIMD path, in a fresh process: where ``cpu_bf16_dot()`` (the avx512 path of a CPU with
-    AVX-512 BF16) the forward runs the bf16 products, so out is not the float32 kernel's result on the same values
+    AVX-512 BF16, or of any CPU with the instruction emulated) the forward runs the bf16 products, so out is not the float32 kernel's result on the same values
     rounded to bf16, while lse is that kernel's up to float32 rounding (the float32 backward recomputes the maps
     from it); on the other paths out is bitwise the float32 kernel's rounded to bf16. Everywhere: out in bf16
     within ``BF16_TOL`` of the float64 reference, bitwise the same on 1, 2 and 3 threads and from run to run."""
@@ -96,7 +95,7 @@ def test_bf16_products(path, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"child on the {path_id(path)} path failed:\n{res.stderr[-3000:]}"
     got = torch.load(out_file)
-    assert got["bf16_dot"] == (got["capability"] == "avx512" and backends.cpu_bf16_dot_supported())
+    assert got["bf16_dot"] == expects_bf16_dot(path, got["capability"])
     for shape, case in zip(BF16_SHAPES, got["cases"]):
         what = f"{path_id(path)}, {shape_id(shape)}"
         out, lse = case["runs"][BF16_THREADS[0]][0]

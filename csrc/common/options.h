@@ -27,7 +27,8 @@ enum class Option : int {
   // batch-reduce micro-kernel on VNNI-packed operands where torch can pack for it, i.e. AMX; ppma's own SIMD products
   // elsewhere), 1 ppma's own SIMD products, 2 torch's CPU batch-reduce GEMM on plain operands
   // (at::native::cpublas::brgemm), 3 its micro-kernel on VNNI-packed operands, 4 the same packing with the
-  // micro-kernel emulated by a scalar loop (tests). Read on every call.
+  // micro-kernel emulated by a scalar loop (tests), 5 ppma's own SIMD products with AVX-512 BF16's dot products
+  // (vdpbf16ps) emulated on AVX-512F (tests of that path on CPUs without them; cpu/simd.h dpbf16). Read on every call.
   kCpuLowpProducts,
   kCount
 };
@@ -45,7 +46,7 @@ inline constexpr OptionSpec kOptionSpecs[] = {
     {"cuda_next_polyline_attention", 0, 0, 1},
     {"cuda_next_criss_cross_attention", 0, 0, 1},
     {"cuda_next_polyline_linear_attention", 0, 0, 1},
-    {"cpu_lowp_products", 0, 0, 4},
+    {"cpu_lowp_products", 0, 0, 5},
 };
 static_assert(sizeof(kOptionSpecs) / sizeof(kOptionSpecs[0]) == static_cast<int>(Option::kCount),
               "one OptionSpec per Option");

@@ -146,15 +146,17 @@ inline bool lowp_gemm_native(at::ScalarType t) {
   return t == at::kBFloat16 ? bf16 : (t == at::kHalf ? f16 : false);
 }
 
-// The products of q, k, v of dtype t: the internal option cpu_lowp_products (common/options.h): 1 ppma's SIMD
-// products, 2 the plain route, 3 the VNNI route (an error where it is unavailable: lowp_vnni_available), 4 the VNNI
-// route emulated; 0 (default) where torch's CPU flash attention would take its batch-reduce micro-kernels
-// (lowp_gemm_native: AMX) the VNNI route, or the plain one should its probe fail, and the SIMD products elsewhere.
+// The products of q, k, v of dtype t: the internal option cpu_lowp_products (common/options.h): 1 (and 5, with the
+// bf16 dot products emulated: cpu/simd.h cpu_bf16_dot_emulated) ppma's SIMD products, 2 the plain route, 3 the
+// VNNI route (an error where it is unavailable: lowp_vnni_available), 4 the VNNI route emulated; 0 (default) where
+// torch's CPU flash attention would take its batch-reduce micro-kernels (lowp_gemm_native: AMX) the VNNI route, or
+// the plain one should its probe fail, and the SIMD products elsewhere.
 // Other dtypes than bf16 and fp16: the SIMD products (their float32 paths).
 inline LowpRoute lowp_route(at::ScalarType t) {
   if (t != at::kBFloat16 && t != at::kHalf) return LowpRoute::kSimd;
   switch (get_option(Option::kCpuLowpProducts)) {
     case 1:
+    case 5:
       return LowpRoute::kSimd;
     case 2:
       return LowpRoute::kGemm;

@@ -733,8 +733,27 @@ PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restri
 // run_lanes16_bf16(), whose target has AVX-512 BF16. The accumulator goes in and out by value: an asm operand
 // that is an element of the caller's accumulator array kept that array on the stack (a load and a store around
 // every instruction).
+//
+// Emulated = true: the same sums on AVX-512F alone (the internal option cpu_lowp_products=5, cpu_bf16_dot_emulated:
+// tests of this path on CPUs without AVX-512 BF16). A bf16 widened is its bits << 16; each product is exact in
+// float32, so each step is the product added with one rounding: the high pair first, then the low one, the order
+// of the instruction's definition in Intel's manual. The instruction flushes denormal inputs and results to zero,
+// the emulation does not: they differ only there.
+template <bool Emulated = false>
 PPMA_SIMD_INLINE vec<16> dpbf16(vec<16> acc, ivec<16> a, ivec<16> b) {
-  asm("vdpbf16ps %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+  if constexpr (Emulated) {
+    const ivec<16> high = ivec<16>{} + static_cast<int32_t>(0xffff0000u);
+    const ivec<16> ah = a & high, al = a << 16, bh = b & high, bl = b << 16;
+    vec<16> fah, fal, fbh, fbl;
+    std::memcpy(&fah, &ah, sizeof(fah));
+    std::memcpy(&fal, &al, sizeof(fal));
+    std::memcpy(&fbh, &bh, sizeof(fbh));
+    std::memcpy(&fbl, &bl, sizeof(fbl));
+    acc += fah * fbh;
+    acc += fal * fbl;
+  } else {
+    asm("vdpbf16ps %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+  }
   return acc;
 }
 
@@ -743,7 +762,7 @@ PPMA_SIMD_INLINE vec<16> dpbf16(vec<16> acc, ivec<16> a, ivec<16> b) {
 // A: rows of pairs, row stride ar in pairs; Bp: packed pairs [K2][ldb][2], read 16 columns at a time (pad ldb to
 // a multiple of 16 with zeros: whole vectors are read). Only the first `cols` (<= 16 NB) columns of the tile
 // are stored.
-template <int RB, int NB>
+template <int RB, int NB, bool Emulated>
 PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp, int64_t ldb,
                                      float* C, int64_t ldc, int64_t cols, bool accumulate, float alpha) {
   vec<16> s[RB][NB] = {};
@@ -754,7 +773,7 @@ PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, 
       int32_t pair;
       std::memcpy(&pair, A + (r * ar + p) * 2, sizeof(pair));
       const ivec<16> a = ivec<16>{} + pair;
-      for (int c = 0; c < NB; ++c) s[r][c] = dpbf16(s[r][c], a, b[c]);
+      for (int c = 0; c < NB; ++c) s[r][c] = dpbf16<Emulated>(s[r][c], a, b[c]);
     }
   }
   // Unrolled, so that the accumulators are registers (an accumulator indexed in a loop kept rolled lives in memory).
@@ -777,37 +796,50 @@ PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, 
   }
 }
 
-template <int NB>
+template <int NB, bool Emulated>
 PPMA_SIMD_INLINE void gemm_bf16_columns(int64_t R, int64_t K2, const uint16_t* A, int64_t ar, const uint16_t* Bp,
                                         int64_t ldb, float* C, int64_t ldc, int64_t cols, bool accumulate,
                                         float alpha) {
   int64_t r0 = 0;
   for (; r0 + 8 <= R; r0 += 8)
-    gemm_bf16_tile<8, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    gemm_bf16_tile<8, NB, Emulated>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
   if (r0 + 4 <= R) {
-    gemm_bf16_tile<4, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    gemm_bf16_tile<4, NB, Emulated>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
     r0 += 4;
   }
   if (r0 + 2 <= R) {
-    gemm_bf16_tile<2, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    gemm_bf16_tile<2, NB, Emulated>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
     r0 += 2;
   }
   for (; r0 < R; ++r0)
-    gemm_bf16_tile<1, NB>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+    gemm_bf16_tile<1, NB, Emulated>(K2, A + r0 * ar * 2, ar, Bp, ldb, C + r0 * ldc, ldc, cols, accumulate, alpha);
+}
+
+inline bool cpu_bf16_dot_emulated();
+
+template <bool Emulated>
+PPMA_SIMD_INLINE void small_gemm_bf16_on(int64_t R, int64_t Cn, int64_t K2, const uint16_t* A, int64_t ar,
+                                         const uint16_t* Bp, int64_t ldb, float* C, int64_t ldc, bool accumulate,
+                                         float alpha) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= Cn; c0 += 32)
+    gemm_bf16_columns<2, Emulated>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, 32, accumulate, alpha);
+  for (; c0 < Cn; c0 += 16)
+    gemm_bf16_columns<1, Emulated>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, std::min<int64_t>(16, Cn - c0),
+                                   accumulate, alpha);
 }
 
 // C[r, c] (=|+=) alpha * sum_{p < K2} <A pair (r, p), B pair (p, c)> for r < R, c < Cn: A rows of pairs at stride ar
 // (in pairs), B packed [K2][ldb][2] with ldb >= Cn a multiple of 16 (zero columns past Cn). Every element's sum
-// runs over p in order, so the result does not depend on the blocking.
+// runs over p in order, so the result does not depend on the blocking. On vdpbf16ps, or its emulation where
+// cpu_bf16_dot_emulated() (read per call: the tests switch it in one process).
 PPMA_SIMD_INLINE void small_gemm_bf16(Lanes<16>, int64_t R, int64_t Cn, int64_t K2, const uint16_t* A, int64_t ar,
                                       const uint16_t* Bp, int64_t ldb, float* C, int64_t ldc, bool accumulate,
                                       float alpha = 1.0f) {
-  int64_t c0 = 0;
-  for (; c0 + 32 <= Cn; c0 += 32)
-    gemm_bf16_columns<2>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, 32, accumulate, alpha);
-  for (; c0 < Cn; c0 += 16)
-    gemm_bf16_columns<1>(R, K2, A, ar, Bp + c0 * 2, ldb, C + c0, ldc, std::min<int64_t>(16, Cn - c0), accumulate,
-                         alpha);
+  if (cpu_bf16_dot_emulated())
+    small_gemm_bf16_on<true>(R, Cn, K2, A, ar, Bp, ldb, C, ldc, accumulate, alpha);
+  else
+    small_gemm_bf16_on<false>(R, Cn, K2, A, ar, Bp, ldb, C, ldc, accumulate, alpha);
 }
 #endif  // PPMA_SIMD_X86
 
@@ -894,10 +926,16 @@ __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf1
 }
 #endif
 
-// Whether the bf16 products run: the avx512 path is selected and the CPU has AVX-512 BF16.
+// Whether the bf16 products run on vdpbf16ps's emulation (dpbf16): the internal option cpu_lowp_products is 5
+// (common/options.h; tests) and the avx512 path is selected, whatever the CPU has.
+inline bool cpu_bf16_dot_emulated() {
+  return get_option(Option::kCpuLowpProducts) == 5 && cpu_capability() == Capability::kAvx512;
+}
+
+// Whether the bf16 products run: the avx512 path is selected and the CPU has AVX-512 BF16, or their emulation.
 inline bool cpu_bf16_dot() {
   static const bool enabled = cpu_capability() == Capability::kAvx512 && cpu_supports_avx512_bf16();
-  return enabled;
+  return enabled || cpu_bf16_dot_emulated();
 }
 
 #ifdef PPMA_SIMD_X86
