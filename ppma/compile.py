@@ -21,6 +21,8 @@ is off: it took the channels-last ``[B, H, W, C]`` maps for NCHW ones and transp
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -35,15 +37,26 @@ class FrozenInference(nn.Module):
     parameters as constants of the graph instead of inputs, which the weight-packing passes need.
     ``torch.compile(..., options={"freezing": True})`` does not do that (torch 2.13: the graph compiles, unfrozen,
     with ``addmm`` on unpacked weights), and setting the global flag would freeze every other no-grad compile in the
-    process. Made by :func:`compile_model`; ``module`` is the eager model (its parameters are this module's)."""
+    process. Made by :func:`compile_model`; ``module`` is the eager model (its parameters are this module's).
+
+    Inductor freezes only graphs traced without gradients: a call with gradient mode on compiles (and runs) an
+    unfrozen graph, the slow one of docs/compile.md, and warns once (``UserWarning``); call it under
+    ``torch.inference_mode()`` or ``torch.no_grad()``."""
 
     def __init__(self, model: nn.Module, compiled: nn.Module) -> None:
         super().__init__()
         self.module = model
         self.__dict__["_compiled"] = compiled  # not a submodule: its parameters are ``module``'s
+        self._warned = False
 
     def forward(self, *args, **kwargs):
         from torch._inductor import config
+
+        if torch.is_grad_enabled() and not self._warned:
+            self._warned = True
+            warnings.warn("ppma.compile.FrozenInference called with gradients enabled: Inductor freezes only graphs "
+                          "traced without them, so this call compiles an unfrozen graph (slower; docs/compile.md). "
+                          "Call it under torch.inference_mode() or torch.no_grad().", UserWarning, stacklevel=2)
 
         prev = config.freezing
         config.freezing = True

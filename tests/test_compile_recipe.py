@@ -6,6 +6,7 @@ glue (layer norms, path decays, depthwise convolutions), and the arguments are c
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -153,3 +154,24 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match=r"model\.eval\(\)"):
         compile_model(_model().train(), inference=True)
 
+
+
+def test_frozen_inference_warns_once_with_gradients():
+    """A frozen-inference model called with gradients on compiles an unfrozen graph (Inductor freezes only graphs
+    traced without them): one warning per model, none under ``torch.no_grad()`` / ``torch.inference_mode()``; the
+    freezing switch is back to its previous value after every call."""
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    fast = FrozenInference(_model().eval(), lambda x: seen.append(inductor_config.freezing) or x)
+    x = torch.zeros(1)
+    with pytest.warns(UserWarning, match="gradients enabled"):
+        fast(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast(x)  # once only
+        with torch.no_grad():
+            fast(x)
+        with torch.inference_mode():
+            FrozenInference(_model().eval(), lambda t: t)(x)
+    assert seen == [True, True, True] and inductor_config.freezing is False
