@@ -195,8 +195,8 @@ def set_internal_option(name: str, value: int) -> int:
     op's CUDA kernel, before it is verified on a GPU) or ``cpu_lowp_products`` (the products of bf16 / fp16 inputs in
     the CPU kernels of polyline_attention and criss_cross_attention: 0 by the CPU's matrix unit, 1 ppma's own SIMD
     products, 2 torch's CPU batch-reduce GEMM, 3 and 4 its VNNI-packed micro-kernel and that packing emulated, 5 the
-    SIMD products with AVX-512 BF16's dot products emulated; ``ppma.backends.cpu_lowp_route``). Raises ``ValueError`` for an unknown name or a value out of
-    range, ``RuntimeError`` without the compiled library."""
+    SIMD products with AVX-512 BF16's dot products emulated; ``ppma.backends.cpu_lowp_route``). Raises
+    ``ValueError`` for an unknown name or a value out of range, ``RuntimeError`` without the compiled library."""
     _require_library()
     return _set_option(name, value)
 

@@ -155,7 +155,6 @@ def test_arguments_are_checked():
         compile_model(_model().train(), inference=True)
 
 
-
 def test_frozen_inference_warns_once_with_gradients():
     """A frozen-inference model called with gradients on compiles an unfrozen graph (Inductor freezes only graphs
     traced without them): one warning per model, none under ``torch.no_grad()`` / ``torch.inference_mode()``; the

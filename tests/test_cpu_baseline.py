@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from op_utils import needs_ext
+from op_utils import BF16_DOT_EMULATED, expects_bf16_dot, needs_ext
 from ppma import backends
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -157,12 +157,12 @@ def test_bf16_products(capability, emulated):
     env = cpu_subprocess_env(capability)
     env["PYTHONPATH"] = HERE + os.pathsep + env["PYTHONPATH"]
     if emulated:
-        env["PPMA_INTERNAL_OPTIONS"] = "cpu_lowp_products=5"
+        env.update(BF16_DOT_EMULATED)
     res = _python(_BF16_CHECK, env)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.split("\n")
     bf16dot = lines[0] == "True"
-    assert bf16dot == (capability == "avx512" and (emulated or backends.cpu_bf16_dot_supported()))
+    assert bf16dot == expects_bf16_dot(BF16_DOT_EMULATED if emulated else {}, capability)
     for ln in lines[1:]:
         if not ln:
             continue

@@ -83,10 +83,11 @@ torch.save(res, sys.argv[3])
 @pytest.mark.parametrize("path", bf16_paths(), ids=path_id)
 def test_bf16_products(path, tmp_path):
     """bf16 q, k, v on each SIMD path, in a fresh process: where ``cpu_bf16_dot()`` (the avx512 path of a CPU with
-    AVX-512 BF16, or of any CPU with the instruction emulated) the forward runs the bf16 products, so out is not the float32 kernel's result on the same values
-    rounded to bf16, while lse is that kernel's up to float32 rounding (the float32 backward recomputes the maps
-    from it); on the other paths out is bitwise the float32 kernel's rounded to bf16. Everywhere: out in bf16
-    within ``BF16_TOL`` of the float64 reference, bitwise the same on 1, 2 and 3 threads and from run to run."""
+    AVX-512 BF16, or of any CPU with the instruction emulated) the forward runs the bf16 products, so out is not the
+    float32 kernel's result on the same values rounded to bf16, while lse is that kernel's up to float32 rounding (the
+    float32 backward recomputes the maps from it); on the other paths out is bitwise the float32 kernel's rounded to
+    bf16. Everywhere: out in bf16 within ``BF16_TOL`` of the float64 reference, bitwise the same on 1, 2 and 3 threads
+    and from run to run."""
     out_file = tmp_path / "bf16.pt"
     env = {**os.environ, **path,
            "PYTHONPATH": os.pathsep.join([os.path.dirname(_TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
