@@ -424,6 +424,54 @@ def test_widened_bf16_training_linear(x_dtype, monkeypatch):
     assert type(layers.linear(x.float(), lin).grad_fn).__name__ != "_WidenedLinearBackward"  # no autocast
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
+    """``ppma.nn.layers.conv2d`` (the stem's and patch merging's convolutions) in CPU training under bf16 autocast
+    where the bf16 products are widened (forced): float32 convolutions with autocast's roundings, so output and
+    gradients equal autocast's own bf16 convolution up to the order of the float32 sums, in the inputs' dtypes, and
+    the channels-last layout is kept; off the gate (widening off, no gradients, the reference implementation, a
+    grouped convolution, a hook) the convolution itself runs."""
+    from ppma.nn import layers
+
+    monkeypatch.setattr(layers, "_WIDENED", True)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(6, 10, 3, 2, 1, bias=bias)
+    x = torch.randn(2, 6, 9, 11).to(x_dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+    go = torch.randn(2, 10, 5, 6).bfloat16().contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = conv(x)
+        got = layers.conv2d(x, conv)
+    assert type(got.grad_fn).__name__ == "_WidenedConv2dBackward" and got.dtype == torch.bfloat16
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    params = [x, conv.weight] + ([conv.bias] if bias else [])
+    gw = torch.autograd.grad(want, params, go)
+    gg = torch.autograd.grad(got, params, go)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-6)
+    for a, b in zip(gg, gw):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
+
+    def widened(module=conv, inp=x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return type(layers.conv2d(inp, module).grad_fn).__name__ == "_WidenedConv2dBackward"
+
+    with torch.no_grad():
+        assert not widened()
+    with ppma.ops.use_impl("reference"):
+        assert not widened()
+    assert not widened(torch.nn.Conv2d(6, 6, 3, 1, 1, groups=2))
+    h = conv.register_forward_hook(lambda *a: None)
+    try:
+        assert not widened()
+    finally:
+        h.remove()
+    monkeypatch.setattr(layers, "_WIDENED", False)
+    assert not widened()
+    monkeypatch.setattr(layers, "_WIDENED", True)
+    assert widened()
+
+
 def test_widened_bf16_training_step(monkeypatch):
     """A bf16-autocast training step of the tiny PPMA-T with the widened products (forced) against the bf16 kernels:
     the same loss and gradients up to bf16 rounding of the sums' order."""

@@ -194,20 +194,32 @@ def compiled_onednn_dtype(x: torch.Tensor, *layers: nn.Module) -> torch.dtype | 
     return None
 
 
-def _compiled_widened_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
-    """``conv(x)`` of the unfused :class:`ConvStem` and :class:`PatchMerging`; traced for frozen CPU inference under
-    bf16 autocast on a CPU without bf16 instructions (:func:`compiled_onednn_dtype`'s bf16 case), a float32
-    convolution of the bf16-rounded input, weight and bias rounded to bf16 once (what autocast's bf16 convolution
-    computes, up to the order of the float32 sums: :func:`bf16_products_widened`), the weight's rounding a constant
-    of the frozen graph, as the eager fused modules run them (:func:`_fused_conv`)."""
-    if not (type(conv) is nn.Conv2d and not _has_hooks(conv) and compiled_onednn_dtype(x) == torch.bfloat16):
+def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """``conv(x)``: the dense convolutions of the unfused :class:`ConvStem` and :class:`PatchMerging`, on a CPU without
+    bf16 instructions under bf16 autocast (:func:`bf16_products_widened`) as float32 convolutions of the bf16-rounded
+    values, what autocast's bf16 convolution computes up to the order of the float32 sums:
+
+    - traced for frozen CPU inference (:func:`compiled_onednn_dtype`'s bf16 case): input, weight and bias rounded to
+      bf16 (the weight's rounding a constant of the frozen graph), the output rounded once, as the eager fused
+      modules run them (:func:`_fused_conv`);
+    - in CPU training (grad mode on; eager or traced by ``torch.compile``, not ``torch.export``; the "fused"
+      implementation; an ``nn.Conv2d`` without groups or hooks, zero-padded): :class:`_WidenedConv2d`, with
+      autocast's roundings of the gradients too.
+
+    Anywhere else the convolution itself runs."""
+    if type(conv) is not nn.Conv2d or _has_hooks(conv):
         return conv(x)
-    bf16 = torch.bfloat16
-    bias = None if conv.bias is None else conv.bias.to(bf16).float()
-    with torch.autocast("cpu", enabled=False):
-        y = F.conv2d(x.to(bf16).float(), conv.weight.to(bf16).float(), bias, conv.stride, conv.padding, conv.dilation,
-                     conv.groups)
-    return y.to(bf16)
+    if compiled_onednn_dtype(x) == torch.bfloat16:
+        bf16 = torch.bfloat16
+        bias = None if conv.bias is None else conv.bias.to(bf16).float()
+        with torch.autocast("cpu", enabled=False):
+            y = F.conv2d(x.to(bf16).float(), conv.weight.to(bf16).float(), bias, conv.stride, conv.padding,
+                         conv.dilation, conv.groups)
+        return y.to(bf16)
+    if (conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+            and _widened_training(x, conv, kind=nn.Conv2d)):
+        return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation)
+    return conv(x)
 
 
 def _frozen_trace() -> bool:
@@ -294,12 +306,13 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return layer(x)
 
 
-def _widened_training(x: torch.Tensor, *layers: nn.Module) -> bool:
-    """The gate of :func:`linear`'s widened products (and :func:`linears`'). ``x`` is read last, and only as a
-    tensor: torch.fx's symbolic tracing passes proxies, whose attributes cannot decide a branch."""
+def _widened_training(x: torch.Tensor, *layers: nn.Module, kind: type = nn.Linear) -> bool:
+    """The gate of :func:`linear`'s widened products (and :func:`linears`', :func:`conv2d`'s in training; ``layers``
+    of type ``kind`` exactly). ``x`` is read last, and only as a tensor: torch.fx's symbolic tracing passes proxies,
+    whose attributes cannot decide a branch."""
     return (torch.is_grad_enabled() and autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
             and _dispatch.get_impl() == "fused" and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
-            and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers)
+            and all(type(m) is kind and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers)
             and bf16_products_widened() and isinstance(x, torch.Tensor) and x.device.type == "cpu")
 
 
@@ -341,6 +354,45 @@ class _WidenedLinear(torch.autograd.Function):
             if ctx.b_dtype is not None and need[2]:
                 gb = g2.sum(0).to(bf16).to(ctx.b_dtype)
         return gx, gw, gb
+
+
+class _WidenedConv2d(torch.autograd.Function):
+    """``F.conv2d(x, weight, bias, stride, padding, dilation)`` (no groups) as CPU bf16 autocast computes it, on float32
+    convolutions (:func:`bf16_products_widened`: oneDNN's bf16 convolutions widen every operand in their loops on
+    CPUs without bf16 instructions; forward and backward of PPMA-T's stem and patch-merging convolutions ran 2.0x
+    slower than the float32 ones at b8@224 on an Ice Lake Xeon, 2 threads, docs/performance.md "bf16 and fp16 on the
+    CPU"). The roundings of :class:`_WidenedLinear`: x, weight and bias rounded to bf16, the output rounded to bf16,
+    and in the backward the output's gradient, then grad_x, grad_weight and grad_bias each rounded to bf16 before
+    they return to the inputs' dtypes; the products of bf16 values are exact in float32, so the results equal
+    autocast's up to the order of the float32 sums. The memory format of ``x`` (channels-last in training) is kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation):
+        bf16 = torch.bfloat16
+        xb, wb = x.to(bf16), weight.to(bf16)
+        ctx.save_for_backward(xb, wb)
+        ctx.conv = (stride, padding, dilation)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        with torch.autocast("cpu", enabled=False):
+            y = F.conv2d(xb.float(), wb.float(), None if bias is None else bias.to(bf16).float(), stride, padding,
+                         dilation)
+        return y.to(bf16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        bf16 = torch.bfloat16
+        xb, wb = ctx.saved_tensors
+        stride, padding, dilation = ctx.conv
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need = ctx.needs_input_grad
+        mask = [need[0], need[1], b_dtype is not None and need[2]]
+        with torch.autocast("cpu", enabled=False):
+            gx, gw, gb = torch.ops.aten.convolution_backward(
+                g.to(bf16).float(), xb.float(), wb.float(), None if b_dtype is None else [wb.shape[0]], list(stride),
+                list(padding), list(dilation), False, [0] * len(stride), 1, mask)
+        return (None if gx is None else gx.to(bf16).to(x_dtype), None if gw is None else gw.to(bf16).to(w_dtype),
+                None if gb is None else gb.to(bf16).to(b_dtype), None, None, None)
 
 
 def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -660,10 +712,10 @@ class ConvStem(nn.Module):
         else:
             if _channels_last_convs(x):
                 x = x.contiguous(memory_format=torch.channels_last)
-            x = self.act(self.bn1(_compiled_widened_conv(x, self.conv1)))
-            x = self.act(self.bn2(_compiled_widened_conv(x, self.conv2)))
-            x = self.act(self.bn3(_compiled_widened_conv(x, self.conv3)))
-            x = self.bn4(_compiled_widened_conv(x, self.conv4))
+            x = self.act(self.bn1(conv2d(x, self.conv1)))
+            x = self.act(self.bn2(conv2d(x, self.conv2)))
+            x = self.act(self.bn3(conv2d(x, self.conv3)))
+            x = self.bn4(conv2d(x, self.conv4))
         return x.permute(0, 2, 3, 1).contiguous()  # see DWConv2d
 
     def _fuse(self) -> None:
@@ -697,11 +749,11 @@ class PatchMerging(nn.Module):
             # PPMA-T's last merging (256 -> 512 channels, 14² or 32² maps) NCHW is faster (24.5 against 18.4 ms
             # forward + backward at b8@224). Not under torch.compile: the size test would be a guard on the shapes
             # (with dynamic shapes, a graph for each side of it)
-            x = self.norm(self.conv(x.permute(0, 3, 1, 2)))
+            x = self.norm(conv2d(x.permute(0, 3, 1, 2), self.conv))
         else:
             # contiguous NCHW input: inductor with dynamic shapes fails on a strided conv + BN over a
             # channels-last input (torch 2.13); the copy is one stage output, three times per forward
-            x = self.norm(_compiled_widened_conv(x.permute(0, 3, 1, 2).contiguous(), self.conv))
+            x = self.norm(conv2d(x.permute(0, 3, 1, 2).contiguous(), self.conv))
         return x.permute(0, 2, 3, 1).contiguous()
 
     def _fuse(self) -> None:
