@@ -66,17 +66,15 @@ inline void vnni_gemm_emulated(int64_t m, int64_t n, int64_t kp, const Lp* a, in
   }
 }
 
-// lowp_gemm on the VNNI route (the header's comment): B packed into a buffer of the calling thread on every call (a
-// k x n copy beside the m x n x k product), A copied with a zero column where k is odd. The real micro-kernel's
-// hardware context (AMX's tile configuration) is released after each call, so nothing of it outlives the call (a
-// oneDNN primitive on the same thread may release or reconfigure the tiles between two calls).
+// The product on the VNNI route with B packed already (pack_vnni2, kp = k rounded up to even rows): A copied into a
+// buffer of the calling thread with a zero column where k is odd. The real micro-kernel's hardware context (AMX's
+// tile configuration) is released after each call, so nothing of it outlives the call (a oneDNN primitive on the
+// same thread may release or reconfigure the tiles between two calls).
 template <typename Lp>
-inline void lowp_gemm_vnni(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* b, int64_t ldb,
-                           float* c, int64_t ldc, bool add, bool emulate) {
-  thread_local std::vector<Lp> bp, ap;
+inline void lowp_gemm_vnni_packed(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* bp, float* c,
+                                  int64_t ldc, bool add, bool emulate) {
+  thread_local std::vector<Lp> ap;
   const int64_t kp = (k + 1) / 2 * 2;
-  if (static_cast<int64_t>(bp.size()) < kp * n) bp.resize(kp * n);
-  pack_vnni2(k, n, b, ldb, bp.data());
   if (kp != k) {
     if (static_cast<int64_t>(ap.size()) < m * kp) ap.resize(m * kp);
     for (int64_t i = 0; i < m; ++i) {
@@ -86,11 +84,23 @@ inline void lowp_gemm_vnni(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t
     a = ap.data(), lda = kp;
   }
   if (emulate) {
-    vnni_gemm_emulated(m, n, kp, a, lda, bp.data(), c, ldc, add);
+    vnni_gemm_emulated(m, n, kp, a, lda, bp, c, ldc, add);
   } else {
-    at::native::cpublas::brgemm(m, n, kp, lda, n, ldc, add, a, bp.data(), c, /*is_vnni=*/true);
+    at::native::cpublas::brgemm(m, n, kp, lda, n, ldc, add, a, bp, c, /*is_vnni=*/true);
     at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   }
+}
+
+// lowp_gemm on the VNNI route (the header's comment) for a B used once: packed into a buffer of the calling thread
+// on every call (a k x n copy beside the m x n x k product). A B that several products share: LowpOperand.
+template <typename Lp>
+inline void lowp_gemm_vnni(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* b, int64_t ldb,
+                           float* c, int64_t ldc, bool add, bool emulate) {
+  thread_local std::vector<Lp> bp;
+  const int64_t kp = (k + 1) / 2 * 2;
+  if (static_cast<int64_t>(bp.size()) < kp * n) bp.resize(kp * n);
+  pack_vnni2(k, n, b, ldb, bp.data());
+  lowp_gemm_vnni_packed(m, n, k, a, lda, bp.data(), c, ldc, add, emulate);
 }
 
 // Whether torch's VNNI micro-kernel route runs correctly for Lp on this CPU: two products with known results (odd and
@@ -202,6 +212,43 @@ inline void lowp_gemm(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda,
       break;
     default:
       at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
+  }
+}
+
+// A B operand [k][n] (row stride ldb) that several lowp_gemm products share, e.g. the keys or values of a (batch,
+// head) against each of its query tiles: on the VNNI routes packed once by set() (as torch's CPU flash attention
+// packs a head's keys and values once for all its query blocks), each product then running on the packed copy; on
+// the plain route the operand as it is. The products equal lowp_gemm's on the same B bitwise (the same packing and
+// micro-kernel call). set() reads the route: call it inside the op, after the option is read for the op's dtype.
+template <typename Lp>
+struct LowpOperand {
+  const Lp* b = nullptr;
+  int64_t k = 0, n = 0, ldb = 0;
+  LowpRoute route = LowpRoute::kGemm;
+  std::vector<Lp> packed;  // [kp / 2][n][2] on the VNNI routes
+
+  void set(int64_t k_, int64_t n_, const Lp* b_, int64_t ldb_) {
+    k = k_, n = n_, b = b_, ldb = ldb_;
+    route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
+    if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) {
+      const int64_t kp = (k + 1) / 2 * 2;
+      if (static_cast<int64_t>(packed.size()) < kp * n) packed.resize(kp * n);
+      pack_vnni2(k, n, b, ldb, packed.data());
+    }
+  }
+};
+
+// lowp_gemm with B a LowpOperand (its k and n): C[m][n] = (C if add else 0) + A[m][k] B.
+template <typename Lp>
+inline void lowp_gemm(int64_t m, const Lp* a, int64_t lda, const LowpOperand<Lp>& B, float* c, int64_t ldc,
+                      bool add) {
+  switch (B.route) {
+    case LowpRoute::kVnni:
+    case LowpRoute::kVnniEmulated:
+      lowp_gemm_vnni_packed(m, B.n, B.k, a, lda, B.packed.data(), c, ldc, add, B.route == LowpRoute::kVnniEmulated);
+      break;
+    default:
+      at::native::cpublas::brgemm(m, B.n, B.k, lda, B.ldb, ldc, add, a, B.b, c, /*is_vnni=*/false);
   }
 }
 

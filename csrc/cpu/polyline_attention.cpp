@@ -491,20 +491,23 @@ void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at:
 // bf16 / fp16 q, k, v on torch's CPU batch-reduce GEMM (cpu/lowp_gemm.h; where use_lowp_gemm()): the forward's
 // q k^T and P v are products of bf16 (fp16) operands with float32 accumulation; biases, softmax and statistics are
 // float32 as on every path. P, the unnormalised softmax in [0, 1], is rounded to the inputs' dtype for P v. The keys
-// of a (batch, head) are transposed once per task and held while the task's (batch, head) does not change.
+// of a (batch, head) are transposed once per task and held while the task's (batch, head) does not change; the
+// second operands shared by a (batch, head)'s query tiles are LowpOperands (packed once on the VNNI routes).
 template <typename Lp>
 struct LowpScratch {
   std::vector<float> f;
   std::vector<Lp> h;
   int64_t kt_bg = -1;  // the (batch, head) whose keys Kt holds
+  LowpOperand<Lp> kt, vals, keys;  // the keys transposed [d][N]; the values [N][dv] (backward: transposed,
+                                   // [dv][N]); backward: the keys [N][d]
 };
 
 // The logits of a query tile: X1 = scale q k^T (then the biases, as logits_block); Kt: the keys [d][N].
 template <int L, typename Lp>
 inline void logits_block_lowp(Lanes<L> ln, const PAData<float>& D, const Lp* q, int64_t bg, int64_t p0, int64_t tq,
-                              const Lp* Kt, float* X1, float* X2, float* mx1, float* mx2) {
+                              const LowpOperand<Lp>& Kt, float* X1, float* X2, float* mx1, float* mx2) {
   const int64_t N = D.N, G = D.G, d = D.d, b = bg / G, g = bg % G;
-  lowp_gemm(tq, N, d, q + token_index(N, G, b, p0, g) * d, G * d, Kt, N, X1, N, false);
+  lowp_gemm(tq, q + token_index(N, G, b, p0, g) * d, G * d, Kt, X1, N, false);
   const float scale = D.scale;
 #pragma omp simd
   for (int64_t e = 0; e < tq * N; ++e) X1[e] *= scale;
@@ -535,19 +538,20 @@ void forward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const
       const int64_t b = bg / G, g = bg % G;
       if (S.kt_bg != bg) {
         transpose_rows(N, d, k + token_index(N, G, b, 0, g) * d, G * d, Kt, N);
+        S.kt.set(d, N, Kt, N);
+        S.vals.set(N, dv, v + token_index(N, G, b, 0, g) * dv, G * dv);
         S.kt_bg = bg;
       }
       float mx1[TQ], mx2[TQ], inv1[TQ], inv2[TQ];
-      logits_block_lowp(ln, D, q, bg, p0, tq, Kt, X1, X2, mx1, mx2);
+      logits_block_lowp(ln, D, q, bg, p0, tq, S.kt, X1, X2, mx1, mx2);
       for (int64_t a = 0; a < tq; ++a) {
         softmax_pair_row(ln, N, X1 + a * N, X2 + a * N, mx1[a], mx2[a], inv1 + a, inv2 + a,
                          lse + token_index(N, G, b, p0 + a, g) * 2);
         to_lowp(N, X1 + a * N, Pb1 + a * N);
         to_lowp(N, X2 + a * N, Pb2 + a * N);
       }
-      const Lp* vb = v + token_index(N, G, b, 0, g) * dv;
-      lowp_gemm(tq, dv, N, Pb1, N, vb, G * dv, O1, dv, false);  // P1 v (unnormalised)
-      lowp_gemm(tq, dv, N, Pb2, N, vb, G * dv, O2, dv, false);  // P2 v
+      lowp_gemm(tq, Pb1, N, S.vals, O1, dv, false);  // P1 v (unnormalised)
+      lowp_gemm(tq, Pb2, N, S.vals, O2, dv, false);  // P2 v
       for (int64_t a = 0; a < tq; ++a) {
         const int64_t o = token_index(N, G, b, p0 + a, g);
         average_pair_row(dv, O1 + a * dv, O2 + a * dv, inv1[a], inv2[a], out_v2h + o * dv, out + o * dv);
@@ -576,9 +580,11 @@ void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp
       const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
       if (S.kt_bg != bg) {
         transpose_rows(N, d, k + token_index(N, G, b, 0, g) * d, G * d, Kt, N);
+        S.kt.set(d, N, Kt, N);
+        S.vals.set(N, dv, v + token_index(N, G, b, 0, g) * dv, G * dv);
         S.kt_bg = bg;
       }
-      lowp_gemm(tq, N, d, q + row0 * d, G * d, Kt, N, X, N, false);
+      lowp_gemm(tq, q + row0 * d, G * d, S.kt, X, N, false);
       const float scale = D.scale;
 #pragma omp simd
       for (int64_t e = 0; e < tq * N; ++e) X[e] *= scale;
@@ -586,7 +592,7 @@ void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp
         average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, static_cast<float*>(nullptr));
         to_lowp(N, X + a * N, Pb + a * N);
       }
-      lowp_gemm(tq, dv, N, Pb, N, v + token_index(N, G, b, 0, g) * dv, G * dv, O, dv, false);  // P v
+      lowp_gemm(tq, Pb, N, S.vals, O, dv, false);  // P v
       for (int64_t a = 0; a < tq; ++a) to_lowp(dv, O + a * dv, out + (row0 + a * G) * dv);
     });
   });
@@ -1036,14 +1042,17 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
     const Lp* vb = v + token_index(N, G, b, 0, g) * dv;
     transpose_rows(N, d, kb, G * d, Kt, N);
     transpose_rows(N, dv, vb, G * dv, Vt, N);
+    S.kt.set(d, N, Kt, N);
+    S.vals.set(dv, N, Vt, N);
+    S.keys.set(N, d, kb, G * d);
     const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
     for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
       const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0);
       const int64_t row0 = token_index(N, G, b, p0, g);
-      logits_block_lowp(ln, D, q, bg, p0, tq, Kt, X1, X2, static_cast<T*>(nullptr), static_cast<T*>(nullptr));
+      logits_block_lowp(ln, D, q, bg, p0, tq, S.kt, X1, X2, static_cast<T*>(nullptr), static_cast<T*>(nullptr));
       // DP = 0.5 dO v^T
       const Lp* gob = go_lp + row0 * dv;
-      lowp_gemm(tq, N, dv, gob, G * dv, Vt, N, DP, N, false);
+      lowp_gemm(tq, gob, G * dv, S.vals, DP, N, false);
 #pragma omp simd
       for (int64_t e = 0; e < tq * N; ++e) DP[e] *= T(0.5);
       T Dr1[TQ], Dr2[TQ];
@@ -1086,7 +1095,7 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
                         gcc + kr * W);
       }
       // dq = (scale dS) k; dk += (scale dS)^T q; dv += (0.5 (P1 + P2))^T dO
-      lowp_gemm(tq, d, N, DS, N, kb, G * d, dq + row0 * d, G * d, false);
+      lowp_gemm(tq, DS, N, S.keys, dq + row0 * d, G * d, false);
       lowp_gemm(N, d, tq, DSt, TQ, q + row0 * d, G * d, pdk, d, true);
       lowp_gemm(N, dv, tq, PSt, TQ, gob, G * dv, pdv, dv, true);
     }
