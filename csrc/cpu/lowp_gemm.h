@@ -51,6 +51,15 @@ inline void pack_vnni2(int64_t k, int64_t n, const Lp* b, int64_t ldb, Lp* __res
   }
 }
 
+// B packed by pack_vnni2 into buf (grown as needed); returns the packed copy.
+template <typename Lp>
+inline const Lp* pack_vnni2_into(std::vector<Lp>& buf, int64_t k, int64_t n, const Lp* b, int64_t ldb) {
+  const int64_t kp = (k + 1) / 2 * 2;
+  if (static_cast<int64_t>(buf.size()) < kp * n) buf.resize(kp * n);
+  pack_vnni2(k, n, b, ldb, buf.data());
+  return buf.data();
+}
+
 // What the micro-kernel computes, in a scalar loop: C[m][n] = (C if add else 0) + A[m][kp] B, B packed by pack_vnni2
 // (option 4: tests the packing where the micro-kernel is unavailable; float32 products and sums).
 template <typename Lp>
@@ -97,10 +106,7 @@ template <typename Lp>
 inline void lowp_gemm_vnni(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* b, int64_t ldb,
                            float* c, int64_t ldc, bool add, bool emulate) {
   thread_local std::vector<Lp> bp;
-  const int64_t kp = (k + 1) / 2 * 2;
-  if (static_cast<int64_t>(bp.size()) < kp * n) bp.resize(kp * n);
-  pack_vnni2(k, n, b, ldb, bp.data());
-  lowp_gemm_vnni_packed(m, n, k, a, lda, bp.data(), c, ldc, add, emulate);
+  lowp_gemm_vnni_packed(m, n, k, a, lda, pack_vnni2_into(bp, k, n, b, ldb), c, ldc, add, emulate);
 }
 
 // Whether torch's VNNI micro-kernel route runs correctly for Lp on this CPU: two products with known results (odd and
@@ -230,11 +236,7 @@ struct LowpOperand {
   void set(int64_t k_, int64_t n_, const Lp* b_, int64_t ldb_) {
     k = k_, n = n_, b = b_, ldb = ldb_;
     route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
-    if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) {
-      const int64_t kp = (k + 1) / 2 * 2;
-      if (static_cast<int64_t>(packed.size()) < kp * n) packed.resize(kp * n);
-      pack_vnni2(k, n, b, ldb, packed.data());
-    }
+    if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) pack_vnni2_into(packed, k, n, b, ldb);
   }
 };
 

@@ -211,15 +211,23 @@ def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
         return conv(x)
     if compiled_onednn_dtype(x) == torch.bfloat16:
         bf16 = torch.bfloat16
-        bias = None if conv.bias is None else conv.bias.to(bf16).float()
-        with torch.autocast("cpu", enabled=False):
-            y = F.conv2d(x.to(bf16).float(), conv.weight.to(bf16).float(), bias, conv.stride, conv.padding,
-                         conv.dilation, conv.groups)
-        return y.to(bf16)
+        return _conv_of_rounded(x.to(bf16), conv.weight.to(bf16), conv.bias, conv.stride, conv.padding, conv.dilation,
+                                conv.groups)
     if (conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
             and _widened_training(x, conv, kind=nn.Conv2d)):
         return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation)
     return conv(x)
+
+
+def _conv_of_rounded(xb: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,
+                     groups: int = 1) -> torch.Tensor:
+    """The float32 convolution of bf16 ``xb`` and ``wb`` with ``bias`` rounded to bf16, the output rounded to bf16:
+    what autocast's bf16 convolution computes, up to the order of the float32 sums (:func:`bf16_products_widened`)."""
+    bf16 = torch.bfloat16
+    with torch.autocast("cpu", enabled=False):
+        y = F.conv2d(xb.float(), wb.float(), None if bias is None else bias.to(bf16).float(), stride, padding,
+                     dilation, groups)
+    return y.to(bf16)
 
 
 def _frozen_trace() -> bool:
@@ -373,10 +381,7 @@ class _WidenedConv2d(torch.autograd.Function):
         ctx.save_for_backward(xb, wb)
         ctx.conv = (stride, padding, dilation)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        with torch.autocast("cpu", enabled=False):
-            y = F.conv2d(xb.float(), wb.float(), None if bias is None else bias.to(bf16).float(), stride, padding,
-                         dilation)
-        return y.to(bf16)
+        return _conv_of_rounded(xb, wb, bias, stride, padding, dilation)
 
     @staticmethod
     @once_differentiable
