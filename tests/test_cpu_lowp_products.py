@@ -328,7 +328,9 @@ def _cc_threads(inputs, go, products, scale=0.3, threads=(1, 2, 3, 2)):
 def test_criss_cross_thread_count_invariant(shape, products, dtype):
     """Bitwise the same results for 1, 2 and 3 threads and across runs (each line is a task writing its own outputs;
     the products run inside the tasks). Shapes: 4 (batch, head) pairs of several lines each; a single row and a single
-    column (the row or the column phases a single task: its products then run outside a parallel region)."""
+    column (the row or the column phase is a single task; on the plain route a bf16 GEMM library called outside an
+    active parallel region splits a product over the threads, which changed a gradient's last bit between 1 and 2
+    threads on an AVX512-BF16 CPU until parallel_tasks ran single tasks inside one)."""
     _need_route(products, dtype)
     runs = _cc_threads(_inputs(shape, dtype, seed=7), _grad_out(shape, dtype, 8), products)
     for r in runs[1:]:

@@ -2,8 +2,9 @@
 // (at::native::cpublas::brgemm; docs/performance.md "bf16 and fp16 on the CPU"): operands in bf16 or fp16, results
 // and accumulation in float32. The kernels call lowp_gemm inside their own tasks, one call per product on the task's
 // own operands and outputs; the results do not depend on the thread count (tests/test_cpu_lowp_products.py: bitwise
-// the same for 1, 2 and 3 threads on each route, also where a single task runs outside a parallel region and the
-// library may split a product over threads).
+// the same for 1, 2 and 3 threads on each route, also for a phase of a single task: parallel_tasks (cpu/utils.h) runs
+// every task inside an active parallel region, where the library behind the plain route does not split a product
+// over threads).
 //
 // Two routes into torch's brgemm (the internal option cpu_lowp_products, common/options.h):
 // - plain row-major operands (is_vnni = false, option 2): torch runs its bf16 / fp16 GEMM with float32 output (MKL

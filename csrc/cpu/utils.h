@@ -63,11 +63,16 @@ inline std::pair<at::Tensor, at::Tensor> prefix_sums(const at::Tensor& log_alpha
 // time from a shared counter (dynamic scheduling: on a loaded machine a thread that is descheduled
 // does not hold up a static half of the work). scratch = init() is created once per worker thread.
 // Every task must write only its own outputs, so results do not depend on which thread ran it.
+// A single task still gets two workers where torch has two threads or more (the second finds nothing to do): the
+// task then runs inside an active OpenMP parallel region, as every task does where there are several, so a library
+// it calls (oneDNN's or MKL's bf16 GEMM behind cpublas::brgemm's plain route, cpu/lowp_gemm.h) runs single-threaded
+// there too; outside a region such a library splits a product over the threads, and its sums then depend on their
+// number (seen on AVX512-BF16 CPUs: a gradient off by one float32 ulp between 1 and 2 threads).
 template <typename Init, typename Body>
 inline void parallel_tasks(int64_t ntasks, const Init& init, const Body& body) {
   if (ntasks <= 0) return;
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), ntasks);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(ntasks, 2));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     auto scratch = init();
     for (int64_t t = next.fetch_add(1); t < ntasks; t = next.fetch_add(1)) body(t, scratch);
