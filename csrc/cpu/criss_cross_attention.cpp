@@ -558,16 +558,16 @@ struct CCBf16 {
 struct LineScratchBf16 {
   std::vector<float> f;
   std::vector<uint16_t> h;
-  float *X, *O;          // the map [n][n]; a product [n][dv] before its rounding to bf16
+  float *X, *O, *mx;     // the map [n][n]; a product [n][dv] before its rounding to bf16; the map's row maxima
   uint16_t *qp, *pb;     // queries [n][d2][2]; the map in bf16 [n][n2][2]
   uint32_t *kp, *vp;     // keys [d2][np] and values or z [n2][dvp] in pairs
   int64_t dvp;           // dv rounded up to 16 (vp's row stride)
   LineScratchBf16(int64_t n, int64_t d, int64_t dv) {
     const int64_t d2 = ceil_div(d, 2), n2 = ceil_div(n, 2), np = ceil_div(n, 16) * 16;
     dvp = ceil_div(dv, 16) * 16;
-    f.assign(n * n + n * dv, 0.0f);
+    f.assign(n * n + n * dv + n, 0.0f);
     h.assign(2 * (n * d2 + n * n2 + d2 * np + n2 * dvp), 0);
-    X = f.data(), O = X + n * n;
+    X = f.data(), O = X + n * n, mx = O + n * dv;
     qp = h.data(), pb = qp + 2 * n * d2;
     kp = reinterpret_cast<uint32_t*>(pb + 2 * n * n2);  // 4-byte aligned: every offset above is even
     vp = kp + d2 * np;
@@ -581,8 +581,8 @@ inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Bo
       [&](int64_t t, LineScratchBf16& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
 }
 
-// The logits of a line into S.X: scale * (q k^T) + bias; given lse (and inv), the map exp(logits - lse) (times inv)
-// (add_line_bias).
+// The logits of a line into S.X: scale * (q k^T) + bias, the rows' maxima into S.mx; given lse (and inv), the map
+// exp(logits - lse) (times inv) instead (add_line_bias).
 template <int L>
 inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
                              LineScratchBf16& S, const float* lse = nullptr, int64_t ls = 0,
@@ -591,7 +591,7 @@ inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& 
   gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
   gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
   small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
-  add_line_bias(ln, n, li.c, S.X, static_cast<float*>(nullptr), lse, ls, inv);
+  add_line_bias(ln, n, li.c, S.X, lse ? nullptr : S.mx, lse, ls, inv);
 }
 
 // The map in S.X rounded to bf16 into pb (S.pb unless given), rows of pairs of positions (the last one 0 when n is
@@ -603,6 +603,31 @@ inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S, uint16_t* pb
   for (int64_t j = 0; j < n; ++j) {
     floats_to_bf16(ln, n, S.X + j * n, pb + j * w);
     if (n & 1) pb[j * w + n] = 0;
+  }
+}
+
+// line_softmax of the line's logits in S.X (their rows' maxima in S.mx: line_scores_bf16) with the map rounded to
+// bf16 into pb (S.pb unless given; map_to_bf16): the exponentials and sums in S.X, then each row's 1 / s applied in
+// the pass that rounds it (the values of line_softmax's map, rounded once; S.X is left unnormalised). lse, st (rows'
+// m and 1 / s, or null) as line_softmax.
+template <int L>
+inline void line_softmax_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S, float* lse, int64_t ls,
+                              uint16_t* pb = nullptr, float* st = nullptr, int64_t ss = 0) {
+  float inv[kSoftmaxRows];
+  const int64_t w = n + (n & 1);
+  if (!pb) pb = S.pb;
+  for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxRows) {
+    const int64_t rows = std::min(kSoftmaxRows, n - j0);
+    float s[kSoftmaxRows];
+    for (int64_t u = 0; u < rows; ++u) s[u] = exp_shift_sum(ln, n, S.X + (j0 + u) * n, S.mx[j0 + u]);
+    for (int64_t u = 0; u < rows; ++u) {
+      const int64_t j = j0 + u;
+      inv[u] = 1.0f / s[u];
+      lse[j * ls] = S.mx[j] + std::log(s[u]);
+      if (st) st[j * ss] = S.mx[j], st[j * ss + 1] = inv[u];
+      scaled_to_bf16(ln, n, S.X + j * n, inv[u], pb + j * w);
+      if (n & 1) pb[j * w + n] = 0;
+    }
   }
 }
 
@@ -630,8 +655,8 @@ inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& 
 // forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused). Per group of
 // pairs (pair_groups), Z: bf16 z1, then z2 in place (column by column), and O1: float32 0.5 B z1 after phase 2,
 // [N][pair][dv] each (GroupLine). The row maps are kept in bf16 (as rounded for their products) for the groups of
-// pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. Phase 3 adds 0.5 A z2 to each row's copy of
-// O1 in scratch and writes the sum rounded to bf16 into outb (the float32 sum rounded once, as a float32 out's
+// pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. Phase 3 adds 0.5 A z2 to each row's O1 in
+// place and writes the sum rounded to bf16 into outb (the float32 sum rounded once, as a float32 out's
 // .to(bf16) would, without that pass).
 void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, uint16_t* outb) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nw = W * (W + (W & 1));
@@ -648,16 +673,13 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
       [&](auto ln, int64_t u, LineScratchBf16& S, const Line<float>& r, const GroupLine& zr) {
         uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
         line_scores_bf16(ln, D, P, r, S);
-        line_softmax(ln, r.n, S.X, r.at(lse, 2), r.ld(2), static_cast<const float*>(nullptr),
-                     keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
-        map_to_bf16(ln, r.n, S, pb);
+        line_softmax_bf16(ln, r.n, S, r.at(lse, 2), r.ld(2), pb, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
         line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), pb);
       },
       // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
       [&](auto ln, int64_t, LineScratchBf16& S, const Line<float>& c, const GroupLine& zc) {
         line_scores_bf16(ln, D, P, c, S);
-        line_softmax(ln, c.n, S.X, c.at(lse, 2) + 1, c.ld(2));
-        map_to_bf16(ln, c.n, S);
+        line_softmax_bf16(ln, c.n, S, c.at(lse, 2) + 1, c.ld(2));
         line_apply_bf16(ln, D, c.n, S, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false,
                         0.5f);                                                        // O1 = 0.5 B z1
         line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
@@ -670,10 +692,10 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
           line_scores_bf16(ln, D, P, r, S, st, zr.ld(2), st + 1);
           map_to_bf16(ln, r.n, S);
         }
-        gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
-        line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true, 0.5f, pb);
+        float* o1 = zr.at(O1.get(), dv);  // the row's O1, which only this task reads: the sum goes in place
+        line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), o1, zr.ld(dv), true, 0.5f, pb);
         uint16_t* o = r.at(outb, dv);
-        for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, o + j * r.ld(dv));
+        for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, o1 + j * zr.ld(dv), o + j * r.ld(dv));
       });
 }
 #endif  // PPMA_SIMD_X86

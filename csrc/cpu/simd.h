@@ -429,6 +429,27 @@ inline void scale_inplace(int64_t n, T* __restrict x, T a) {
   for (int64_t e = 0; e < n; ++e) x[e] *= a;
 }
 
+// dst[e] = src[e] for e < n, for the short rows of the line kernels: 64 bytes at a time, then 32, 16, ... 1
+// (fixed-size memcpys, i.e. vector and scalar moves). GCC turns a plain copy loop into a call of memcpy, which costs
+// more than copying a row of a few dozen bytes; the empty asm statement keeps the index opaque so that it cannot.
+template <typename T>
+PPMA_SIMD_INLINE void copy_row(int64_t n, const T* __restrict src, T* __restrict dst) {
+  const char* s = reinterpret_cast<const char*>(src);
+  char* d = reinterpret_cast<char*>(dst);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  int64_t e = 0;
+  for (; e + 64 <= bytes; e += 64) {
+    std::memcpy(d + e, s + e, 64);
+    asm("" : "+r"(e));
+  }
+  if (e + 32 <= bytes) std::memcpy(d + e, s + e, 32), e += 32;
+  if (e + 16 <= bytes) std::memcpy(d + e, s + e, 16), e += 16;
+  if (e + 8 <= bytes) std::memcpy(d + e, s + e, 8), e += 8;
+  if (e + 4 <= bytes) std::memcpy(d + e, s + e, 4), e += 4;
+  if (e + 2 <= bytes) std::memcpy(d + e, s + e, 2), e += 2;
+  if (e < bytes) d[e] = s[e];
+}
+
 // Strided rows copied into a matrix: dst[r * ds + e] = a * src[r * ss + e] for r < n, e < c.
 template <typename T>
 inline void gather_rows(int64_t n, int64_t c, const T* src, int64_t ss, T* __restrict dst, int64_t ds, T a = T(1)) {
@@ -436,7 +457,7 @@ inline void gather_rows(int64_t n, int64_t c, const T* src, int64_t ss, T* __res
     const T* s = src + r * ss;
     T* o = dst + r * ds;
     if (a == T(1)) {
-      for (int64_t e = 0; e < c; ++e) o[e] = s[e];
+      copy_row(c, s, o);
     } else {
       for (int64_t e = 0; e < c; ++e) o[e] = a * s[e];
     }
@@ -632,8 +653,7 @@ inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t 
   for (int64_t j = 0; j < n; ++j) {
     const uint16_t* s = src + j * ss;
     uint16_t* o = dst + j * w;
-#pragma omp simd
-    for (int64_t e = 0; e < d; ++e) o[e] = s[e];
+    copy_row(d, s, o);
     if (d & 1) o[d] = 0;
   }
 }
@@ -655,8 +675,30 @@ PPMA_SIMD_INLINE vec<M> load_bf16(const uint16_t* p) {
     return f;
   }
 }
+#ifdef PPMA_SIMD_X86
+// Whether the CPU has AVX-512 BF16, whose vcvtneps2bf16 rounds 16 floats to bf16 in one instruction (read once, as
+// the library loads). Any path may ask: the 16-lane stores below use the instruction where it is true.
+inline const bool kCpuBf16Convert = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}();
+#endif
+
 template <int M>
 PPMA_SIMD_INLINE void store_bf16(uint16_t* p, vec<M> x) {
+#ifdef PPMA_SIMD_X86
+  if constexpr (M == 16) {
+    // vcvtneps2bf16: the same rounding (to nearest even, NaN made quiet) but for denormal floats, which it
+    // flushes to zero (bf16 keeps float's exponent range, so float_to_bf16 keeps them as bf16 denormals). Inline
+    // assembly, like dpbf16 below, so that the 16-lane functions inlining it need no target attribute of their own.
+    if (kCpuBf16Convert) {
+      typename VecTypes<16>::h v;
+      asm("vcvtneps2bf16 %[x], %[v]" : [v] "=v"(v) : [x] "v"(x));
+      std::memcpy(p, &v, sizeof(v));
+      return;
+    }
+  }
+#endif
   if constexpr (M == 1) {
     *p = float_to_bf16(x);
   } else {
@@ -721,11 +763,23 @@ PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const X* __restrict x, const T
 }
 
 #ifdef PPMA_SIMD_X86
-// dst[e] = bf16(x[e]) for e < n (16 at a time, the same rounding as float_to_bf16).
-PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, uint16_t* __restrict dst) {
+// dst[e] = bf16(a * x[e]) for e < n, 16 at a time (store_bf16<16>, the tail too: every value rounded alike).
+PPMA_SIMD_INLINE void scaled_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, float a,
+                                     uint16_t* __restrict dst) {
   int64_t e = 0;
-  for (; e + 16 <= n; e += 16) store_bf16<16>(dst + e, load<16>(x + e));
-  for (; e < n; ++e) dst[e] = float_to_bf16(x[e]);
+  for (; e + 16 <= n; e += 16) store_bf16<16>(dst + e, load<16>(x + e) * a);
+  if (e < n) {
+    float t[16] = {};
+    uint16_t h[16];
+    copy_row(n - e, x + e, t);
+    store_bf16<16>(h, load<16>(t) * a);
+    copy_row(n - e, h, dst + e);
+  }
+}
+
+// dst[e] = bf16(x[e]) for e < n (scaled_to_bf16 with a = 1).
+PPMA_SIMD_INLINE void floats_to_bf16(Lanes<16> ln, int64_t n, const float* __restrict x, uint16_t* __restrict dst) {
+  scaled_to_bf16(ln, n, x, 1.0f, dst);
 }
 
 // acc plus the pairwise products of a and b (vdpbf16ps). Inline assembly rather than the intrinsic, so that the
