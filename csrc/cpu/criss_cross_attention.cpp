@@ -558,16 +558,16 @@ struct CCBf16 {
 struct LineScratchBf16 {
   std::vector<float> f;
   std::vector<uint16_t> h;
-  float *X, *O, *mx;     // the map [n][n]; a product [n][dv] before its rounding to bf16; the map's row maxima
-  uint16_t *qp, *pb;     // queries [n][d2][2]; the map in bf16 [n][n2][2]
-  uint32_t *kp, *vp;     // keys [d2][np] and values or z [n2][dvp] in pairs
-  int64_t dvp;           // dv rounded up to 16 (vp's row stride)
+  float *X, *O, *mx, *inv;  // the logits [n][n]; a product [n][dv]; the map's row maxima and 1 / (row sums)
+  uint16_t *qp, *pb;        // queries [n][d2][2]; the map in bf16 [n][n2][2]
+  uint32_t *kp, *vp;        // keys [d2][np] and values or z [n2][dvp] in pairs
+  int64_t dvp;              // dv rounded up to 16 (vp's row stride)
   LineScratchBf16(int64_t n, int64_t d, int64_t dv) {
     const int64_t d2 = ceil_div(d, 2), n2 = ceil_div(n, 2), np = ceil_div(n, 16) * 16;
     dvp = ceil_div(dv, 16) * 16;
-    f.assign(n * n + n * dv + n, 0.0f);
+    f.assign(n * n + n * dv + 2 * n, 0.0f);
     h.assign(2 * (n * d2 + n * n2 + d2 * np + n2 * dvp), 0);
-    X = f.data(), O = X + n * n, mx = O + n * dv;
+    X = f.data(), O = X + n * n, mx = O + n * dv, inv = mx + n;
     qp = h.data(), pb = qp + 2 * n * d2;
     kp = reinterpret_cast<uint32_t*>(pb + 2 * n * n2);  // 4-byte aligned: every offset above is even
     vp = kp + d2 * np;
@@ -582,7 +582,7 @@ inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Bo
 }
 
 // The logits of a line into S.X: scale * (q k^T) + bias, the rows' maxima into S.mx; given lse (and inv), the map
-// exp(logits - lse) (times inv) instead (add_line_bias).
+// exp(logits - lse) (times inv) instead (add_line_bias; lse the rows' m: line_softmax_bf16's map before rounding).
 template <int L>
 inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
                              LineScratchBf16& S, const float* lse = nullptr, int64_t ls = 0,
@@ -606,27 +606,51 @@ inline void map_to_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S, uint16_t* pb
   }
 }
 
-// line_softmax of the line's logits in S.X (their rows' maxima in S.mx: line_scores_bf16) with the map rounded to
-// bf16 into pb (S.pb unless given; map_to_bf16): the exponentials and sums in S.X, then each row's 1 / s applied in
-// the pass that rounds it (the values of line_softmax's map, rounded once; S.X is left unnormalised). lse, st (rows'
-// m and 1 / s, or null) as line_softmax.
+// dst[l] = bf16(exp(x[l] - m)) for l < n; returns the float32 sum of the exponentials (before their rounding).
+// 16 lanes at a time, the tail's other lanes read as -inf (exp 0), so that a row's sum ends in one hsum.
+PPMA_SIMD_INLINE float exp_to_bf16_sum(Lanes<16>, int64_t n, const float* __restrict x, float m,
+                                       uint16_t* __restrict dst) {
+  vec<16> acc{};
+  int64_t l = 0;
+  for (; l + 16 <= n; l += 16) {
+    const vec<16> p = fast_exp<16>(load<16>(x + l) - m);
+    acc += p;
+    store_bf16<16>(dst + l, p);
+  }
+  if (l < n) {
+    const vec<16> p = fast_exp<16>(load_first<16>(x + l, n - l, vec<16>{} - std::numeric_limits<float>::infinity()) - m);
+    acc += p;
+    uint16_t h[16];
+    store_bf16<16>(h, p);
+    copy_row(n - l, h, dst + l);
+  }
+  return hsum<16>(acc);
+}
+
+// The softmax of the line's logits in S.X (their rows' maxima in S.mx: line_scores_bf16) in the bf16 products'
+// form: the unnormalised map exp(x - m), rounded to bf16 in the pass that computes it, into pb (S.pb unless given;
+// map_to_bf16's layout), and each row's 1 / s into S.inv, which the products' rows are multiplied by (line_values_bf16,
+// forward_kernel_bf16): one pass over the logits after the bias. lse[j * ls] = m + log s; st (or null): row j's m and
+// 1 / s at st[j * ss], st[j * ss + 1], from which line_scores_bf16 recomputes the same map. Rows in blocks of
+// kSoftmaxRows as line_softmax.
 template <int L>
 inline void line_softmax_bf16(Lanes<L> ln, int64_t n, LineScratchBf16& S, float* lse, int64_t ls,
                               uint16_t* pb = nullptr, float* st = nullptr, int64_t ss = 0) {
-  float inv[kSoftmaxRows];
   const int64_t w = n + (n & 1);
   if (!pb) pb = S.pb;
   for (int64_t j0 = 0; j0 < n; j0 += kSoftmaxRows) {
     const int64_t rows = std::min(kSoftmaxRows, n - j0);
     float s[kSoftmaxRows];
-    for (int64_t u = 0; u < rows; ++u) s[u] = exp_shift_sum(ln, n, S.X + (j0 + u) * n, S.mx[j0 + u]);
     for (int64_t u = 0; u < rows; ++u) {
       const int64_t j = j0 + u;
-      inv[u] = 1.0f / s[u];
-      lse[j * ls] = S.mx[j] + std::log(s[u]);
-      if (st) st[j * ss] = S.mx[j], st[j * ss + 1] = inv[u];
-      scaled_to_bf16(ln, n, S.X + j * n, inv[u], pb + j * w);
+      s[u] = exp_to_bf16_sum(ln, n, S.X + j * n, S.mx[j], pb + j * w);
       if (n & 1) pb[j * w + n] = 0;
+    }
+    for (int64_t u = 0; u < rows; ++u) {
+      const int64_t j = j0 + u;
+      S.inv[j] = 1.0f / s[u];
+      lse[j * ls] = S.mx[j] + std::log(s[u]);
+      if (st) st[j * ss] = S.mx[j], st[j * ss + 1] = S.inv[j];
     }
   }
 }
@@ -643,59 +667,76 @@ inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, int64_t n, Line
                   accumulate, alpha);
 }
 
-// The line's rows z (stride zs) = bf16(P v) (P: pb, or S.pb).
+// The line's rows z (stride zs) = bf16(inv[j] (P v)_j) for the unnormalised map P (pb, or S.pb) and its rows'
+// 1 / s at inv[j * is] (line_softmax_bf16).
 template <int L>
 inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                             LineScratchBf16& S, uint16_t* z, int64_t zs, const uint16_t* pb = nullptr) {
+                             LineScratchBf16& S, uint16_t* z, int64_t zs, const float* inv, int64_t is,
+                             const uint16_t* pb = nullptr) {
   const int64_t dv = D.dv;
   line_apply_bf16(ln, D, li.n, S, li.at(P.v, dv), li.ld(dv), S.O, dv, false, 1.0f, pb);
-  for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, z + j * zs);
+  for (int64_t j = 0; j < li.n; ++j) scaled_to_bf16(ln, dv, S.O + j * dv, inv[j * is], z + j * zs);
 }
 
 // forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused). Per group of
-// pairs (pair_groups), Z: bf16 z1, then z2 in place (column by column), and O1: float32 0.5 B z1 after phase 2,
-// [N][pair][dv] each (GroupLine). The row maps are kept in bf16 (as rounded for their products) for the groups of
-// pairs of kRowMapBytes, else recomputed from the rows' m and 1 / s. Phase 3 adds 0.5 A z2 to each row's O1 in
-// place and writes the sum rounded to bf16 into outb (the float32 sum rounded once, as a float32 out's
-// .to(bf16) would, without that pass).
+// pairs (pair_groups), Z: bf16 z1, then z2 in place (column by column), O1: float32 0.5 B z1 after phase 2, and the
+// rows' m and 1 / s, [N][pair][*] each (GroupLine). The maps are the unnormalised exp(x - m) rounded to bf16
+// (line_softmax_bf16), each product's row j then multiplied by its 1 / s; the row maps are kept for the groups of
+// pairs of kRowMapBytes, else recomputed from the rows' m. Phase 3 adds 0.5 (1 / s) (A z2) to each row's O1 and
+// writes the sum rounded to bf16 into outb (the float32 sum rounded once, as a float32 out's .to(bf16) would,
+// without that pass).
 void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, uint16_t* outb) {
   const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nw = W * (W + (W & 1));
-  const Groups gr = pair_groups(BG, H, nw, sizeof(uint16_t), D.N * dv * (sizeof(uint16_t) + sizeof(float)));
+  const Groups gr = pair_groups(BG, H, nw, sizeof(uint16_t),
+                                D.N * (dv * (sizeof(uint16_t) + sizeof(float)) + 2 * sizeof(float)));
   const int64_t group = gr.size;
   const bool keep = gr.keep;
   auto maps = uninit<uint16_t>(keep ? group * H * nw : 0);  // the group's row maps in bf16, [pair][row][W][W2]
-  auto stats = uninit<float>(keep ? 0 : 2 * group * D.N);    // else the rows' m and 1 / s, [N][pair][2]
+  auto stats = uninit<float>(2 * group * D.N);                // the rows' m and 1 / s, [N][pair][2]
   auto Z = uninit<uint16_t>(group * D.N * dv);
   auto O1 = uninit<float>(group * D.N * dv);
   run_phases(
       D, group, [&](int64_t n, const auto& task) { parallel_lines_bf16(D, n, task); },
-      // Phase 1: rows. A (kept, or its statistics), lse0, z1 = A v.
+      // Phase 1: rows. A (kept, or recomputed in phase 3 from its statistics), lse0, z1 = A v.
       [&](auto ln, int64_t u, LineScratchBf16& S, const Line<float>& r, const GroupLine& zr) {
         uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
         line_scores_bf16(ln, D, P, r, S);
-        line_softmax_bf16(ln, r.n, S, r.at(lse, 2), r.ld(2), pb, keep ? nullptr : zr.at(stats.get(), 2), zr.ld(2));
-        line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), pb);
+        line_softmax_bf16(ln, r.n, S, r.at(lse, 2), r.ld(2), pb, zr.at(stats.get(), 2), zr.ld(2));
+        line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), S.inv, 1, pb);
       },
       // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
       [&](auto ln, int64_t, LineScratchBf16& S, const Line<float>& c, const GroupLine& zc) {
         line_scores_bf16(ln, D, P, c, S);
         line_softmax_bf16(ln, c.n, S, c.at(lse, 2) + 1, c.ld(2));
-        line_apply_bf16(ln, D, c.n, S, zc.at(Z.get(), dv), zc.ld(dv), zc.at(O1.get(), dv), zc.ld(dv), false,
-                        0.5f);                                                        // O1 = 0.5 B z1
-        line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
+        line_apply_bf16(ln, D, c.n, S, zc.at(Z.get(), dv), zc.ld(dv), S.O, dv, false, 1.0f);
+        float* o1 = zc.at(O1.get(), dv);
+        for (int64_t j = 0; j < c.n; ++j) {
+          const float a = 0.5f * S.inv[j];
+          const float* src = S.O + j * dv;
+          float* dst = o1 + j * zc.ld(dv);
+          for (int64_t e = 0; e < dv; ++e) dst[e] = src[e] * a;
+        }
+        line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv), S.inv, 1);  // z2 = B v
       },
       // Phase 3: rows again, A kept or recomputed; outb = bf16(O1 + 0.5 A z2).
       [&](auto ln, int64_t u, LineScratchBf16& S, const Line<float>& r, const GroupLine& zr) {
         const uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
+        const float* st = zr.at(stats.get(), 2);
         if (!keep) {
-          const float* st = zr.at(stats.get(), 2);
-          line_scores_bf16(ln, D, P, r, S, st, zr.ld(2), st + 1);
+          line_scores_bf16(ln, D, P, r, S, st, zr.ld(2));
           map_to_bf16(ln, r.n, S);
         }
-        float* o1 = zr.at(O1.get(), dv);  // the row's O1, which only this task reads: the sum goes in place
-        line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), o1, zr.ld(dv), true, 0.5f, pb);
+        line_apply_bf16(ln, D, r.n, S, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, false, 1.0f, pb);
+        const float* o1 = zr.at(O1.get(), dv);
         uint16_t* o = r.at(outb, dv);
-        for (int64_t j = 0; j < r.n; ++j) floats_to_bf16(ln, dv, o1 + j * zr.ld(dv), o + j * r.ld(dv));
+        for (int64_t j = 0; j < r.n; ++j) {
+          const float a = 0.5f * st[j * zr.ld(2) + 1];
+          const float* src = S.O + j * dv;
+          const float* prev = o1 + j * zr.ld(dv);
+          float* t = S.O + j * dv;
+          for (int64_t e = 0; e < dv; ++e) t[e] = prev[e] + src[e] * a;
+          floats_to_bf16(ln, dv, t, o + j * r.ld(dv));
+        }
       });
 }
 #endif  // PPMA_SIMD_X86

@@ -841,10 +841,9 @@ PPMA_SIMD_INLINE void gemm_bf16_tile(int64_t K2, const uint16_t* A, int64_t ar, 
       if (m >= 16) {
         if (accumulate) t += load<16>(cp);
         store<16>(cp, t);
-      } else {
-        float part[16];  // (indexing t itself would keep the accumulators in memory)
-        store<16>(part, t);
-        for (int64_t l = 0; l < m; ++l) cp[l] = accumulate ? cp[l] + part[l] : part[l];
+      } else {  // the first m columns, by masked loads and stores
+        if (accumulate) t += load_first<16>(cp, m);
+        store_first<16>(cp, t, m);
       }
     }
   }
