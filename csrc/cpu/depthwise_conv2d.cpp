@@ -280,7 +280,7 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
   constexpr int UW = L >= 16 ? 8 : 4;
   const int64_t K = KC ? KC : kr;
   constexpr bool direct = std::is_same_v<O, float>;
-  const bool in_place = direct && n == cw;  // whole float rows straight into out
+  const bool direct_rows = n == cw;  // whole rows straight into out, float or bf16 (else staged in tmp)
   float tmp[UW * kMaxSlot];
   // The uw positions from w0 staged in tmp (row stride cw) go to out.
   auto flush = [&](int64_t w0, int64_t uw) {
@@ -320,14 +320,14 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
         }
       }
       for (int u = 0; u < UB; ++u) {
-        if (in_place) {
-          store<L>(reinterpret_cast<float*>(out + (w0 + u) * C) + c, acc[u]);
+        if (direct_rows) {  // whole rows straight into out (bf16: each sum rounded as it is stored)
+          store_map<L>(out + (w0 + u) * C + c, acc[u]);
         } else {
           store<L>(tmp + u * cw + c, acc[u]);
         }
       }
     }
-    if (!in_place) flush(w0, UB);
+    if (!direct_rows) flush(w0, UB);
   };
   int64_t w0 = 0;
   if (UW == 8 && W % 7 == 0) {  // PPMA's maps at 224² (56, 28, 14, 7 columns): blocks of 7, no remainder

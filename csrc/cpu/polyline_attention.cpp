@@ -386,6 +386,25 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
   });
 }
 
+// average_softmaxes_row (no lse) with the averaged map rounded to bf16 into pb, in the pass that forms it (x1 and x2
+// then hold the two rows' exponentials).
+template <int L>
+inline void average_softmaxes_row_bf16(Lanes<L> ln, const PAData<float>& D, int64_t bg, int64_t p,
+                                       float* __restrict x1, float* __restrict x2, uint16_t* __restrict pb) {
+  const int64_t N = D.N;
+  float m1, m2;
+  add_biases_row(ln, D, bg, p, x1, x2, &m1, &m2);
+  const float l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+  const float c1 = 0.5f / l1, c2 = 0.5f / l2;
+  int64_t s = 0;
+  for (; s + 16 <= N; s += 16) store_bf16<16>(pb + s, c1 * load<16>(x1 + s) + c2 * load<16>(x2 + s));
+  if (s < N) {
+    uint16_t h[16];
+    store_bf16<16>(h, c1 * load_first<16>(x1 + s, N - s) + c2 * load_first<16>(x2 + s, N - s));
+    copy_row(N - s, h, pb + s);
+  }
+}
+
 // The inference forward of bf16 q, k, v on the bf16 products (forward_inference_kernel's map P, rounded to bf16
 // once for the single P v product); out: bf16 [B, N, G, dv], each row's float32 product rounded once.
 void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint16_t* out) {
@@ -408,8 +427,7 @@ void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint
       gather_pair_rows(tq, d, P.q + row0 * d, G * d, Qp);
       small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X, N, false, D.scale);
       for (int64_t a = 0; a < tq; ++a) {
-        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, static_cast<float*>(nullptr));
-        floats_to_bf16(ln, N, X + a * N, Pb + a * 2 * N2);
+        average_softmaxes_row_bf16(ln, D, bg, p0 + a, X + a * N, x2, Pb + a * 2 * N2);
         if (N % 2) Pb[a * 2 * N2 + N] = 0;
       }
       small_gemm_bf16(ln, tq, dv, N2, Pb, N2, P.vp + bg * N2 * P.dvp * 2, P.dvp, O, dv, false);
