@@ -618,11 +618,10 @@ PPMA_SIMD_INLINE float exp_to_bf16_sum(Lanes<16>, int64_t n, const float* __rest
     store_bf16<16>(dst + l, p);
   }
   if (l < n) {
-    const vec<16> p = fast_exp<16>(load_first<16>(x + l, n - l, vec<16>{} - std::numeric_limits<float>::infinity()) - m);
+    const vec<16> ninf = vec<16>{} - std::numeric_limits<float>::infinity();
+    const vec<16> p = fast_exp<16>(load_first<16>(x + l, n - l, ninf) - m);
     acc += p;
-    uint16_t h[16];
-    store_bf16<16>(h, p);
-    copy_row(n - l, h, dst + l);
+    store_bf16_first(dst + l, p, n - l);
   }
   return hsum<16>(acc);
 }
@@ -667,15 +666,14 @@ inline void line_apply_bf16(Lanes<L> ln, const CCData<float>& D, int64_t n, Line
                   accumulate, alpha);
 }
 
-// The line's rows z (stride zs) = bf16(inv[j] (P v)_j) for the unnormalised map P (pb, or S.pb) and its rows'
-// 1 / s at inv[j * is] (line_softmax_bf16).
+// The line's rows z (stride zs) = bf16((P v)_j / s_j) for the unnormalised map P (pb, or S.pb) whose rows' 1 / s
+// line_softmax_bf16 left in S.inv.
 template <int L>
 inline void line_values_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                             LineScratchBf16& S, uint16_t* z, int64_t zs, const float* inv, int64_t is,
-                             const uint16_t* pb = nullptr) {
+                             LineScratchBf16& S, uint16_t* z, int64_t zs, const uint16_t* pb = nullptr) {
   const int64_t dv = D.dv;
   line_apply_bf16(ln, D, li.n, S, li.at(P.v, dv), li.ld(dv), S.O, dv, false, 1.0f, pb);
-  for (int64_t j = 0; j < li.n; ++j) scaled_to_bf16(ln, dv, S.O + j * dv, inv[j * is], z + j * zs);
+  for (int64_t j = 0; j < li.n; ++j) scaled_to_bf16(ln, dv, S.O + j * dv, S.inv[j], z + j * zs);
 }
 
 // forward_kernel on the bf16 products. D: dimensions, prefix sums and scale (its q, k, v unused). Per group of
@@ -702,7 +700,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
         uint16_t* pb = keep ? maps.get() + u * nw : S.pb;
         line_scores_bf16(ln, D, P, r, S);
         line_softmax_bf16(ln, r.n, S, r.at(lse, 2), r.ld(2), pb, zr.at(stats.get(), 2), zr.ld(2));
-        line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), S.inv, 1, pb);
+        line_values_bf16(ln, D, P, r, S, zr.at(Z.get(), dv), zr.ld(dv), pb);
       },
       // Phase 2: columns. B, lse1, O1 = 0.5 B z1, z2 = B v (over z1, which is gathered first).
       [&](auto ln, int64_t, LineScratchBf16& S, const Line<float>& c, const GroupLine& zc) {
@@ -716,7 +714,7 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
           float* dst = o1 + j * zc.ld(dv);
           for (int64_t e = 0; e < dv; ++e) dst[e] = src[e] * a;
         }
-        line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv), S.inv, 1);  // z2 = B v
+        line_values_bf16(ln, D, P, c, S, zc.at(Z.get(), dv), zc.ld(dv));  // z2 = B v
       },
       // Phase 3: rows again, A kept or recomputed; outb = bf16(O1 + 0.5 A z2).
       [&](auto ln, int64_t u, LineScratchBf16& S, const Line<float>& r, const GroupLine& zr) {
@@ -731,10 +729,9 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
         uint16_t* o = r.at(outb, dv);
         for (int64_t j = 0; j < r.n; ++j) {
           const float a = 0.5f * st[j * zr.ld(2) + 1];
-          const float* src = S.O + j * dv;
           const float* prev = o1 + j * zr.ld(dv);
-          float* t = S.O + j * dv;
-          for (int64_t e = 0; e < dv; ++e) t[e] = prev[e] + src[e] * a;
+          float* t = S.O + j * dv;  // A z2's row, summed with O1's in place
+          for (int64_t e = 0; e < dv; ++e) t[e] = prev[e] + t[e] * a;
           floats_to_bf16(ln, dv, t, o + j * r.ld(dv));
         }
       });

@@ -398,11 +398,7 @@ inline void average_softmaxes_row_bf16(Lanes<L> ln, const PAData<float>& D, int6
   const float c1 = 0.5f / l1, c2 = 0.5f / l2;
   int64_t s = 0;
   for (; s + 16 <= N; s += 16) store_bf16<16>(pb + s, c1 * load<16>(x1 + s) + c2 * load<16>(x2 + s));
-  if (s < N) {
-    uint16_t h[16];
-    store_bf16<16>(h, c1 * load_first<16>(x1 + s, N - s) + c2 * load_first<16>(x2 + s, N - s));
-    copy_row(N - s, h, pb + s);
-  }
+  if (s < N) store_bf16_first(pb + s, c1 * load_first<16>(x1 + s, N - s) + c2 * load_first<16>(x2 + s, N - s), N - s);
 }
 
 // The inference forward of bf16 q, k, v on the bf16 products (forward_inference_kernel's map P, rounded to bf16

@@ -763,18 +763,19 @@ PPMA_SIMD_INLINE T dot_lanes(Lanes<L>, int64_t n, const X* __restrict x, const T
 }
 
 #ifdef PPMA_SIMD_X86
+// The first m (< 16) lanes of v rounded to bf16 into p[0 .. m) (store_bf16<16>: rounded as whole vectors are).
+PPMA_SIMD_INLINE void store_bf16_first(uint16_t* p, vec<16> v, int64_t m) {
+  uint16_t h[16];
+  store_bf16<16>(h, v);
+  copy_row(m, h, p);
+}
+
 // dst[e] = bf16(a * x[e]) for e < n, 16 at a time (store_bf16<16>, the tail too: every value rounded alike).
 PPMA_SIMD_INLINE void scaled_to_bf16(Lanes<16>, int64_t n, const float* __restrict x, float a,
                                      uint16_t* __restrict dst) {
   int64_t e = 0;
   for (; e + 16 <= n; e += 16) store_bf16<16>(dst + e, load<16>(x + e) * a);
-  if (e < n) {
-    float t[16] = {};
-    uint16_t h[16];
-    copy_row(n - e, x + e, t);
-    store_bf16<16>(h, load<16>(t) * a);
-    copy_row(n - e, h, dst + e);
-  }
+  if (e < n) store_bf16_first(dst + e, load_first<16>(x + e, n - e) * a, n - e);
 }
 
 // dst[e] = bf16(x[e]) for e < n (scaled_to_bf16 with a = 1).
