@@ -59,6 +59,18 @@ inline double widen(double v) { return v; }
 inline void put(float* p, float v) { *p = v; }
 inline void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
+// Asks the cache for the lines holding the n elements at p (software prefetch). The residual convolution's ring
+// reads a slot of a position's channels (a part of its lines) from every position of a row, which the hardware
+// prefetchers served late: each ring row now asks for the same slot of the next row while it is copied. PPMA-T's
+// FFN convolutions (b8@224, 2 threads, AMD EPYC Zen 4, in-process alternating rounds) ran 1.4x faster on bf16 maps
+// with it, 1.15x on float32 maps. (The training backward's rings, one 16-channel block a task, showed no gain.)
+template <typename X>
+inline void prefetch_lines(const X* p, int64_t n) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p + n) - 1;
+  for (uintptr_t a = first; a <= last; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
+}
+
 // Adds g[c] * x[c] to acc[c] for the n <= CB channels of a block: whole vectors of the task's lane width for a
 // full block of float sums (float or bf16 maps), a plain loop otherwise (double, the last block of a C that is not
 // a multiple of CB).
@@ -369,7 +381,9 @@ void residual_conv(const X* src, X* dst, const float* weight, const float* bias,
       const int64_t Wl = W, Cl = C, cwl = cw, nl = n;
       float* __restrict s = ring + (r % K) * slot + P * cwl;
       const X* __restrict sr = sb + r * Wl * Cl;
+      const bool ahead = r + 1 < H;  // the same slot of the next row, asked for while this one is copied
       for (int64_t w = 0; w < Wl; ++w) {
+        if (ahead) prefetch_lines(sr + (Wl + w) * Cl, nl);
         if constexpr (std::is_same_v<X, float>) {
           if (nl == cwl) {
             for (int64_t c = 0; c < cwl; c += L) store<L>(s + w * cwl + c, load<L>(sr + w * Cl + c));
