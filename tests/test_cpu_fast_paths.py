@@ -192,6 +192,29 @@ def test_fused_bf16_weights_cast_once_and_follow_writes():
     assert torch.equal(_param_as(lin.weight, torch.bfloat16), lin.weight.to(torch.bfloat16))
 
 
+@pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
+def test_fused_bf16_linear_weights_packed_same_bits(monkeypatch):
+    """Under bf16 autocast a fused model's linear layers get their bf16 weights reordered once into oneDNN's blocked
+    layout (``_param_as(..., pack_rows=...)``, packed for the first call's row count): the logits are the bits of
+    the plain bf16 weights', for that batch and for another one."""
+    import ppma.nn.layers as layers
+
+    model = ppma.nn.fuse_for_inference(small_model().eval())
+    lin = model.stages[0].blocks[0].attn.q
+
+    def run(m, x):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x)
+
+    xs = [torch.randn(b, 3, 64, 64, generator=torch.Generator().manual_seed(b)) for b in (2, 3)]
+    packed = [run(model, x) for x in xs]
+    held = layers._CASTS[lin.weight]
+    assert held[torch.bfloat16, layers.bf16_products_widened(), True][2].is_mkldnn  # what the layer ran
+    monkeypatch.setattr(layers, "_rows", lambda x: 0)  # the plain bf16 weights
+    plain = [run(model, x) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(packed, plain))
+
+
 class _OpDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     """Records (op name, dtype of its first tensor argument) of every op run under it."""
 
