@@ -193,25 +193,28 @@ def test_fused_bf16_weights_cast_once_and_follow_writes():
 
 
 @pytest.mark.skipif(not ppma.has_ext(), reason="needs the compiled ppma._C ops")
-def test_fused_bf16_linear_weights_packed_same_bits(monkeypatch):
-    """Under bf16 autocast a fused model's linear layers get their bf16 weights reordered once into oneDNN's blocked
-    layout (``_param_as(..., pack_rows=...)``, packed for the first call's row count): the logits are the bits of
-    the plain bf16 weights', for that batch and for another one."""
+def test_fused_bf16_weights_packed_same_bits(monkeypatch):
+    """Under bf16 autocast a fused model's linear layers and its stem's and patch mergings' convolutions get their
+    bf16 weights reordered once into oneDNN's blocked layout (``ppma.nn.layers._packed``, for the first call's
+    shapes): the logits are the bits of the plain bf16 weights', for that batch and for other input sizes."""
     import ppma.nn.layers as layers
 
-    model = ppma.nn.fuse_for_inference(small_model().eval())
-    lin = model.stages[0].blocks[0].attn.q
+    packed_model = ppma.nn.fuse_for_inference(small_model().eval())
+    plain_model = copy.deepcopy(packed_model)  # its own weights, so its own held copies
 
     def run(m, x):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             return m(x)
 
-    xs = [torch.randn(b, 3, 64, 64, generator=torch.Generator().manual_seed(b)) for b in (2, 3)]
-    packed = [run(model, x) for x in xs]
-    held = layers._CASTS[lin.weight]
-    assert held[torch.bfloat16, layers.bf16_products_widened(), True][2].is_mkldnn  # what the layer ran
-    monkeypatch.setattr(layers, "_rows", lambda x: 0)  # the plain bf16 weights
-    plain = [run(model, x) for x in xs]
+    xs = [torch.randn(b, 3, s, s, generator=torch.Generator().manual_seed(b)) for b, s in ((2, 64), (3, 64), (1, 96))]
+    packed = [run(packed_model, x) for x in xs]
+    key = (torch.bfloat16, layers.bf16_products_widened(), True)
+    lin = packed_model.stages[0].blocks[0].attn.q.weight
+    convs = [m.folded_weight for m in packed_model.modules() if hasattr(m, "folded_weight")]
+    assert convs and all(layers._CASTS[w][key][2].is_mkldnn for w in (lin, *convs))  # what the layers ran
+    monkeypatch.setattr(layers, "_packed", lambda w, pack: w)
+    plain = [run(plain_model, x) for x in xs]
+    assert not layers._CASTS[plain_model.stages[0].blocks[0].attn.q.weight][key][2].is_mkldnn
     assert all(torch.equal(a, b) for a, b in zip(packed, plain))
 
 

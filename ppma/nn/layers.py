@@ -116,38 +116,48 @@ _CASTS = WeakIdKeyDictionary()
 
 
 def _param_as(t: torch.Tensor | None, dt: torch.dtype, widened: bool = False,
-              pack_rows: int = 0) -> torch.Tensor | None:
+              pack: tuple | None = None) -> torch.Tensor | None:
     """``t.to(dt)`` for a parameter or buffer ``t`` of a fused module, kept between calls: bf16 autocast inference
     rounds each weight to bf16 once, not on every call (about 1 % of PPMA-T's bf16 forward). With ``widened``,
-    ``t.to(dt).float()`` (the bf16-rounded weight in float32, :func:`bf16_products_widened`). With ``pack_rows``
-    (the weight of a linear layer under bf16 autocast): that copy reordered once into oneDNN's blocked layout for a
-    product of ``pack_rows`` rows (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's frozen graphs pass
-    to the same op), which oneDNN's linear op otherwise makes at every call; held instead of the plain copy, so it
-    costs no memory. oneDNN runs the same kernel on either (the same bits, tests/test_cpu_fast_paths.py, also for
-    other row counts); the layers ran 3-6 % faster at PPMA-T's b8@224 shapes (AMD EPYC Zen 4, 2 threads). The copy
-    is made again when ``t`` points to other memory or was written in place (its version counter:
-    ``load_state_dict``, ``copy_``), so it always equals ``t.to(dt)``; it is held beside ``t`` (not in any module or
-    state_dict) and freed with it."""
-    if t is None or (t.dtype == dt and not widened and not pack_rows):
+    ``t.to(dt).float()`` (the bf16-rounded weight in float32, :func:`bf16_products_widened`). With ``pack`` (under
+    bf16 autocast): that copy reordered once into oneDNN's blocked layout (:func:`_packed`), which oneDNN's linear and
+    convolution ops otherwise make at every call; held instead of the plain copy, so it costs no memory. The copy is
+    made again when ``t`` points to other memory or was written in place (its version counter: ``load_state_dict``,
+    ``copy_``), so it always equals ``t.to(dt)``; it is held beside ``t`` (not in any module or state_dict) and freed
+    with it."""
+    if t is None or (t.dtype == dt and not widened and pack is None):
         return t
 
     def cast():
         c = t.detach().to(dt)
-        c = c.float() if widened else c
-        return torch.ops.mkldnn._reorder_linear_weight(c, pack_rows) if pack_rows else c
+        return c.float() if widened else c
 
     if t.is_inference():  # no version counter: an in-place write could not be seen; not packed at every call
-        return t.detach().to(dt).float() if widened else t.detach().to(dt)
+        return cast()
     kept = _CASTS.get(t)
     if kept is None:
         kept = _CASTS[t] = {}
-    key = (dt, widened, pack_rows > 0)
+    key = (dt, widened, pack is not None)
     hit = kept.get(key)
     if hit is not None and hit[:2] == (t.data_ptr(), t._version):
         return hit[2]
-    out = cast()
+    out = cast() if pack is None else _packed(cast(), pack)
     kept[key] = (t.data_ptr(), t._version, out)
     return out
+
+
+def _packed(w: torch.Tensor, pack: tuple) -> torch.Tensor:
+    """The weight ``w`` of a fused linear layer (``pack = ("linear", rows)``) or convolution (``pack = ("conv",
+    padding, stride, dilation, groups, input_size)``) reordered into oneDNN's blocked layout for that product
+    (``torch.ops.mkldnn._reorder_linear_weight``, ``torch._C._nn.mkldnn_reorder_conv2d_weight``: what Inductor's
+    frozen graphs pass to the same ops). oneDNN then runs the kernel it runs on the plain weight, so the results are
+    the same bits, also for inputs of other sizes (tests/test_cpu_fast_paths.py; the convolutions' inputs are
+    channels-last, as every fused caller passes them). At PPMA-T's b8@224 shapes under bf16 autocast (AMD EPYC Zen 4,
+    2 threads) the linear layers ran 3-6 % faster, the stem's and patch mergings' convolutions 1-40 %."""
+    if pack[0] == "linear":
+        return torch.ops.mkldnn._reorder_linear_weight(w, pack[1])
+    _, padding, stride, dilation, groups, size = pack
+    return torch._C._nn.mkldnn_reorder_conv2d_weight(w.to_mkldnn(), padding, stride, dilation, groups, size)
 
 
 def _attr(gelu: bool) -> tuple[str, list, str]:
@@ -167,15 +177,16 @@ def _fused_linear(x: torch.Tensor, layer: nn.Module, dt: torch.dtype, gelu: bool
         # float32 products of the bf16-rounded values, the output rounded once (bf16_products_widened); traced, the
         # weight's rounding is a constant of the frozen graph
         w = (layer.weight.to(dt).float() if torch.compiler.is_compiling()
-             else _param_as(layer.weight, dt, widened=True, pack_rows=_rows(x)))
+             else _param_as(layer.weight, dt, widened=True, pack=_linear_pack(x)))
         return torch.ops.mkldnn._linear_pointwise(x.to(dt).float(), w, layer.bias, *_attr(gelu)).to(dt)
-    w = _param_as(layer.weight, dt, pack_rows=_rows(x) if dt != torch.float32 else 0)
+    w = _param_as(layer.weight, dt, pack=_linear_pack(x) if dt != torch.float32 else None)
     return torch.ops.mkldnn._linear_pointwise(x.to(dt), w, layer.bias, *_attr(gelu))
 
 
-def _rows(x: torch.Tensor) -> int:
-    """The rows of a linear layer's product with input ``x`` (all of its dimensions but the last), at least 1."""
-    return max(1, x.numel() // max(1, x.shape[-1]))
+def _linear_pack(x: torch.Tensor) -> tuple:
+    """:func:`_packed`'s description of a linear layer's product with input ``x``: its rows (all of ``x``'s dimensions
+    but the last)."""
+    return ("linear", max(1, x.numel() // max(1, x.shape[-1])))
 
 
 def _traced_cpu_inference(x: torch.Tensor, *layers: nn.Module) -> bool:
@@ -292,8 +303,10 @@ def _fused_conv(x: torch.Tensor, conv: nn.Conv2d, dt: torch.dtype, gelu: bool = 
     convolution with the GELU fused, one pass instead of three, in ``dt`` (the bias float32; bf16 on float32 products
     of the bf16-rounded values where :func:`bf16_products_widened`)."""
     widened = dt == torch.bfloat16 and bf16_products_widened()
+    pack = (None if dt == torch.float32 else
+            ("conv", list(conv.padding), list(conv.stride), list(conv.dilation), conv.groups, list(x.shape)))
     y = torch.ops.mkldnn._convolution_pointwise(x.to(dt).float() if widened else x.to(dt),
-                                                _param_as(conv.folded_weight, dt, widened), conv.folded_bias,
+                                                _param_as(conv.folded_weight, dt, widened, pack), conv.folded_bias,
                                                 conv.padding, conv.stride, conv.dilation, conv.groups, *_attr(gelu))
     return y.to(dt)
 
