@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--crop-pct", type=float, help="default: the checkpoint's config, else 0.875")
     p.add_argument("--interpolation", default=None, help="default: the checkpoint's config, else bicubic")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--num-workers", type=int, default=4)
+    p.add_argument("--num-workers", type=int,
+                   help="data loading processes (default: 4, or fewer on a machine with fewer cores)")
     p.add_argument("--device", default="auto")
     p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none")
     p.add_argument("--output", help="write the result as JSON to this file")
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
         ppma.nn.fuse_for_inference(model)
     with ppma.ops.use_impl(args.impl):  # --impl: the process-wide fused/reference switch of ppma.ops
         res = evaluate(model, dataset, device, batch_size=args.batch_size, amp_dtype=amp,
-                       num_workers=args.num_workers, progress=True)
+                       num_workers=_workers(args.num_workers), progress=True)
     result = {"checkpoint": args.checkpoint, "weights": info["key"], "kind": info["kind"], "data": args.data,
               "images": res["n"], "top1": res["acc1"], "top5": res["acc5"], "loss": res["loss"], "img_size": img_size}
     print(f"{args.checkpoint} [{info['key']}]: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  "
@@ -94,6 +95,14 @@ def main(argv=None) -> int:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def _workers(requested: int | None) -> int:
+    """--num-workers, or by default 4 capped at the cores this process may run on (DataLoader warns above that)."""
+    if requested is not None:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cores)
 
 
 if __name__ == "__main__":
