@@ -153,7 +153,8 @@ def _packed(w: torch.Tensor, pack: tuple) -> torch.Tensor:
     frozen graphs pass to the same ops). oneDNN then runs the kernel it runs on the plain weight, so the results are
     the same bits, also for inputs of other sizes (tests/test_cpu_fast_paths.py; the convolutions' inputs are
     channels-last, as every fused caller passes them). At PPMA-T's b8@224 shapes under bf16 autocast (AMD EPYC Zen 4,
-    2 threads) the linear layers ran 3-6 % faster, the stem's and patch mergings' convolutions 1-40 %."""
+    2 threads) the linear layers ran 3-6 % faster, the convolutions 1-5 % (stem) to 14-35 % (the last two patch
+    mergings, whose weights are the largest)."""
     if pack[0] == "linear":
         return torch.ops.mkldnn._reorder_linear_weight(w, pack[1])
     _, padding, stride, dilation, groups, size = pack
