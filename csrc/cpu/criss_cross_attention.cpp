@@ -294,8 +294,7 @@ inline void gather_input_rows_t(Lanes<L> ln, int64_t n, int64_t c, const I* src,
     gather_rows_t(ln, n, c, src, ss, dst);
   } else {
     static_assert(std::is_same<T, float>::value && std::is_same<I, uint16_t>::value, "bf16 inputs, float math");
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t e = 0; e < c; ++e) dst[e * n + r] = bf16_to_float(src[r * ss + e]);
+    gather_bf16_rows_t(ln, n, c, src, ss, dst);
   }
 }
 
@@ -500,52 +499,6 @@ void forward_kernel(const CCData<T, I>& D, T* out, T* lse) {
 // float32 kernel's differ by float32 rounding only (measured; tests/test_criss_cross_attention.py,
 // test_bf16_products), so this forward also runs when a gradient is recorded, not only for inference.
 // ---------------------------------------------------------------------------------------------
-
-// Rows transposed in pairs of features (the keys as the B operand of q k^T): dst[p * ldb + l] = the pair
-// (src[l * ss + 2 p], src[l * ss + 2 p + 1]) for l < n, p < ceil(d / 2), the second one 0 past d.
-// Even d: 8 x 8 blocks of pairs moved as floats by transpose_block (cpu/simd.h; shuffles, so the bits are kept).
-inline void gather_pairs_t(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
-                           int64_t ldb) {
-  const int64_t full = d / 2;
-  int64_t l0 = 0;
-  if (d % 2 == 0) {  // pairs are then 4-byte aligned rows of full words, ss / 2 words apart
-    const float* s32 = reinterpret_cast<const float*>(src);
-    float* d32 = reinterpret_cast<float*>(dst);
-    for (; l0 + 8 <= n; l0 += 8) {
-      int64_t p0 = 0;
-      for (; p0 + 8 <= full; p0 += 8) transpose_block<8>(s32 + l0 * (ss / 2) + p0, ss / 2, d32 + p0 * ldb + l0, ldb);
-      for (int64_t l = l0; l < l0 + 8; ++l)
-        for (int64_t p = p0; p < full; ++p) std::memcpy(dst + p * ldb + l, src + l * ss + 2 * p, sizeof(uint32_t));
-    }
-  }
-  for (int64_t l = l0; l < n; ++l) {
-    const uint16_t* s = src + l * ss;
-    for (int64_t p = 0; p < full; ++p) {
-      uint32_t w;
-      std::memcpy(&w, s + 2 * p, sizeof(w));
-      dst[p * ldb + l] = w;
-    }
-    if (d & 1) dst[full * ldb + l] = s[d - 1];  // (s[d - 1], 0): the lower half comes first
-  }
-}
-
-// Rows in pairs of positions (values or z as the B operand of a map product): dst[p * ldb + e] = the pair
-// (src[2 p][e], src[2 p + 1][e]) (row r at src + r * ss) for p < ceil(n / 2), e < c, the second one 0 past n.
-inline void gather_pairs_positions(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
-                                   int64_t ldb) {
-  for (int64_t p = 0; 2 * p < n; ++p) {
-    const uint16_t* a = src + 2 * p * ss;
-    uint32_t* o = dst + p * ldb;
-    if (2 * p + 1 < n) {
-      const uint16_t* b = a + ss;
-#pragma omp simd
-      for (int64_t e = 0; e < c; ++e) o[e] = uint32_t(a[e]) | (uint32_t(b[e]) << 16);
-    } else {
-#pragma omp simd
-      for (int64_t e = 0; e < c; ++e) o[e] = a[e];
-    }
-  }
-}
 
 struct CCBf16 {
   const uint16_t* q;  // [B, N, G, d] the inputs' bf16 bits

@@ -451,30 +451,20 @@ struct PackedBf16 {
     const uint16_t *ks = bits(kc), *vs = bits(vc);
     uint16_t *kd = bits(kp), *vd = bits(vp);
     at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bg = begin; bg < end; ++bg) {
-        const int64_t b = bg / G, g = bg % G;
-        uint16_t* ko = kd + bg * d2 * Np * 2;  // [d2][Np][2]
-        for (int64_t p = 0; p < d2; ++p) {
-          uint16_t* o = ko + p * Np * 2;
-          for (int64_t n = 0; n < N; ++n) {
-            const uint16_t* src = ks + ((b * N + n) * G + g) * d;
-            o[2 * n] = src[2 * p];
-            o[2 * n + 1] = 2 * p + 1 < d ? src[2 * p + 1] : 0;
-          }
-          std::fill(o + 2 * N, o + 2 * Np, uint16_t(0));
+      // inside the AVX-512 code of the bf16 kernels, so that the shuffles of gather_pairs_t are 256-bit ones
+      with_lanes_bf16([&](auto) {
+        for (int64_t bg = begin; bg < end; ++bg) {
+          const int64_t b = bg / G, g = bg % G;
+          // keys: [d2][Np] pairs of features (gather_pairs_t: 8 x 8 blocks of pairs by shuffles), zero past N
+          uint32_t* ko = reinterpret_cast<uint32_t*>(kd + bg * d2 * Np * 2);
+          gather_pairs_t(N, d, ks + (b * N * G + g) * d, G * d, ko, Np);
+          for (int64_t p = 0; p < d2; ++p) std::fill(ko + p * Np + N, ko + (p + 1) * Np, uint32_t(0));
+          // values: [N2][dvp] pairs of positions (gather_pairs_positions), zero past dv
+          uint32_t* vo = reinterpret_cast<uint32_t*>(vd + bg * N2 * dvp * 2);
+          gather_pairs_positions(N, dv, vs + (b * N * G + g) * dv, G * dv, vo, dvp);
+          for (int64_t m = 0; m < N2; ++m) std::fill(vo + m * dvp + dv, vo + (m + 1) * dvp, uint32_t(0));
         }
-        uint16_t* vo = vd + bg * N2 * dvp * 2;  // [N2][dvp][2]
-        for (int64_t m = 0; m < N2; ++m) {
-          const uint16_t* a = vs + ((b * N + 2 * m) * G + g) * dv;
-          const uint16_t* c = 2 * m + 1 < N ? vs + ((b * N + 2 * m + 1) * G + g) * dv : nullptr;
-          uint16_t* o = vo + m * dvp * 2;
-          for (int64_t e = 0; e < dv; ++e) {
-            o[2 * e] = a[e];
-            o[2 * e + 1] = c ? c[e] : 0;
-          }
-          std::fill(o + 2 * dv, o + 2 * dvp, uint16_t(0));
-        }
-      }
+      });
     });
     P = PABf16{bits(qc), kd, vd, d2, Np, N2, dvp};
   }

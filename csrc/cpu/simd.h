@@ -658,6 +658,54 @@ inline void gather_pair_rows(int64_t n, int64_t d, const uint16_t* src, int64_t 
   }
 }
 
+// Rows transposed in pairs of features (keys as the B operand of q k^T in criss_cross_attention's bf16 lines and
+// polyline_attention's packed keys): dst[p * ldb + l] = the pair (src[l * ss + 2 p], src[l * ss + 2 p + 1]) for
+// l < n, p < ceil(d / 2), the second one 0 past d.
+// Even d: 8 x 8 blocks of pairs moved as floats by transpose_block (above; shuffles, so the bits are kept).
+inline void gather_pairs_t(int64_t n, int64_t d, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
+                           int64_t ldb) {
+  const int64_t full = d / 2;
+  int64_t l0 = 0;
+  if (d % 2 == 0) {  // pairs are then 4-byte aligned rows of full words, ss / 2 words apart
+    const float* s32 = reinterpret_cast<const float*>(src);
+    float* d32 = reinterpret_cast<float*>(dst);
+    for (; l0 + 8 <= n; l0 += 8) {
+      int64_t p0 = 0;
+      for (; p0 + 8 <= full; p0 += 8) transpose_block<8>(s32 + l0 * (ss / 2) + p0, ss / 2, d32 + p0 * ldb + l0, ldb);
+      for (int64_t l = l0; l < l0 + 8; ++l)
+        for (int64_t p = p0; p < full; ++p) std::memcpy(dst + p * ldb + l, src + l * ss + 2 * p, sizeof(uint32_t));
+    }
+  }
+  for (int64_t l = l0; l < n; ++l) {
+    const uint16_t* s = src + l * ss;
+    for (int64_t p = 0; p < full; ++p) {
+      uint32_t w;
+      std::memcpy(&w, s + 2 * p, sizeof(w));
+      dst[p * ldb + l] = w;
+    }
+    if (d & 1) dst[full * ldb + l] = s[d - 1];  // (s[d - 1], 0): the lower half comes first
+  }
+}
+
+// Rows in pairs of positions (values or z as the B operand of a map product; polyline_attention's packed
+// values): dst[p * ldb + e] = the pair (src[2 p][e], src[2 p + 1][e]) (row r at src + r * ss) for p < ceil(n / 2),
+// e < c, the second one 0 past n.
+inline void gather_pairs_positions(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint32_t* __restrict dst,
+                                   int64_t ldb) {
+  for (int64_t p = 0; 2 * p < n; ++p) {
+    const uint16_t* a = src + 2 * p * ss;
+    uint32_t* o = dst + p * ldb;
+    if (2 * p + 1 < n) {
+      const uint16_t* b = a + ss;
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = uint32_t(a[e]) | (uint32_t(b[e]) << 16);
+    } else {
+#pragma omp simd
+      for (int64_t e = 0; e < c; ++e) o[e] = a[e];
+    }
+  }
+}
+
 // M bf16 values (bits) widened to floats (exact), and M floats rounded to bf16 (float_to_bf16's rounding, NaN kept
 // a quiet NaN): integer vector operations, at the width of the path that inlines them (M = 1: the scalar ones).
 template <int M>
@@ -675,6 +723,30 @@ PPMA_SIMD_INLINE vec<M> load_bf16(const uint16_t* p) {
     return f;
   }
 }
+// gather_rows_t of bf16 rows (bits) widened to float: dst[e * n + r] = src[r * ss + e] for r < n, e < c. Blocks
+// of 8 x 8 (4 x 4 on the 4-lane path) are widened into a float block and moved by transpose_block; the rest one by
+// one. The same values as widening then gather_rows_t (widening is exact, the transpose moves bits).
+template <int L0>
+PPMA_SIMD_INLINE void gather_bf16_rows_t(Lanes<L0>, int64_t n, int64_t c, const uint16_t* src, int64_t ss,
+                                         float* __restrict dst) {
+  constexpr int L = L0 > 8 ? 8 : L0;
+  int64_t r0 = 0;
+  if constexpr (L >= 4) {
+    for (; r0 + L <= n; r0 += L) {
+      int64_t e0 = 0;
+      for (; e0 + L <= c; e0 += L) {
+        float blk[L * L];
+        for (int r = 0; r < L; ++r) store<L>(blk + r * L, load_bf16<L>(src + (r0 + r) * ss + e0));
+        transpose_block<L>(blk, L, dst + e0 * n + r0, n);
+      }
+      for (int64_t r = r0; r < r0 + L; ++r)
+        for (int64_t e = e0; e < c; ++e) dst[e * n + r] = bf16_to_float(src[r * ss + e]);
+    }
+  }
+  for (int64_t r = r0; r < n; ++r)
+    for (int64_t e = 0; e < c; ++e) dst[e * n + r] = bf16_to_float(src[r * ss + e]);
+}
+
 #ifdef PPMA_SIMD_X86
 // Whether the CPU has AVX-512 BF16, whose vcvtneps2bf16 rounds 16 floats to bf16 in one instruction (read once, as
 // the library loads). Any path may ask: the 16-lane stores below use the instruction where it is true.
