@@ -16,9 +16,11 @@ The first call of each compiled graph (compilation, minutes for PPMA-T on 2 core
 Usage::
 
     python benchmarks/bench_compile_cpu.py [--threads 2] [--rounds 6] [--cases fp32-infer,bf16-train] [--depths 2,2,8,2]
+                                           [--output FILE.md]
 
 Prints a Markdown table naming the CPU (``ppma.backends.cpu_summary()``) and writes it to
-``benchmarks/results/compile_cpu_<machine>.md`` (:func:`ppma.timing.machine_tag`).
+``benchmarks/results/compile_cpu_<machine>.md`` (:func:`ppma.timing.machine_tag`), or to ``--output`` (a run of some
+cases only, say, that should not replace the machine's table).
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--note", default="", help="a line under the table (e.g. 'machine busy')")
+    p.add_argument("--output", default=None,
+                   help="Markdown file to write (default benchmarks/results/compile_cpu_<machine>.md)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     depths = tuple(int(d) for d in a.depths.split(","))
@@ -148,7 +152,8 @@ def main(argv=None) -> int:
         lines += ["", a.note]
     text = "\n".join(lines) + "\n"
     print(text)
-    path = os.path.join(ROOT, "benchmarks", "results", f"compile_cpu_{machine_tag('cpu')}.md")
+    path = a.output or os.path.join(ROOT, "benchmarks", "results", f"compile_cpu_{machine_tag('cpu')}.md")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
     print(f"written: {os.path.relpath(path, ROOT)}", file=sys.stderr)
