@@ -294,15 +294,13 @@ PPMA_SIMD_INLINE void residual_row(Lanes<L>, int64_t W, int64_t C, int64_t kr, c
   constexpr bool direct = std::is_same_v<O, float>;
   const bool direct_rows = n == cw;  // whole rows straight into out, float or bf16 (else staged in tmp)
   float tmp[UW * kMaxSlot];
-  // The uw positions from w0 staged in tmp (row stride cw) go to out.
+  // The uw positions from w0 staged in tmp (row stride cw) go to out: the n < cw channels of a last, partial slot.
   auto flush = [&](int64_t w0, int64_t uw) {
     for (int64_t u = 0; u < uw; ++u) {
       const float* t = tmp + u * cw;
       O* o = out + (w0 + u) * C;
       if constexpr (direct) {
         std::memcpy(o, t, n * sizeof(float));
-      } else if (n == cw) {
-        for (int64_t c = 0; c < cw; c += L) store_bf16<L>(o + c, load<L>(t + c));
       } else {
         for (int64_t c = 0; c < n; ++c) o[c] = float_to_bf16(t[c]);
       }
