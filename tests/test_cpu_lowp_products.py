@@ -73,12 +73,14 @@ def _reference(inputs, scale, go=None, ref=polyline_attention_ref):
 
 def _run_all(inputs, scale, go):
     """The training op's out, out_v2h, lse; the five gradients of its backward; the inference op's output; the
-    gradients of polyline_attention_lse_backward (the rows' D terms from the maps)."""
+    gradients of polyline_attention_lse_backward (the rows' D terms from the maps) on the statistics of
+    polyline_attention_lse (what the public op runs in training), and that op's out and lse."""
     out, out_v2h, lse = torch.ops.ppma.polyline_attention(*inputs, scale)
     grads = torch.ops.ppma.polyline_attention_backward(go, *inputs, out, out_v2h, lse, scale)
     inf = torch.ops.ppma.polyline_attention_inference(*inputs, scale)
-    lse_grads = torch.ops.ppma.polyline_attention_lse_backward(go, *inputs, lse, scale)
-    return out, out_v2h, lse, grads, inf, lse_grads
+    lse_out, lse_only = torch.ops.ppma.polyline_attention_lse(*inputs, scale)
+    lse_grads = torch.ops.ppma.polyline_attention_lse_backward(go, *inputs, lse_only, scale)
+    return out, out_v2h, lse, grads, inf, lse_grads, lse_out, lse_only
 
 
 @needs_ext
@@ -137,12 +139,16 @@ def test_matches_reference(shape, products, dtype):
         assert backends.cpu_lowp_gemm(dtype) == (products not in (1, 5))
         assert backends.cpu_lowp_route(dtype) == PRODUCTS[products]
         assert backends.cpu_bf16_dot() or products != 5
-        out, out_v2h, lse, grads, inf, lse_grads = _run_all(inputs, scale, go)
+        out, out_v2h, lse, grads, inf, lse_grads, lse_out, lse_only = _run_all(inputs, scale, go)
     want, want_grads = _reference(inputs, scale, go)
     what = f"{IDS[products]}, {dtype}"
-    assert out.dtype == dtype and inf.dtype == dtype and lse.dtype == torch.float32
+    assert out.dtype == dtype and inf.dtype == dtype and lse_out.dtype == dtype
+    assert lse.dtype == torch.float32 and lse_only.dtype == torch.float32
     assert_close(out, want, dtype, f"{what}: out", mult=MULT[dtype])
     assert_close(inf, want, dtype, f"{what}: inference out", mult=MULT[dtype])
+    assert_close(lse_out, want, dtype, f"{what}: polyline_attention_lse out", mult=MULT[dtype])
+    # the same float32 logits and softmax sums on either op (up to the order of the sums)
+    torch.testing.assert_close(lse_only, lse, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out_v2h).all() and torch.isfinite(lse).all()
     names = ["dq", "dk", "dv", "dlog_alpha", "dlog_beta"]
     for name, g, lg, w in zip(names, grads, lse_grads, want_grads):
@@ -190,8 +196,8 @@ def test_thread_count_invariant(shape, products, dtype):
         with config.internal_option("cpu_lowp_products", products):
             for threads in (1, 2, 3, 2):
                 torch.set_num_threads(threads)
-                out, out_v2h, lse, grads, inf, lse_grads = _run_all(inputs, 0.3, go)
-                runs.append([out, out_v2h, lse, *grads, inf, *lse_grads])
+                out, out_v2h, lse, grads, inf, lse_grads, lse_out, lse_only = _run_all(inputs, 0.3, go)
+                runs.append([out, out_v2h, lse, *grads, inf, *lse_grads, lse_out, lse_only])
     finally:
         torch.set_num_threads(n)
     for r in runs[1:]:

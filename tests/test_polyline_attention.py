@@ -78,8 +78,8 @@ def test_inference_op_matches_reference(shape, dtype):
 @needs_ext
 def test_wrapper_picks_the_op_by_grad_and_dtype():
     """The public op keeps no statistics when no gradient is needed (no_grad, inference_mode, inputs without
-    requires_grad) and runs an op with statistics when autograd records it: polyline_attention_lse for float32 /
-    float64 (no out_v2h), polyline_attention for bf16 (its bf16 products)."""
+    requires_grad) and runs an op with statistics when autograd records it: polyline_attention_lse (no out_v2h)
+    for every dtype, bf16 and fp16 included (on their 16-bit products, tests/test_cpu_lowp_products.py)."""
     shape = (1, 4, 5, 2, 8, 8)
 
     def ops_run(requires_grad, ctx, dtype=torch.float32):
@@ -96,7 +96,8 @@ def test_wrapper_picks_the_op_by_grad_and_dtype():
     assert ops_run(False, contextlib.nullcontext()) == inference
     assert ops_run(True, contextlib.nullcontext()) == lse
     assert ops_run(True, contextlib.nullcontext(), torch.float64) == lse
-    assert ops_run(True, contextlib.nullcontext(), torch.bfloat16) == ["ppma.polyline_attention"]
+    assert ops_run(True, contextlib.nullcontext(), torch.bfloat16) == lse
+    assert ops_run(True, contextlib.nullcontext(), torch.float16) == lse
 
 
 @needs_ext

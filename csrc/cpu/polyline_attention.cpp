@@ -386,15 +386,20 @@ void forward_kernel_bf16(const PAData<float>& D, const PABf16& P, float* out, fl
   });
 }
 
-// average_softmaxes_row (no lse) with the averaged map rounded to bf16 into pb, in the pass that forms it (x1 and x2
+// average_softmaxes_row with the averaged map rounded to bf16 into pb, in the pass that forms it (x1 and x2
 // then hold the two rows' exponentials).
 template <int L>
 inline void average_softmaxes_row_bf16(Lanes<L> ln, const PAData<float>& D, int64_t bg, int64_t p,
-                                       float* __restrict x1, float* __restrict x2, uint16_t* __restrict pb) {
+                                       float* __restrict x1, float* __restrict x2, uint16_t* __restrict pb,
+                                       float* lse) {
   const int64_t N = D.N;
   float m1, m2;
   add_biases_row(ln, D, bg, p, x1, x2, &m1, &m2);
   const float l1 = exp_shift_sum(ln, N, x1, m1), l2 = exp_shift_sum(ln, N, x2, m2);
+  if (lse) {
+    lse[0] = m1 + std::log(l1);
+    lse[1] = m2 + std::log(l2);
+  }
   const float c1 = 0.5f / l1, c2 = 0.5f / l2;
   int64_t s = 0;
   for (; s + 16 <= N; s += 16) store_bf16<16>(pb + s, c1 * load<16>(x1 + s) + c2 * load<16>(x2 + s));
@@ -402,8 +407,9 @@ inline void average_softmaxes_row_bf16(Lanes<L> ln, const PAData<float>& D, int6
 }
 
 // The inference forward of bf16 q, k, v on the bf16 products (forward_inference_kernel's map P, rounded to bf16
-// once for the single P v product); out: bf16 [B, N, G, dv], each row's float32 product rounded once.
-void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint16_t* out) {
+// once for the single P v product); out: bf16 [B, N, G, dv], each row's float32 product rounded once. With lse (not
+// null): also the rows' log-sum-exps [B, N, G, 2] (polyline_attention_lse's training forward).
+void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint16_t* out, float* lse) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, d2 = P.d2, N2 = P.N2;
   const int64_t nqb = ceil_div(N, TQ);
   parallel_tasks(
@@ -423,13 +429,34 @@ void forward_inference_kernel_bf16(const PAData<float>& D, const PABf16& P, uint
       gather_pair_rows(tq, d, P.q + row0 * d, G * d, Qp);
       small_gemm_bf16(ln, tq, N, d2, Qp, d2, P.kp + bg * d2 * P.Np * 2, P.Np, X, N, false, D.scale);
       for (int64_t a = 0; a < tq; ++a) {
-        average_softmaxes_row_bf16(ln, D, bg, p0 + a, X + a * N, x2, Pb + a * 2 * N2);
+        average_softmaxes_row_bf16(ln, D, bg, p0 + a, X + a * N, x2, Pb + a * 2 * N2,
+                                   lse ? lse + (row0 + a * G) * 2 : nullptr);
         if (N % 2) Pb[a * 2 * N2 + N] = 0;
       }
       small_gemm_bf16(ln, tq, dv, N2, Pb, N2, P.vp + bg * N2 * P.dvp * 2, P.dvp, O, dv, false);
       for (int64_t a = 0; a < tq; ++a) floats_to_bf16(ln, dv, O + a * dv, out + (row0 + a * G) * dv);
     });
   });
+}
+
+// n rows of c bf16 features (row stride ss) as the B operand of a product over the features (the keys of q k^T,
+// the values of dO v^T): [ceil(c / 2)][ldb][2] pairs of features (gather_pairs_t: 8 x 8 blocks of pairs by
+// shuffles), zero past n (ldb >= n, a multiple of 16).
+PPMA_SIMD_INLINE void pack_feature_pairs(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint16_t* dst,
+                                         int64_t ldb) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+  gather_pairs_t(n, c, src, ss, o, ldb);
+  for (int64_t p = 0; p < ceil_div(c, 2); ++p) std::fill(o + p * ldb + n, o + (p + 1) * ldb, uint32_t(0));
+}
+
+// n rows of c bf16 features (row stride ss) as the B operand of a product over the rows (the values of P v, the keys
+// of dS k): [ceil(n / 2)][ldb][2] pairs of rows (gather_pairs_positions; the second of an odd n's last pair 0), zero
+// past c (ldb >= c, a multiple of 16).
+PPMA_SIMD_INLINE void pack_position_pairs(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint16_t* dst,
+                                          int64_t ldb) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+  gather_pairs_positions(n, c, src, ss, o, ldb);
+  for (int64_t m = 0; m < ceil_div(n, 2); ++m) std::fill(o + m * ldb + c, o + (m + 1) * ldb, uint32_t(0));
 }
 
 // bf16 q, k, v packed for the bf16 products (the tensors that PABf16 points into, kept alive here).
@@ -455,14 +482,8 @@ struct PackedBf16 {
       with_lanes_bf16([&](auto) {
         for (int64_t bg = begin; bg < end; ++bg) {
           const int64_t b = bg / G, g = bg % G;
-          // keys: [d2][Np] pairs of features (gather_pairs_t: 8 x 8 blocks of pairs by shuffles), zero past N
-          uint32_t* ko = reinterpret_cast<uint32_t*>(kd + bg * d2 * Np * 2);
-          gather_pairs_t(N, d, ks + (b * N * G + g) * d, G * d, ko, Np);
-          for (int64_t p = 0; p < d2; ++p) std::fill(ko + p * Np + N, ko + (p + 1) * Np, uint32_t(0));
-          // values: [N2][dvp] pairs of positions (gather_pairs_positions), zero past dv
-          uint32_t* vo = reinterpret_cast<uint32_t*>(vd + bg * N2 * dvp * 2);
-          gather_pairs_positions(N, dv, vs + (b * N * G + g) * dv, G * dv, vo, dvp);
-          for (int64_t m = 0; m < N2; ++m) std::fill(vo + m * dvp + dv, vo + (m + 1) * dvp, uint32_t(0));
+          pack_feature_pairs(N, d, ks + (b * N * G + g) * d, G * d, kd + bg * d2 * Np * 2, Np);
+          pack_position_pairs(N, dv, vs + (b * N * G + g) * dv, G * dv, vd + bg * N2 * dvp * 2, dvp);
         }
       });
     });
@@ -478,14 +499,16 @@ PAData<float> bf16_data(const at::Tensor& q, const at::Tensor& v, const at::Tens
 }
 
 // Forward of bf16 q, k, v on the bf16 products: packs k and v in pairs (host side), runs forward_kernel_bf16 (out
-// float32), or forward_inference_kernel_bf16 when out_v2h and lse are null (the inference op; out bf16).
+// float32), or forward_inference_kernel_bf16 when out_v2h is null (the inference op without lse, the lse op with it;
+// out bf16).
 void polyline_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cr,
                              const at::Tensor& cc, double scale, at::Tensor& out, at::Tensor* out_v2h,
                              at::Tensor* lse) {
   const PackedBf16 packed(q, k, v);
   const PAData<float> D = bf16_data(q, v, cr, cc, scale);
   if (out_v2h == nullptr) {
-    forward_inference_kernel_bf16(D, packed.P, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    forward_inference_kernel_bf16(D, packed.P, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                                  lse ? lse->data_ptr<float>() : nullptr);
   } else {
     forward_kernel_bf16(D, packed.P, out.data_ptr<float>(), out_v2h->data_ptr<float>(), lse->data_ptr<float>());
   }
@@ -567,7 +590,8 @@ void forward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const
 // forward_inference_kernel on the lowp products (the averaged map rounded once for its single P v product):
 // out in Lp [B, N, G, dv], each row's float32 product rounded once.
 template <typename Lp>
-void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const Lp* v, Lp* out) {
+void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const Lp* v, Lp* out,
+                                   float* lse) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv;
   const int64_t nqb = ceil_div(N, TQ);
   parallel_tasks(
@@ -593,7 +617,7 @@ void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp
 #pragma omp simd
       for (int64_t e = 0; e < tq * N; ++e) X[e] *= scale;
       for (int64_t a = 0; a < tq; ++a) {
-        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, static_cast<float*>(nullptr));
+        average_softmaxes_row(ln, D, bg, p0 + a, X + a * N, x2, lse ? lse + (row0 + a * G) * 2 : nullptr);
         to_lowp(N, X + a * N, Pb + a * N);
       }
       lowp_gemm(tq, Pb, N, S.vals, O, dv, false);  // P v
@@ -622,7 +646,8 @@ void polyline_attention_lowp(const at::Tensor& q, const at::Tensor& k, const at:
     const Lp* kp = static_cast<const Lp*>(kc.data_ptr());
     const Lp* vp = static_cast<const Lp*>(vc.data_ptr());
     if (out_v2h == nullptr) {
-      forward_inference_kernel_lowp<Lp>(D, qp, kp, vp, static_cast<Lp*>(out.data_ptr()));
+      forward_inference_kernel_lowp<Lp>(D, qp, kp, vp, static_cast<Lp*>(out.data_ptr()),
+                                        lse ? lse->data_ptr<float>() : nullptr);
     } else {
       forward_kernel_lowp<Lp>(D, qp, kp, vp, out.data_ptr<float>(), out_v2h->data_ptr<float>(), lse->data_ptr<float>());
     }
@@ -1112,9 +1137,181 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
   });
 }
 
+#ifdef PPMA_SIMD_X86
+// n rows of c bf16 values (row stride ss) transposed in pairs of rows, the A operand of a product over the rows
+// (q^T dS, dO^T P): dst[(e * ld + p) * 2 + h] = src[(2 p + h) * ss + e] for e < c, p < ceil(n / 2), 0 past n.
+inline void transposed_row_pairs(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint16_t* __restrict dst,
+                                 int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* s = src + r * ss;
+    uint16_t* o = dst + (r / 2) * 2 + (r % 2);
+    for (int64_t e = 0; e < c; ++e) o[e * ld * 2] = s[e];
+  }
+  if (n % 2)
+    for (int64_t e = 0; e < c; ++e) dst[(e * ld + n / 2) * 2 + 1] = 0;
+}
+// backward_kernel on the bf16 products (vdpbf16ps, small_gemm_bf16; where cpu_bf16_dot()) for bf16 q, k, v and
+// grad_out (go): the logits q k^T (as forward_kernel_bf16 forms them), DP = 0.5 dO v^T, dq = (scale dS) k,
+// dk^T += q^T (scale dS) and dv^T += dO^T (0.5 (P1 + P2)) multiply bf16 operands with float32 accumulation; scale dS
+// and 0.5 (P1 + P2) are rounded to bf16 for their products (as backward_kernel_lowp rounds them). The softmax
+// gradients, the rows' D terms (from the maps: D1 = sum_s P1[s] DP[s], as polyline_attention_lse_backward forms
+// them, so neither out nor out_v2h is read) and the prefix-sum gradients are float32, as backward_kernel<float>
+// forms them. dk and dv are accumulated transposed ([d][N], [dv][N] in the task's partial buffer: the large operands,
+// dS and P, then only need their rows interleaved in pairs), which reduce_partials(..., transposed = true) reads.
+// The same tasks as backward_kernel (deterministic). kf: the keys in pairs of features [BG][d2][Np][2] (q k^T), kr:
+// in pairs of positions [BG][N2][dp][2] (dS k, dp = d rounded up to 16), vf: the values in pairs of features
+// [BG][dv2][Np][2] (dO v^T).
+struct PABf16Grad {
+  const uint16_t *q, *go, *kf, *kr, *vf;  // q, go: [B, N, G, d] / [B, N, G, dv] the bf16 bits
+  int64_t d2, dv2, Np, N2, dp;
+};
+
+void backward_kernel_bf16(const PAData<float>& D, const PABf16Grad& P, const float* lse, int64_t nchunk, float* dq,
+                          float* part) {
+  const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, W = D.W, d2 = P.d2, dv2 = P.dv2, Np = P.Np, N2 = P.N2;
+  const int64_t nqb = ceil_div(N, TQ), qb_per_chunk = ceil_div(nqb, nchunk);
+  const int64_t part_size = N * (d + dv + 2);
+  constexpr int64_t TQ2 = TQ / 2;
+  const float scale = D.scale;
+  const int64_t short_sums = ShortSums::fits(W) ? ShortSums::floats(D.H, W) : 0;
+  parallel_tasks(
+      D.B * G * nchunk,
+      [&] {
+        return Bf16Scratch{std::vector<float>(4 * TQ * N + short_sums),
+                           std::vector<uint16_t>(TQ * 2 * (d2 + dv2) + 4 * TQ * Np + 2 * TQ2 * (d + dv))};
+      },
+      [&](int64_t task, Bf16Scratch& S) {
+    with_lanes_bf16([&](auto ln) {
+    using T = float;
+    T* X1 = S.f.data();
+    T* X2 = X1 + TQ * N;
+    T* DP = X2 + TQ * N;
+    T* G1 = DP + TQ * N;
+    uint16_t* Qp = S.h.data();        // [tq][d2][2] the tile's queries, zero padded
+    uint16_t* Gp = Qp + TQ * 2 * d2;  // [tq][dv2][2] its output gradients
+    uint16_t* DSb = Gp + TQ * 2 * dv2;  // [tq][Np] scale dS in bf16, zero past N
+    uint16_t* PSb = DSb + TQ * Np;      // [tq][Np] 0.5 (P1 + P2) in bf16, zero past N
+    uint16_t* DSv = PSb + TQ * Np;      // [tq2][Np][2] DSb's rows in pairs
+    uint16_t* PSv = DSv + TQ * Np;      // [tq2][Np][2] PSb's
+    uint16_t* Qt = PSv + TQ * Np;       // [d][TQ2][2] the tile's queries transposed, in pairs of rows
+    uint16_t* Gt = Qt + 2 * TQ2 * d;    // [dv][TQ2][2] its output gradients likewise
+    const bool short_rows = ShortSums::fits(W);
+    const ShortSums sums(G1 + TQ * N, D.H, W);
+    const int64_t bg = task / nchunk, chunk = task % nchunk;
+    const int64_t b = bg / G, g = bg % G;
+    T* pdk = part + (bg * nchunk + chunk) * part_size;  // [d][N] transposed
+    std::fill(pdk, pdk + part_size, T(0));
+    T* pdv = pdk + N * d;  // [dv][N] transposed
+    T* gcr = pdv + N * dv;
+    T* gcc = gcr + N;
+    const uint16_t* kf = P.kf + bg * d2 * Np * 2;
+    const uint16_t* kr = P.kr + bg * N2 * P.dp * 2;
+    const uint16_t* vf = P.vf + bg * dv2 * Np * 2;
+    const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
+    for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
+      const int64_t p0 = qb * TQ, tq = std::min(TQ, N - p0), tq2 = ceil_div(tq, 2);
+      const int64_t row0 = token_index(N, G, b, p0, g);
+      const uint16_t* qrows = P.q + row0 * d;
+      const uint16_t* grows = P.go + row0 * dv;
+      gather_pair_rows(tq, d, qrows, G * d, Qp);
+      small_gemm_bf16(ln, tq, N, d2, Qp, d2, kf, Np, X1, N, false, scale);
+      add_biases(ln, D, bg, p0, tq, X1, X2, static_cast<T*>(nullptr), static_cast<T*>(nullptr));
+      // DP = 0.5 dO v^T
+      gather_pair_rows(tq, dv, grows, G * dv, Gp);
+      small_gemm_bf16(ln, tq, N, dv2, Gp, dv2, vf, Np, DP, N, false, 0.5f);
+      for (int64_t a = 0; a < tq; ++a) {
+        const int64_t o = row0 + a * G;
+        T* __restrict x1 = X1 + a * N;
+        T* __restrict x2 = X2 + a * N;
+        T* __restrict dp = DP + a * N;
+        T* __restrict g1 = G1 + a * N;
+        exp_shift(ln, N, x1, lse[o * 2 + 0]);  // P1
+        exp_shift(ln, N, x2, lse[o * 2 + 1]);  // P2
+        const T D1 = dot_lanes(ln, N, x1, dp), D2 = dot_lanes(ln, N, x2, dp);
+#pragma omp simd
+        for (int64_t c = 0; c < N; ++c) {
+          const T p1 = x1[c], p2 = x2[c];
+          const T dpc = dp[c];
+          const T d1 = p1 * (dpc - D1), d2v = p2 * (dpc - D2);
+          g1[c] = d1;
+          x2[c] = d2v;                  // dS2
+          dp[c] = d1 + d2v;             // dS, the gradient of the shared logits
+          x1[c] = T(0.5) * (p1 + p2);   // 0.5 (P1 + P2) for dv
+        }
+        scaled_to_bf16(ln, N, dp, scale, DSb + a * Np);
+        floats_to_bf16(ln, N, x1, PSb + a * Np);
+        std::fill(DSb + a * Np + N, DSb + (a + 1) * Np, uint16_t(0));
+        std::fill(PSb + a * Np + N, PSb + (a + 1) * Np, uint16_t(0));
+        const int64_t p = p0 + a, i = p / W, j = p % W;
+        if (short_rows) {
+          with_row_vectors(W, [&](auto nv) {
+            bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
+          });
+          continue;
+        }
+        for (int64_t kk = 0; kk < D.H; ++kk)
+          bias_grad_row(ln, W, j, kk, i, g1 + kk * W, x2 + kk * W, gcr + i * W, gcc + i * W, gcr + kk * W,
+                        gcc + kk * W);
+      }
+      // dq = (scale dS) k
+      small_gemm_bf16(ln, tq, d, N2, DSb, Np / 2, kr, P.dp, dq + row0 * d, G * d, false);
+      // dk^T += q^T (scale dS); dv^T += dO^T (0.5 (P1 + P2)): A the tile's rows transposed in pairs, B dS and P in
+      // pairs of rows (an odd tile's last pair has a zero second row in both operands)
+      gather_pairs_positions(tq, Np, DSb, Np, reinterpret_cast<uint32_t*>(DSv), Np);
+      gather_pairs_positions(tq, Np, PSb, Np, reinterpret_cast<uint32_t*>(PSv), Np);
+      transposed_row_pairs(tq, d, qrows, G * d, Qt, TQ2);
+      transposed_row_pairs(tq, dv, grows, G * dv, Gt, TQ2);
+      small_gemm_bf16(ln, d, N, tq2, Qt, TQ2, DSv, Np, pdk, N, true);
+      small_gemm_bf16(ln, dv, N, tq2, Gt, TQ2, PSv, Np, pdv, N, true);
+    }
+    if (short_rows) {
+      with_row_vectors(W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, W, gcr, gcc, sums); });
+    }
+    });
+  });
+}
+#endif
+
+#ifdef PPMA_SIMD_X86
+// bf16 q, grad_out and the packed keys and values of backward_kernel_bf16 (the tensors PABf16Grad points into).
+struct PackedBf16Grad {
+  at::Tensor qc, goc, kf, kr, vf;
+  PABf16Grad P;
+
+  PackedBf16Grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out) {
+    const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+    const int64_t N = H * W, d2 = ceil_div(d, 2), dv2 = ceil_div(dv, 2), N2 = ceil_div(N, 2),
+                  Np = ceil_div(N, 16) * 16, dp = ceil_div(d, 16) * 16;
+    qc = q.contiguous();
+    goc = grad_out.to(at::kBFloat16).contiguous();
+    const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+    kf = at::empty({B, G, d2, Np, 2}, q.options());
+    kr = at::empty({B, G, N2, dp, 2}, q.options());
+    vf = at::empty({B, G, dv2, Np, 2}, q.options());
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    const uint16_t *ks = bits(kc), *vs = bits(vc);
+    uint16_t *kfd = bits(kf), *krd = bits(kr), *vfd = bits(vf);
+    at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+      with_lanes_bf16([&](auto) {  // as PackedBf16
+        for (int64_t bg = begin; bg < end; ++bg) {
+          const int64_t b = bg / G, g = bg % G;
+          const uint16_t* kb = ks + (b * N * G + g) * d;
+          pack_feature_pairs(N, d, kb, G * d, kfd + bg * d2 * Np * 2, Np);
+          pack_position_pairs(N, d, kb, G * d, krd + bg * N2 * dp * 2, dp);
+          pack_feature_pairs(N, dv, vs + (b * N * G + g) * dv, G * dv, vfd + bg * dv2 * Np * 2, Np);
+        }
+      });
+    });
+    P = PABf16Grad{bits(qc), bits(goc), kfd, krd, vfd, d2, dv2, Np, N2, dp};
+  }
+};
+#endif
+
 // Sums the partial buffers in chunk order and turns prefix-sum gradients into log-decay gradients.
+// transposed: the partial dk and dv are [d][N] and [dv][N] (backward_kernel_bf16), else [N][d] and [N][dv].
 template <typename T>
-void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T* dv_out, T* gla, T* glb) {
+void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T* dv_out, T* gla, T* glb,
+                     bool transposed = false) {
   const int64_t N = D.N, G = D.G, d = D.d, dv = D.dv, H = D.H, W = D.W;
   const int64_t part_size = N * (d + dv + 2);
   // Rows: dk, dv and grad log_alpha (reverse cumsum along the row).
@@ -1131,8 +1328,13 @@ void reduce_partials(const PAData<T>& D, int64_t nchunk, const T* part, T* dk, T
         std::fill(ov, ov + dv, T(0));
         for (int64_t ch = 0; ch < nchunk; ++ch) {
           const T* pp = part + (bg * nchunk + ch) * part_size;
-          axpy(d, T(1), pp + p * d, ok);
-          axpy(dv, T(1), pp + N * d + p * dv, ov);
+          if (transposed) {
+            for (int64_t e = 0; e < d; ++e) ok[e] += pp[e * N + p];
+            for (int64_t e = 0; e < dv; ++e) ov[e] += pp[N * d + e * N + p];
+          } else {
+            axpy(d, T(1), pp + p * d, ok);
+            axpy(dv, T(1), pp + N * d + p * dv, ov);
+          }
           row[j] += pp[N * (d + dv) + p];
         }
       }
@@ -1259,17 +1461,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   at::Tensor gla = at::empty({B, H, W, G}, opts), glb = at::empty_like(gla);
   if (dq.numel() > 0) {
     const bool lowp = lowp_inputs(q, k, v);
-    // lowp: q, k, v and grad_out stay in their dtype for the products (grad_out also in float32 for the D terms)
-    at::Tensor qc = lowp ? q.contiguous() : q.to(acc).contiguous(), kc = lowp ? k.contiguous() : k.to(acc).contiguous(),
-               vc = lowp ? v.contiguous() : v.to(acc).contiguous();
-    at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
-    at::Tensor oc = out ? out->to(acc).contiguous() : at::Tensor();
-    at::Tensor ovc = out_v2h ? out_v2h->to(acc).contiguous() : at::Tensor();
+    const at::Tensor lsec = lse.to(acc).contiguous();
     auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
     // Partial buffers: enough independent tasks for a multi-core machine, independent of the thread count.
     const int64_t nqb = ceil_div(N, TQ);
     const int64_t nchunk = std::max<int64_t>(1, std::min<int64_t>(nqb, ceil_div(32, B * G)));
     at::Tensor part = at::empty({B * G, nchunk, N * (d + dv + 2)}, opts);  // zeroed by the tasks
+#ifdef PPMA_SIMD_X86
+    if (!lowp && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+        v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
+      // bf16 products: q, k, v and grad_out (rounded to bf16 should it come in float32) read as they are, the
+      // rows' D terms from the maps (out and out_v2h not read)
+      const PackedBf16Grad packed(q, k, v, grad_out);
+      const PAData<float> D = bf16_data(q, v, cr, cc, scale);
+      backward_kernel_bf16(D, packed.P, lsec.data_ptr<float>(), nchunk, dq.data_ptr<float>(), part.data_ptr<float>());
+      reduce_partials<float>(D, nchunk, part.data_ptr<float>(), dk.data_ptr<float>(), dv_.data_ptr<float>(),
+                             gla.data_ptr<float>(), glb.data_ptr<float>(), /*transposed=*/true);
+      return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv_.to(v.scalar_type()),
+              gla.to(log_alpha.scalar_type()), glb.to(log_beta.scalar_type())};
+    }
+#endif
+    // lowp: q, k, v and grad_out stay in their dtype for the products (grad_out also in float32 for the D terms)
+    at::Tensor qc = lowp ? q.contiguous() : q.to(acc).contiguous(), kc = lowp ? k.contiguous() : k.to(acc).contiguous(),
+               vc = lowp ? v.contiguous() : v.to(acc).contiguous();
+    at::Tensor goc = grad_out.to(acc).contiguous();
+    at::Tensor oc = out ? out->to(acc).contiguous() : at::Tensor();
+    at::Tensor ovc = out_v2h ? out_v2h->to(acc).contiguous() : at::Tensor();
     if (lowp) {
       const at::Tensor gol = grad_out.to(q.scalar_type()).contiguous();
       const PAData<float> D = lowp_data(q, v, cr, cc, scale);
@@ -1319,6 +1536,20 @@ std::tuple<at::Tensor, at::Tensor> polyline_attention_lse_cpu(const at::Tensor& 
   at::Tensor lse = at::empty({B, H, W, G, 2}, q.options().dtype(acc));
   if (B * H * W * G * dv == 0) return {at::empty({B, H, W, G, dv}, v.options()), lse};
   auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
+  // bf16 / fp16 inputs: the inference op's products (out in the inputs' dtype, written by the kernels) plus lse
+  if (lowp_inputs(q, k, v)) {
+    at::Tensor outl = at::empty({B, H, W, G, dv}, v.options());
+    polyline_attention_lowp(q, k, v, cr, cc, scale, outl, nullptr, &lse);
+    return {outl, lse};
+  }
+#ifdef PPMA_SIMD_X86
+  if (q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+      cpu_bf16_dot()) {
+    at::Tensor outb = at::empty({B, H, W, G, dv}, v.options());
+    polyline_attention_bf16(q, k, v, cr, cc, scale, outb, nullptr, &lse);
+    return {outb, lse};
+  }
+#endif
   at::Tensor out = averaged_forward(q, k, v, cr, cc, scale, &lse);
   return {out.to(v.scalar_type()), lse};
 }

@@ -29,7 +29,7 @@ _OP = "polyline_attention"
 # forms the rows' D terms from the maps.
 _LSE_OP = "polyline_attention_lse"
 _HAS_LSE_OP = _ext.has_ext()
-_LSE_DTYPES = (torch.float32, torch.float64)
+_LSE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def polyline_attention(
@@ -55,7 +55,7 @@ def polyline_attention(
         On the CPU, when no gradient is needed (``torch.no_grad()``, ``torch.inference_mode()`` or inputs
         that do not require grad) it runs ``torch.ops.ppma.polyline_attention_inference``, which keeps no
         statistics for a backward pass and forms the output with one ``P v`` product (the same numbers up
-        to float rounding; docs/ops.md "polyline_attention"); in training, float32 / float64 inputs run
+        to float rounding; docs/ops.md "polyline_attention"); in training it runs
         ``torch.ops.ppma.polyline_attention_lse``, the same single product plus the softmaxes' statistics, whose
         backward takes the rows' ``D`` terms from the maps instead of a kept ``out_v2h``.
     """
