@@ -903,6 +903,35 @@ PPMA_SIMD_INLINE void bias_grads_flush(int64_t H, int64_t W, float* gcr, float* 
   }
 }
 
+// The prefix-sum gradients of query p (dS1 in g1, dS2 in g2, over the N keys) into gcr, gcc: bias_grads_short's
+// regrouped sums where short_rows (float32 on the 16-lane path, ShortSums::fits(W)), else bias_grad_row key row by
+// key row. query_bias_grads_flush adds the regrouped sums at a task's end.
+template <int L, typename T>
+PPMA_SIMD_INLINE void query_bias_grads(Lanes<L> ln, const PAData<T>& D, int64_t p, const T* g1, const T* g2, T* gcr,
+                                       T* gcc, const ShortSums& sums, bool short_rows) {
+  const int64_t W = D.W, i = p / W, j = p % W;
+  if constexpr (std::is_same<T, float>::value && L == ShortSums::L) {
+    if (short_rows) {
+      with_row_vectors(W, [&](auto nv) {
+        bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, g2, gcr, gcc, sums);
+      });
+      return;
+    }
+  }
+  for (int64_t k = 0; k < D.H; ++k)
+    bias_grad_row(ln, W, j, k, i, g1 + k * W, g2 + k * W, gcr + i * W, gcc + i * W, gcr + k * W, gcc + k * W);
+}
+
+template <int L, typename T>
+PPMA_SIMD_INLINE void query_bias_grads_flush(Lanes<L>, const PAData<T>& D, T* gcr, T* gcc, const ShortSums& sums,
+                                             bool short_rows) {
+  if constexpr (std::is_same<T, float>::value && L == ShortSums::L) {
+    if (short_rows) {
+      with_row_vectors(D.W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, D.W, gcr, gcc, sums); });
+    }
+  }
+}
+
 // The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> of a query tile (tq rows from row0, G rows
 // apart in the [B, N, G, dv] layouts of go, out, out_v2h) into Dr1, Dr2, in one tight loop (three rows of the large
 // tensors per query: their loads overlap here). Nothing where out_v2h is null (polyline_attention_lse_backward: the
@@ -996,29 +1025,14 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
             dp[c] = d1 + d2;  // dS, the gradient of the shared logits
             x1[c] = p1 + p2;  // P1 + P2 for dv
           }
-          // Prefix-sum gradients, one key row at a time.
-          const int64_t p = p0 + a, i = p / W, j = p % W;
-          if constexpr (masked_path) {
-            if (short_rows) {
-              with_row_vectors(W, [&](auto nv) {
-                bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
-              });
-              continue;
-            }
-          }
-          for (int64_t k = 0; k < D.H; ++k)
-            bias_grad_row(ln, W, j, k, i, g1 + k * W, x2 + k * W, gcr + i * W, gcc + i * W, gcr + k * W, gcc + k * W);
+          query_bias_grads(ln, D, p0 + a, g1, x2, gcr, gcc, sums, short_rows);  // prefix-sum gradients
         }
         // dq = scale * dS k; dk += scale * dS^T q; dv += (P1 + P2)^T (0.5 dO)
         small_gemm(ln, tq, d, N, DP, N, int64_t(1), kb, G * d, dq + row0 * d, G * d, false, scale);
         small_gemm(ln, N, d, tq, DP, int64_t(1), N, D.q + row0 * d, G * d, pdk, d, true, scale);
         small_gemm(ln, N, dv, tq, X1, int64_t(1), N, gob, G * dv, pdv, dv, true, T(0.5));
       }
-      if constexpr (masked_path) {
-        if (short_rows) {
-          with_row_vectors(W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, W, gcr, gcc, sums); });
-        }
-      }
+      query_bias_grads_flush(ln, D, gcr, gcc, sums, short_rows);
     }
     });
   });
@@ -1110,29 +1124,14 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
           DSt[c * TQ + a] = ds[c];
           PSt[c * TQ + a] = static_cast<Lp>(x1[c]);
         }
-        const int64_t p = p0 + a, i = p / W, j = p % W;
-        if constexpr (masked_path) {
-          if (short_rows) {
-            with_row_vectors(W, [&](auto nv) {
-              bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
-            });
-            continue;
-          }
-        }
-        for (int64_t kr = 0; kr < D.H; ++kr)
-          bias_grad_row(ln, W, j, kr, i, g1 + kr * W, x2 + kr * W, gcr + i * W, gcc + i * W, gcr + kr * W,
-                        gcc + kr * W);
+        query_bias_grads(ln, D, p0 + a, g1, x2, gcr, gcc, sums, short_rows);
       }
       // dq = (scale dS) k; dk += (scale dS)^T q; dv += (0.5 (P1 + P2))^T dO
       lowp_gemm(tq, DS, N, S.keys, dq + row0 * d, G * d, false);
       lowp_gemm(N, d, tq, DSt, TQ, q + row0 * d, G * d, pdk, d, true);
       lowp_gemm(N, dv, tq, PSt, TQ, gob, G * dv, pdv, dv, true);
     }
-    if constexpr (masked_path) {
-      if (short_rows) {
-        with_row_vectors(W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, W, gcr, gcc, sums); });
-      }
-    }
+    query_bias_grads_flush(ln, D, gcr, gcc, sums, short_rows);
     });
   });
 }
@@ -1242,16 +1241,7 @@ void backward_kernel_bf16(const PAData<float>& D, const PABf16Grad& P, const flo
         floats_to_bf16(ln, N, x1, PSb + a * Np);
         std::fill(DSb + a * Np + N, DSb + (a + 1) * Np, uint16_t(0));
         std::fill(PSb + a * Np + N, PSb + (a + 1) * Np, uint16_t(0));
-        const int64_t p = p0 + a, i = p / W, j = p % W;
-        if (short_rows) {
-          with_row_vectors(W, [&](auto nv) {
-            bias_grads_short<decltype(nv)::value>(D.H, W, i, j, g1, x2, gcr, gcc, sums);
-          });
-          continue;
-        }
-        for (int64_t kk = 0; kk < D.H; ++kk)
-          bias_grad_row(ln, W, j, kk, i, g1 + kk * W, x2 + kk * W, gcr + i * W, gcc + i * W, gcr + kk * W,
-                        gcc + kk * W);
+        query_bias_grads(ln, D, p0 + a, g1, x2, gcr, gcc, sums, short_rows);
       }
       // dq = (scale dS) k
       small_gemm_bf16(ln, tq, d, N2, DSb, Np / 2, kr, P.dp, dq + row0 * d, G * d, false);
@@ -1264,9 +1254,7 @@ void backward_kernel_bf16(const PAData<float>& D, const PABf16Grad& P, const flo
       small_gemm_bf16(ln, d, N, tq2, Qt, TQ2, DSv, Np, pdk, N, true);
       small_gemm_bf16(ln, dv, N, tq2, Gt, TQ2, PSv, Np, pdv, N, true);
     }
-    if (short_rows) {
-      with_row_vectors(W, [&](auto nv) { bias_grads_flush<decltype(nv)::value>(D.H, W, gcr, gcc, sums); });
-    }
+    query_bias_grads_flush(ln, D, gcr, gcc, sums, short_rows);
     });
   });
 }
@@ -1421,7 +1409,7 @@ at::Tensor averaged_forward(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor polyline_attention_inference_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const at::Tensor& log_alpha, const at::Tensor& log_beta, double scale) {
   check_inputs(kOpInf, q, k, v, log_alpha, log_beta);
-  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), d = q.size(4), dv = v.size(4);
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), G = q.size(3), dv = v.size(4);
   const auto acc = acc_type(q);
   if (B * H * W * G * dv == 0) return at::empty({B, H, W, G, dv}, v.options());
   auto [cr, cc] = prefix_sums(log_alpha, log_beta, acc);
