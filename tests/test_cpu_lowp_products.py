@@ -345,14 +345,16 @@ def test_criss_cross_thread_count_invariant(shape, products, dtype):
 
 
 @needs_ext
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("products", [2, 3, 4], ids=IDS.get)
-def test_criss_cross_brgemm_groups_and_recomputed_maps(products, dtype):
-    """On the batch-reduce GEMM: the phases run per group of (batch, head) pairs whose row maps fit 2 MiB (64 x 64
-    maps: 4 pairs a group in the forward, 2 in the backward, whose maps are float32; 6 pairs make full and partial
-    groups), and a pair's results do not depend on which pairs share its group; lines too long to keep (104 x 104:
-    one pair's maps > 2 MiB) are recomputed from their statistics (forward) or from lse (backward), within the
-    tolerance of the reference and the same for any thread count."""
+@pytest.mark.parametrize("products, dtype", [pytest.param(p, dt, id=f"{IDS[p]}-{dt}") for p in (2, 3, 4)
+                                             for dt in DTYPES]
+                         + [pytest.param(p, torch.bfloat16, id=f"{IDS[p]}-bf16") for p in (1, 5)])
+def test_criss_cross_groups_and_recomputed_maps(products, dtype):
+    """On the batch-reduce GEMM and on ppma's bf16 products (the bf16 dot products, native or emulated): the phases
+    run per group of (batch, head) pairs whose row maps fit 2 MiB (64 x 64 maps: 4 pairs a group in the forward, 2 in
+    the backward, whose maps are float32; 6 pairs make full and partial groups), and a pair's results do not depend
+    on which pairs share its group; lines too long to keep (104 x 104: one pair's maps > 2 MiB) are recomputed from
+    their statistics (forward) or from lse (backward), within the tolerance of the reference and the same for any
+    thread count."""
     _need_route(products, dtype)
     shape = (3, 64, 64, 2, 8, 8)
     inputs, go = _inputs(shape, dtype, seed=2), _grad_out(shape, dtype, 3)
