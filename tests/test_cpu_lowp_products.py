@@ -349,7 +349,8 @@ def test_criss_cross_thread_count_invariant(shape, products, dtype):
                                              for dt in DTYPES]
                          + [pytest.param(p, torch.bfloat16, id=f"{IDS[p]}-bf16") for p in (1, 5)])
 def test_criss_cross_groups_and_recomputed_maps(products, dtype):
-    """On the batch-reduce GEMM and on ppma's bf16 products (the bf16 dot products, native or emulated): the phases
+    """On the batch-reduce GEMM and on ppma's SIMD products of bf16 (the forward's bf16 dot products, native or
+    emulated; the backward on the widened values): the phases
     run per group of (batch, head) pairs whose row maps fit 2 MiB (64 x 64 maps: 4 pairs a group in the forward, 2 in
     the backward, whose maps are float32; 6 pairs make full and partial groups), and a pair's results do not depend
     on which pairs share its group; lines too long to keep (104 x 104: one pair's maps > 2 MiB) are recomputed from

@@ -534,19 +534,17 @@ inline void parallel_lines_bf16(const CCData<float>& D, int64_t ntasks, const Bo
       [&](int64_t t, LineScratchBf16& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
 }
 
-// The logits of a line into X (S.X unless given): scale * (q k^T) + bias, the rows' maxima into S.mx; given lse (and
-// inv), the map exp(logits - lse) (times inv) instead (add_line_bias; lse the rows' m: line_softmax_bf16's map before
-// rounding).
+// The logits of a line into S.X: scale * (q k^T) + bias, the rows' maxima into S.mx; given lse (and inv), the map
+// exp(logits - lse) (times inv) instead (add_line_bias; lse the rows' m: line_softmax_bf16's map before rounding).
 template <int L>
 inline void line_scores_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
                              LineScratchBf16& S, const float* lse = nullptr, int64_t ls = 0,
-                             const float* inv = nullptr, float* X = nullptr) {
+                             const float* inv = nullptr) {
   const int64_t n = li.n, d = D.d, d2 = ceil_div(d, 2), np = ceil_div(n, 16) * 16;
-  if (!X) X = S.X;
   gather_pair_rows(n, d, li.at(P.q, d), li.ld(d), S.qp);
   gather_pairs_t(n, d, li.at(P.k, d), li.ld(d), S.kp, np);
-  small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, X, n, false, D.scale);
-  add_line_bias(ln, n, li.c, X, lse ? nullptr : S.mx, lse, ls, inv);
+  small_gemm_bf16(ln, n, n, d2, S.qp, d2, reinterpret_cast<const uint16_t*>(S.kp), np, S.X, n, false, D.scale);
+  add_line_bias(ln, n, li.c, S.X, lse ? nullptr : S.mx, lse, ls, inv);
 }
 
 // The map in S.X rounded to bf16 into pb (S.pb unless given), rows of pairs of positions (the last one 0 when n is
@@ -689,168 +687,6 @@ void forward_kernel_bf16(const CCData<float>& D, const CCBf16& P, float* lse, ui
           for (int64_t e = 0; e < dv; ++e) t[e] = prev[e] + t[e] * a;
           floats_to_bf16(ln, dv, t, o + j * r.ld(dv));
         }
-      });
-}
-
-// ---------------------------------------------------------------------------------------------
-// The backward of bf16 q, k, v on the bf16 products (cpu_bf16_dot()): backward_kernel's three phases, groups of
-// pairs and kept row maps (float32, for the softmax gradient), with every product of a line on small_gemm_bf16
-// (vdpbf16ps, float32 accumulation) and backward_kernel_lowp's roundings: each map (A, B) rounded to bf16 before its
-// products, and scale dX before dq and dk; z1, z2, dz1 = B^T g and dz2 = A^T g held in bf16 (they only feed
-// dP = g z^T + dz v^T and grad v += P^T dz); g = 0.5 grad_out with grad_out read in bf16 and the 0.5 applied to the
-// float32 sums (exact). The products that multiply a map transposed (A^T g, B^T g, P^T dz, dX^T q) run transposed
-// (g^T A, dz^T P, q^T dX: the n x n operands then only need their rows interleaved in pairs), their small results
-// transposed as they are stored. The softmax gradient (line_softmax_backward), lse and the prefix-sum gradients are
-// float32 as on every path; dq, dk, dv accumulate in float32 (the column phase, then the row phase) before their one
-// rounding. The same tasks and groups as the float32 kernel: the results do not depend on the thread count.
-// ---------------------------------------------------------------------------------------------
-
-// Per-thread scratch of the bf16 backward's lines (n = max(H, W)): LineScratchBf16's (the logits' operands, the map
-// in bf16 rows pb, values in pairs of positions vp, a product O [n][dv]) and the backward's own.
-struct LineScratchBf16Grad : LineScratchBf16 {
-  std::vector<float> fb;
-  std::vector<uint16_t> hb;
-  float *DX, *T, *gc;           // the map's gradient [n][n]; a transposed product [max(d, dv)][np]; prefix grads
-  uint16_t *gp, *dzp, *xb, *at;  // go and dz rows in pairs [n][dv2][2]; scale dX rows [n][w]; a transposed
-                                 // product's A operand [max(d, dv)][n2][2]
-  uint32_t *zf, *vf, *kr, *mp, *xp;  // z, v in pairs of features [dv2][np]; keys in pairs of positions [n2][dp];
-                                     // the bf16 map's and scale dX's rows in pairs [n2][np]
-  int64_t np, dp;
-  LineScratchBf16Grad(int64_t n, int64_t d, int64_t dv) : LineScratchBf16(n, d, dv) {
-    const int64_t n2 = ceil_div(n, 2), w = 2 * n2, dv2 = ceil_div(dv, 2), m = std::max(d, dv);
-    np = ceil_div(n, 16) * 16, dp = ceil_div(d, 16) * 16;
-    fb.assign(n * n + m * np + n, 0.0f);
-    DX = fb.data(), T = DX + n * n, gc = T + m * np;
-    hb.assign(2 * (2 * n * dv2) + n * w + 2 * m * n2 + 2 * (2 * dv2 * np + n2 * dp + 2 * n2 * np), 0);
-    gp = hb.data(), dzp = gp + 2 * n * dv2, xb = dzp + 2 * n * dv2, at = xb + n * w;
-    zf = reinterpret_cast<uint32_t*>(at + 2 * m * n2);  // every offset above is even: 4-byte aligned
-    vf = zf + dv2 * np, kr = vf + dv2 * np, mp = kr + n2 * dp, xp = mp + n2 * np;
-  }
-};
-
-template <typename Body>
-inline void parallel_lines_bf16_grad(const CCData<float>& D, int64_t ntasks, const Body& body) {
-  parallel_tasks(
-      ntasks, [&] { return LineScratchBf16Grad(std::max(D.H, D.W), D.d, D.dv); },
-      [&](int64_t t, LineScratchBf16Grad& scratch) { with_lanes_bf16([&](auto ln) { body(ln, t, scratch); }); });
-}
-
-// The n x n floats X (times a) rounded to bf16 rows of pairs [n][w] (w = n rounded up to even, the last column 0).
-template <int L>
-inline void map_rows_bf16(Lanes<L> ln, int64_t n, const float* X, float a, uint16_t* dst) {
-  const int64_t w = n + (n & 1);
-  for (int64_t j = 0; j < n; ++j) {
-    scaled_to_bf16(ln, n, X + j * n, a, dst + j * w);
-    if (n & 1) dst[j * w + n] = 0;
-  }
-}
-
-// Rows l < n of dst (row stride ds) from a transposed product T [c][ldt]: dst[l][e] (=|+=) T[e][l], or rounded to
-// bf16 (store_transposed_bf16).
-inline void store_transposed(int64_t n, int64_t c, const float* T, int64_t ldt, float* dst, int64_t ds, bool add) {
-  for (int64_t l = 0; l < n; ++l) {
-    float* o = dst + l * ds;
-    for (int64_t e = 0; e < c; ++e) o[e] = add ? o[e] + T[e * ldt + l] : T[e * ldt + l];
-  }
-}
-inline void store_transposed_bf16(int64_t n, int64_t c, const float* T, int64_t ldt, uint16_t* dst, int64_t ds) {
-  for (int64_t l = 0; l < n; ++l)
-    for (int64_t e = 0; e < c; ++e) dst[l * ds + e] = float_to_bf16(T[e * ldt + l]);
-}
-
-// dz = alpha P^T src for the line's bf16 map in pairs of rows (S.mp) and n bf16 rows of src (stride ss), as
-// (alpha src^T P)^T, rounded to bf16 into dst (rows at stride ds).
-template <int L>
-inline void map_t_apply_bf16(Lanes<L> ln, int64_t n, int64_t dv, LineScratchBf16Grad& S, const uint16_t* src,
-                             int64_t ss, float alpha, uint16_t* dst, int64_t ds) {
-  const int64_t n2 = ceil_div(n, 2);
-  transposed_row_pairs(n, dv, src, ss, S.at, n2);
-  small_gemm_bf16(ln, dv, n, n2, S.at, n2, reinterpret_cast<const uint16_t*>(S.mp), S.np, S.T, S.np, false, alpha);
-  store_transposed_bf16(n, dv, S.T, S.np, dst, ds);
-}
-
-// z = P v for the line's bf16 map (S.pb), rounded to bf16 into dst (rows at stride ds).
-template <int L>
-inline void map_apply_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const Line<float>& li,
-                           LineScratchBf16Grad& S, uint16_t* dst, int64_t ds) {
-  const int64_t dv = D.dv;
-  line_apply_bf16(ln, D, li.n, S, li.at(P.v, dv), li.ld(dv), S.O, dv, false, 1.0f, S.pb);
-  for (int64_t j = 0; j < li.n; ++j) floats_to_bf16(ln, dv, S.O + j * dv, dst + j * ds);
-}
-
-// line_grads on the bf16 products: the map P (the kept float32 map X where given, else recomputed into S.X from
-// lse + side); dP = 0.5 go z^T + dz v^T (two products into S.DX), the softmax gradient and the line's prefix-sum
-// gradients (float32), dq (=|+=) (scale dX) k, dk (=|+=) (q^T (scale dX))^T, grad v (=|+=) (dz^T P)^T and the line's
-// log-decay gradients. Leaves P in bf16 rows in S.pb and in pairs of rows in S.mp.
-template <int L>
-inline void line_grads_bf16(Lanes<L> ln, const CCData<float>& D, const CCBf16& P, const uint16_t* go,
-                            const Line<float>& li, LineScratchBf16Grad& S, const float* lse, int side,
-                            const GroupLine& zl, const uint16_t* z, const uint16_t* dz, float* dq, float* dk,
-                            float* gv, float* gdecay, bool accumulate, const float* X = nullptr) {
-  const int64_t n = li.n, d = D.d, dv = D.dv, dv2 = ceil_div(dv, 2), n2 = ceil_div(n, 2), np = S.np;
-  const auto u16 = [](const uint32_t* p) { return reinterpret_cast<const uint16_t*>(p); };
-  if (!X) {
-    line_scores_bf16(ln, D, P, li, S, li.at(lse, 2) + side, li.ld(2));
-    X = S.X;
-  }
-  // dP = 0.5 go z^T + dz v^T
-  gather_pair_rows(n, dv, li.at(go, dv), li.ld(dv), S.gp);
-  gather_pairs_t(n, dv, zl.at(z, dv), zl.ld(dv), S.zf, np);
-  small_gemm_bf16(ln, n, n, dv2, S.gp, dv2, u16(S.zf), np, S.DX, n, false, 0.5f);
-  gather_pair_rows(n, dv, zl.at(dz, dv), zl.ld(dv), S.dzp);
-  gather_pairs_t(n, dv, li.at(P.v, dv), li.ld(dv), S.vf, np);
-  small_gemm_bf16(ln, n, n, dv2, S.dzp, dv2, u16(S.vf), np, S.DX, n, true);
-  line_softmax_backward(ln, n, X, S.DX, S.gc);
-  // dq (=|+=) (scale dX) k; dk^T = q^T (scale dX)
-  map_rows_bf16(ln, n, S.DX, D.scale, S.xb);
-  gather_pairs_positions(n, d, li.at(P.k, d), li.ld(d), S.kr, S.dp);
-  small_gemm_bf16(ln, n, d, n2, S.xb, n2, u16(S.kr), S.dp, li.at(dq, d), li.ld(d), accumulate);
-  gather_pairs_positions(n, n, S.xb, 2 * n2, S.xp, np);
-  transposed_row_pairs(n, d, li.at(P.q, d), li.ld(d), S.at, n2);
-  small_gemm_bf16(ln, d, n, n2, S.at, n2, u16(S.xp), np, S.T, np, false);
-  store_transposed(n, d, S.T, np, li.at(dk, d), li.ld(d), accumulate);
-  // grad v^T = dz^T P
-  map_rows_bf16(ln, n, X, 1.0f, S.pb);
-  gather_pairs_positions(n, n, S.pb, 2 * n2, S.mp, np);
-  transposed_row_pairs(n, dv, zl.at(dz, dv), zl.ld(dv), S.at, n2);
-  small_gemm_bf16(ln, dv, n, n2, S.at, n2, u16(S.mp), np, S.T, np, false);
-  store_transposed(n, dv, S.T, np, li.at(gv, dv), li.ld(dv), accumulate);
-  decay_grads_from_prefix(n, S.gc, 1, gdecay + li.tok, li.ts);
-}
-
-// backward_kernel on the bf16 products (go: grad_out's bf16 bits). D: dimensions, prefix sums and scale (its q, k, v
-// unused). ZA, ZB: the group's (z1, dz2) after the rows, replaced by (z2, dz1) column by column, in bf16.
-void backward_kernel_bf16(const CCData<float>& D, const CCBf16& P, const uint16_t* go, const float* lse, float* dq,
-                          float* dk, float* dv_out, float* gla, float* glb) {
-  const int64_t BG = D.B * D.G, dv = D.dv, H = D.H, W = D.W, nn = W * W;
-  const Groups gr = pair_groups(BG, H, nn, sizeof(float), 2 * D.N * dv * sizeof(uint16_t));
-  const int64_t group = gr.size;
-  const bool keep = gr.keep;
-  auto maps = uninit<float>(keep ? group * H * nn : 0);  // the group's row maps, [pair][row][W][W]
-  auto ZA = uninit<uint16_t>(group * D.N * dv), ZB = uninit<uint16_t>(group * D.N * dv);
-  uint16_t *za = ZA.get(), *zb = ZB.get();
-  run_phases(
-      D, group, [&](int64_t n, const auto& task) { parallel_lines_bf16_grad(D, n, task); },
-      // Phase 1: rows. A (kept where it fits), z1 = A v, dz2 = A^T g.
-      [&](auto ln, int64_t u, LineScratchBf16Grad& S, const Line<float>& r, const GroupLine& zr) {
-        float* X = keep ? maps.get() + u * nn : S.X;
-        line_scores_bf16(ln, D, P, r, S, r.at(lse, 2), r.ld(2), nullptr, X);
-        map_rows_bf16(ln, r.n, X, 1.0f, S.pb);
-        map_apply_bf16(ln, D, P, r, S, zr.at(za, dv), zr.ld(dv));
-        gather_pairs_positions(r.n, r.n, S.pb, 2 * ceil_div(r.n, 2), S.mp, S.np);
-        map_t_apply_bf16(ln, r.n, dv, S, r.at(go, dv), r.ld(dv), 0.5f, zr.at(zb, dv), zr.ld(dv));
-      },
-      // Phase 2: columns. dB = g z1^T + dz2 v^T; column grads; grad log_beta; then z2 = B v and dz1 = B^T g
-      // replace z1 and dz2 of this column.
-      [&](auto ln, int64_t, LineScratchBf16Grad& S, const Line<float>& c, const GroupLine& zc) {
-        line_grads_bf16(ln, D, P, go, c, S, lse, 1, zc, za, zb, dq, dk, dv_out, glb, false);
-        map_apply_bf16(ln, D, P, c, S, zc.at(za, dv), zc.ld(dv));
-        map_t_apply_bf16(ln, c.n, dv, S, c.at(go, dv), c.ld(dv), 0.5f, zc.at(zb, dv), zc.ld(dv));
-      },
-      // Phase 3: rows. dA = g z2^T + dz1 v^T; the row parts are added to the column parts; grad log_alpha.
-      [&](auto ln, int64_t u, LineScratchBf16Grad& S, const Line<float>& r, const GroupLine& zr) {
-        line_grads_bf16(ln, D, P, go, r, S, lse, 0, zr, za, zb, dq, dk, dv_out, gla, true,
-                        keep ? static_cast<const float*>(maps.get() + u * nn) : static_cast<const float*>(nullptr));
       });
 }
 #endif  // PPMA_SIMD_X86
@@ -1226,23 +1062,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> criss_cro
                                lsec.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(),
                                dv_.data_ptr<float>(), gla.data_ptr<float>(), glb.data_ptr<float>());
     });
-  }
-#ifdef PPMA_SIMD_X86
-  else if (dq.numel() > 0 && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&  // NOLINT
-           v.scalar_type() == at::kBFloat16 && cpu_bf16_dot()) {
-    // bf16 q, k, v and grad_out (rounded to bf16 should it come in float32) read in place on the bf16 products
-    at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-    at::Tensor gob = grad_out.to(at::kBFloat16).contiguous(), lsec = lse.to(acc).contiguous();
-    auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);
-    auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    CCData<float> D{nullptr,     nullptr, nullptr, cr.data_ptr<float>(), cct.data_ptr<float>(), B, G, H, W, H * W,
-                    d,           dv,      static_cast<float>(scale)};
-    backward_kernel_bf16(D, CCBf16{bits(qc), bits(kc), bits(vc)}, bits(gob), lsec.data_ptr<float>(),
-                         dq.data_ptr<float>(), dk.data_ptr<float>(), dv_.data_ptr<float>(), gla.data_ptr<float>(),
-                         glb.data_ptr<float>());
-  }
-#endif
-  else if (dq.numel() > 0) {  // NOLINT
+  } else if (dq.numel() > 0) {
     at::Tensor qc = kernel_input(q, acc), kc = kernel_input(k, acc), vc = kernel_input(v, acc);
     at::Tensor goc = grad_out.to(acc).contiguous(), lsec = lse.to(acc).contiguous();
     auto [cr, cct] = prefix_sums(log_alpha, log_beta, acc, /*columns_major=*/true);

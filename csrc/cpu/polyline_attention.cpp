@@ -1137,6 +1137,18 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
 }
 
 #ifdef PPMA_SIMD_X86
+// n rows of c bf16 values (row stride ss) transposed in pairs of rows, the A operand of a product over the rows
+// (q^T dS, dO^T P): dst[(e * ld + p) * 2 + h] = src[(2 p + h) * ss + e] for e < c, p < ceil(n / 2), 0 past n.
+inline void transposed_row_pairs(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint16_t* __restrict dst,
+                                 int64_t ld) {
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* s = src + r * ss;
+    uint16_t* o = dst + (r / 2) * 2 + (r % 2);
+    for (int64_t e = 0; e < c; ++e) o[e * ld * 2] = s[e];
+  }
+  if (n % 2)
+    for (int64_t e = 0; e < c; ++e) dst[(e * ld + n / 2) * 2 + 1] = 0;
+}
 // backward_kernel on the bf16 products (vdpbf16ps, small_gemm_bf16; where cpu_bf16_dot()) for bf16 q, k, v and
 // grad_out (go): the logits q k^T (as forward_kernel_bf16 forms them), DP = 0.5 dO v^T, dq = (scale dS) k,
 // dk^T += q^T (scale dS) and dv^T += dO^T (0.5 (P1 + P2)) multiply bf16 operands with float32 accumulation; scale dS

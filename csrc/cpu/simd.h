@@ -706,20 +706,6 @@ inline void gather_pairs_positions(int64_t n, int64_t c, const uint16_t* src, in
   }
 }
 
-// n rows of c bf16 values (row stride ss) transposed in pairs of rows, the A operand of a product over the rows
-// (polyline_attention's q^T dS and dO^T P, criss_cross_attention's transposed line products):
-// dst[(e * ld + p) * 2 + h] = src[(2 p + h) * ss + e] for e < c, p < ceil(n / 2), 0 past n.
-inline void transposed_row_pairs(int64_t n, int64_t c, const uint16_t* src, int64_t ss, uint16_t* __restrict dst,
-                                 int64_t ld) {
-  for (int64_t r = 0; r < n; ++r) {
-    const uint16_t* s = src + r * ss;
-    uint16_t* o = dst + (r / 2) * 2 + (r % 2);
-    for (int64_t e = 0; e < c; ++e) o[e * ld * 2] = s[e];
-  }
-  if (n % 2)
-    for (int64_t e = 0; e < c; ++e) dst[(e * ld + n / 2) * 2 + 1] = 0;
-}
-
 // M bf16 values (bits) widened to floats (exact), and M floats rounded to bf16 (float_to_bf16's rounding, NaN kept
 // a quiet NaN): integer vector operations, at the width of the path that inlines them (M = 1: the scalar ones).
 template <int M>
