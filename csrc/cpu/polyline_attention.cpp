@@ -932,6 +932,28 @@ PPMA_SIMD_INLINE void query_bias_grads_flush(Lanes<L>, const PAData<T>& D, T* gc
   }
 }
 
+// The softmax gradients of one query row from its logits x1 (V2H), x2 (H2V), its lse pair (ls1, ls2) and
+// dp = 0.5 dO v^T, all over the N keys, in place: P1 = exp(x1 - ls1), P2 = exp(x2 - ls2); D1 = sum P1 dp and
+// D2 = sum P2 dp unless given (Dg: the pair from out and out_v2h); then g1 = dS1 = P1 (dp - D1), x2 = dS2 =
+// P2 (dp - D2), dp = dS1 + dS2 (the gradient of the shared logits) and x1 = pw (P1 + P2) (dv's map; pw 1 or 0.5).
+template <int L, typename T>
+PPMA_SIMD_INLINE void softmax_grads_row(Lanes<L> ln, int64_t N, T ls1, T ls2, const T* Dg, T pw, T* __restrict x1,
+                                        T* __restrict x2, T* __restrict dp, T* __restrict g1) {
+  exp_shift(ln, N, x1, ls1);  // P1
+  exp_shift(ln, N, x2, ls2);  // P2
+  const T D1 = Dg ? Dg[0] : dot_lanes(ln, N, x1, dp), D2 = Dg ? Dg[1] : dot_lanes(ln, N, x2, dp);
+#pragma omp simd
+  for (int64_t c = 0; c < N; ++c) {
+    const T p1 = x1[c], p2 = x2[c];
+    const T dpc = dp[c];
+    const T d1 = p1 * (dpc - D1), d2 = p2 * (dpc - D2);
+    g1[c] = d1;
+    x2[c] = d2;
+    dp[c] = d1 + d2;
+    x1[c] = pw * (p1 + p2);
+  }
+}
+
 // The rows' D1 = 0.5 <dO, out_v2h> and D2 = 0.5 <dO, 2 out - out_v2h> of a query tile (tq rows from row0, G rows
 // apart in the [B, N, G, dv] layouts of go, out, out_v2h) into Dr1, Dr2, in one tight loop (three rows of the large
 // tensors per query: their loads overlap here). Nothing where out_v2h is null (polyline_attention_lse_backward: the
@@ -1006,25 +1028,12 @@ void backward_kernel(const PAData<T>& D, const T* go, const T* out, const T* out
         rows_d_terms(tq, row0, G, dv, go, out, out_v2h, Dr1, Dr2);
         for (int64_t a = 0; a < tq; ++a) {
           const int64_t o = row0 + a * G;
-          const T ls1 = lse[o * 2 + 0], ls2 = lse[o * 2 + 1];
-          T* __restrict x1 = X1 + a * N;
           T* __restrict x2 = X2 + a * N;
-          T* __restrict dp = DP + a * N;
           T* __restrict g1 = G1 + a * N;
-          exp_shift(ln, N, x1, ls1);  // P1
-          exp_shift(ln, N, x2, ls2);  // P2
           // Without out_v2h (polyline_attention_lse): D1 = sum_s P1[s] DP[s] = 0.5 <dO, P1 v>, and D2 likewise.
-          const T D1 = out_v2h ? Dr1[a] : dot_lanes(ln, N, x1, dp), D2 = out_v2h ? Dr2[a] : dot_lanes(ln, N, x2, dp);
-#pragma omp simd
-          for (int64_t c = 0; c < N; ++c) {
-            const T p1 = x1[c], p2 = x2[c];
-            const T dpc = dp[c];
-            const T d1 = p1 * (dpc - D1), d2 = p2 * (dpc - D2);
-            g1[c] = d1;
-            x2[c] = d2;       // dS2
-            dp[c] = d1 + d2;  // dS, the gradient of the shared logits
-            x1[c] = p1 + p2;  // P1 + P2 for dv
-          }
+          const T Dg[2] = {out_v2h ? Dr1[a] : T(0), out_v2h ? Dr2[a] : T(0)};
+          softmax_grads_row(ln, N, lse[o * 2 + 0], lse[o * 2 + 1], out_v2h ? Dg : nullptr, T(1), X1 + a * N, x2,
+                            DP + a * N, g1);
           query_bias_grads(ln, D, p0 + a, g1, x2, gcr, gcc, sums, short_rows);  // prefix-sum gradients
         }
         // dq = scale * dS k; dk += scale * dS^T q; dv += (P1 + P2)^T (0.5 dO)
@@ -1107,19 +1116,10 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
         T* __restrict dp = DP + a * N;
         T* __restrict g1 = G1 + a * N;
         Lp* __restrict ds = DS + a * N;
-        exp_shift(ln, N, x1, lse[o * 2 + 0]);  // P1
-        exp_shift(ln, N, x2, lse[o * 2 + 1]);  // P2
-        const T D1 = out_v2h ? Dr1[a] : dot_lanes(ln, N, x1, dp), D2 = out_v2h ? Dr2[a] : dot_lanes(ln, N, x2, dp);
+        const T Dg[2] = {out_v2h ? Dr1[a] : T(0), out_v2h ? Dr2[a] : T(0)};
+        softmax_grads_row(ln, N, lse[o * 2 + 0], lse[o * 2 + 1], out_v2h ? Dg : nullptr, T(0.5), x1, x2, dp, g1);
 #pragma omp simd
-        for (int64_t c = 0; c < N; ++c) {
-          const T p1 = x1[c], p2 = x2[c];
-          const T dpc = dp[c];
-          const T d1 = p1 * (dpc - D1), d2 = p2 * (dpc - D2);
-          g1[c] = d1;
-          x2[c] = d2;                                  // dS2
-          ds[c] = static_cast<Lp>(scale * (d1 + d2));  // scale dS, the gradient of the shared logits
-          x1[c] = T(0.5) * (p1 + p2);                  // 0.5 (P1 + P2) for dv
-        }
+        for (int64_t c = 0; c < N; ++c) ds[c] = static_cast<Lp>(scale * dp[c]);  // scale dS
         for (int64_t c = 0; c < N; ++c) {
           DSt[c * TQ + a] = ds[c];
           PSt[c * TQ + a] = static_cast<Lp>(x1[c]);
@@ -1224,19 +1224,8 @@ void backward_kernel_bf16(const PAData<float>& D, const PABf16Grad& P, const flo
         T* __restrict x2 = X2 + a * N;
         T* __restrict dp = DP + a * N;
         T* __restrict g1 = G1 + a * N;
-        exp_shift(ln, N, x1, lse[o * 2 + 0]);  // P1
-        exp_shift(ln, N, x2, lse[o * 2 + 1]);  // P2
-        const T D1 = dot_lanes(ln, N, x1, dp), D2 = dot_lanes(ln, N, x2, dp);
-#pragma omp simd
-        for (int64_t c = 0; c < N; ++c) {
-          const T p1 = x1[c], p2 = x2[c];
-          const T dpc = dp[c];
-          const T d1 = p1 * (dpc - D1), d2v = p2 * (dpc - D2);
-          g1[c] = d1;
-          x2[c] = d2v;                  // dS2
-          dp[c] = d1 + d2v;             // dS, the gradient of the shared logits
-          x1[c] = T(0.5) * (p1 + p2);   // 0.5 (P1 + P2) for dv
-        }
+        softmax_grads_row(ln, N, lse[o * 2 + 0], lse[o * 2 + 1], static_cast<const T*>(nullptr), T(0.5), x1, x2, dp,
+                          g1);
         scaled_to_bf16(ln, N, dp, scale, DSb + a * Np);
         floats_to_bf16(ln, N, x1, PSb + a * Np);
         std::fill(DSb + a * Np + N, DSb + (a + 1) * Np, uint16_t(0));
