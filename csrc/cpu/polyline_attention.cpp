@@ -1149,6 +1149,7 @@ inline void transposed_row_pairs(int64_t n, int64_t c, const uint16_t* src, int6
   if (n % 2)
     for (int64_t e = 0; e < c; ++e) dst[(e * ld + n / 2) * 2 + 1] = 0;
 }
+
 // backward_kernel on the bf16 products (vdpbf16ps, small_gemm_bf16; where cpu_bf16_dot()) for bf16 q, k, v and
 // grad_out (go): the logits q k^T (as forward_kernel_bf16 forms them), DP = 0.5 dO v^T, dq = (scale dS) k,
 // dk^T += q^T (scale dS) and dv^T += dO^T (0.5 (P1 + P2)) multiply bf16 operands with float32 accumulation; scale dS
@@ -1247,9 +1248,7 @@ void backward_kernel_bf16(const PAData<float>& D, const PABf16Grad& P, const flo
     });
   });
 }
-#endif
 
-#ifdef PPMA_SIMD_X86
 // bf16 q, grad_out and the packed keys and values of backward_kernel_bf16 (the tensors PABf16Grad points into).
 struct PackedBf16Grad {
   at::Tensor qc, goc, kf, kr, vf;

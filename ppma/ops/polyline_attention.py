@@ -29,7 +29,6 @@ _OP = "polyline_attention"
 # forms the rows' D terms from the maps.
 _LSE_OP = "polyline_attention_lse"
 _HAS_LSE_OP = _ext.has_ext()
-_LSE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def polyline_attention(
@@ -66,7 +65,7 @@ def polyline_attention(
     if q.device.type == "cpu":
         if not records_grad(q, k, v, log_alpha, log_beta):
             return torch.ops.ppma.polyline_attention_inference(q, k, v, log_alpha, log_beta, scale)
-        if _HAS_LSE_OP and q.dtype in _LSE_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype:
+        if _HAS_LSE_OP and k.dtype == q.dtype and v.dtype == q.dtype:
             return torch.ops.ppma.polyline_attention_lse(q, k, v, log_alpha, log_beta, scale)[0]
     return torch.ops.ppma.polyline_attention(q, k, v, log_alpha, log_beta, scale)[0]
 
