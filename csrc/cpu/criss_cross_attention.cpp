@@ -774,14 +774,15 @@ struct LineScratchLowp {
   std::vector<char> buf;
   float *X, *O, *mx;  // the map [n][n] (float32), a product [n][dv] before its rounding, the rows' maxima
   float *DX, *gc;     // backward: the map's gradient [n][n], the line's prefix-sum gradients
-  Lp *kt, *pb;        // the keys transposed [d][n], the map rounded [n][n]
-  Lp *pbt, *ds, *dst, *gu, *ut;  // backward: pb transposed, scale dX [n][n] and transposed, [g | dz] [n][2 dv] and
-                                 // [z^T ; v^T] [2 dv][n]
+  Lp *kt, *pb;        // the keys as the B operand of q k^T (lowp_gemm_bt's scratch), the map rounded [n][n]
+  Lp *pbt, *ds, *dst, *gu, *zv, *ut;  // backward: pb transposed, scale dX [n][n] and transposed, [g | dz] and
+                                      // [z | v] [n][2 dv], [z | v] as the B operand of dP (lowp_gemm_bt's scratch)
   LineScratchLowp(int64_t n, int64_t d, int64_t dv, bool backward) {
     constexpr int64_t kAlign = 64;
     const int64_t nn = n * n, bw = backward ? 1 : 0, f = sizeof(float), h = sizeof(Lp);
-    const int64_t bytes[] = {nn * f, n * dv * f, n * f, bw * nn * f, bw * n * f, d * n * h, nn * h,
-                             bw * nn * h,   bw * nn * h, bw * nn * h, bw * 2 * n * dv * h, bw * 2 * dv * n * h};
+    const int64_t bytes[] = {nn * f,      n * dv * f,  n * f,       bw * nn * f,          bw * n * f,
+                             (d + 1) * n * h, nn * h,  bw * nn * h, bw * nn * h,          bw * nn * h,
+                             bw * 2 * n * dv * h,      bw * 2 * n * dv * h,               bw * 2 * dv * n * h};
     int64_t total = kAlign;
     for (int64_t b : bytes) total += ceil_div(b, kAlign) * kAlign;
     buf.resize(total);
@@ -795,7 +796,7 @@ struct LineScratchLowp {
     DX = reinterpret_cast<float*>(at[3]), gc = reinterpret_cast<float*>(at[4]);
     kt = reinterpret_cast<Lp*>(at[5]), pb = reinterpret_cast<Lp*>(at[6]), pbt = reinterpret_cast<Lp*>(at[7]);
     ds = reinterpret_cast<Lp*>(at[8]), dst = reinterpret_cast<Lp*>(at[9]), gu = reinterpret_cast<Lp*>(at[10]);
-    ut = reinterpret_cast<Lp*>(at[11]);
+    zv = reinterpret_cast<Lp*>(at[11]), ut = reinterpret_cast<Lp*>(at[12]);
   }
 };
 
@@ -814,8 +815,7 @@ inline void line_scores_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line
                              float* X, bool maxima, const float* lse = nullptr, int64_t ls = 0,
                              const float* inv = nullptr) {
   const int64_t n = li.n, d = D.d;
-  transpose_rows(n, d, li.at(D.k, d), li.ld(d), S.kt, n);
-  lowp_gemm(n, n, d, li.at(D.q, d), li.ld(d), S.kt, n, X, n, false);
+  lowp_gemm_bt(n, n, d, li.at(D.q, d), li.ld(d), li.at(D.k, d), li.ld(d), X, n, false, S.kt);
   scale_inplace(n * n, X, D.scale);
   add_line_bias(ln, n, li.c, X, maxima ? S.mx : nullptr, lse, ls, inv);
 }
@@ -824,7 +824,7 @@ inline void line_scores_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line
 template <typename Lp>
 inline void map_to_lowp(int64_t n, const float* X, Lp* pb, Lp* pbt = nullptr) {
   to_lowp(n * n, X, pb);
-  if (pbt) transpose_rows(n, n, pb, n, pbt, n);
+  if (pbt) to_lowp_transposed(n, n, X, n, pbt, n);
 }
 
 // z (n rows of dv at stride zs, Lp) = P src (P [n][n] in Lp; src: n rows at stride ss), the float32 product (in O,
@@ -887,12 +887,20 @@ void forward_kernel_lowp(const CCData<float, Lp>& D, float* lse, Lp* out) {
 // g = 0.5 go for n rows of dv (go at stride gs) into dst (row stride ds), in Lp (the halving exact).
 template <typename Lp>
 inline void half_rows(int64_t n, int64_t dv, const Lp* go, int64_t gs, Lp* __restrict dst, int64_t ds) {
+  constexpr int64_t kChunk = 64;
+  float t[kChunk];
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t e = 0; e < dv; ++e) dst[j * ds + e] = static_cast<Lp>(0.5f * static_cast<float>(go[j * gs + e]));
+    for (int64_t e0 = 0; e0 < dv; e0 += kChunk) {
+      const int64_t m = std::min(kChunk, dv - e0);
+      const Lp* g = go + j * gs + e0;
+#pragma omp simd
+      for (int64_t e = 0; e < m; ++e) t[e] = 0.5f * static_cast<float>(g[e]);
+      to_lowp(m, t, dst + j * ds + e0);
+    }
 }
 
 // line_grads on the lowp products: the map P (the kept float32 map X where given, else recomputed into S.X from
-// lse + side) rounded into S.pb and S.pbt; dP = [g | dz] [z^T ; v^T] (one product over 2 dv), the softmax gradient
+// lse + side) rounded into S.pb and S.pbt; dP = [g | dz] [z | v]^T (one product over 2 dv), the softmax gradient
 // (line_softmax_backward, float32), dq (=|+=) (scale dX) k, dk (=|+=) (scale dX)^T q, grad v (=|+=) P^T dz and the
 // line's log-decay gradients. Leaves [g | dz] in S.gu.
 template <int L, typename Lp>
@@ -908,9 +916,9 @@ inline void line_grads_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line<
   map_to_lowp(n, X, S.pb, S.pbt);
   half_rows(n, dv, li.at(go, dv), li.ld(dv), S.gu, 2 * dv);  // [g | dz], row stride 2 dv
   gather_rows(n, dv, zl.at(dz, dv), zl.ld(dv), S.gu + dv, 2 * dv);
-  transpose_rows(n, dv, zl.at(z, dv), zl.ld(dv), S.ut, n);  // [z^T ; v^T]
-  transpose_rows(n, dv, li.at(D.v, dv), li.ld(dv), S.ut + dv * n, n);
-  lowp_gemm(n, n, 2 * dv, S.gu, 2 * dv, S.ut, n, S.DX, n, false);  // dP
+  gather_rows(n, dv, zl.at(z, dv), zl.ld(dv), S.zv, 2 * dv);  // [z | v]
+  gather_rows(n, dv, li.at(D.v, dv), li.ld(dv), S.zv + dv, 2 * dv);
+  lowp_gemm_bt(n, n, 2 * dv, S.gu, 2 * dv, S.zv, 2 * dv, S.DX, n, false, S.ut);  // dP = [g | dz] [z | v]^T
   line_softmax_backward(ln, n, X, S.DX, S.gc);
   scale_inplace(n * n, S.DX, D.scale);
   map_to_lowp(n, S.DX, S.ds, S.dst);  // scale dX, and transposed

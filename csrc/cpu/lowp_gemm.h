@@ -27,12 +27,76 @@
 #include <vector>
 
 #include "common/options.h"
+#include "cpu/simd.h"
 
 namespace ppma {
 namespace cpu {
 
 // Which products the attention kernels run for bf16 / fp16 q, k, v (the internal option cpu_lowp_products).
 enum class LowpRoute { kSimd, kGemm, kVnni, kVnniEmulated };
+
+// dst[c * ldd + r] = src[r * ss + c] for r < n, c < cols: rows of an [n][cols] operand transposed. 16-bit values
+// (bf16 / fp16 bits) in 8 x 8 blocks: widened to 32-bit words, moved by transpose_block (cpu/simd.h; shuffles, so the
+// bits are kept) and narrowed again; the rest, and other types, one by one.
+template <typename T>
+inline void transpose_rows(int64_t n, int64_t cols, const T* src, int64_t ss, T* __restrict dst, int64_t ldd) {
+  int64_t r0 = 0;
+  if constexpr (sizeof(T) == 2) {
+    const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+    uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+    for (; r0 + 8 <= n; r0 += 8) {
+      int64_t c0 = 0;
+      for (; c0 + 8 <= cols; c0 += 8) {
+        uint32_t blk[64], t[64];
+        for (int r = 0; r < 8; ++r)
+          for (int c = 0; c < 8; ++c) blk[r * 8 + c] = s16[(r0 + r) * ss + c0 + c];
+        transpose_block<8>(reinterpret_cast<const float*>(blk), 8, reinterpret_cast<float*>(t), 8);
+        for (int c = 0; c < 8; ++c)
+          for (int r = 0; r < 8; ++r) d16[(c0 + c) * ldd + r0 + r] = static_cast<uint16_t>(t[c * 8 + r]);
+      }
+      for (int64_t r = r0; r < r0 + 8; ++r)
+        for (int64_t c = c0; c < cols; ++c) dst[c * ldd + r] = src[r * ss + c];
+    }
+  }
+  for (int64_t r = r0; r < n; ++r) {
+    const T* s = src + r * ss;
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = s[c];
+  }
+}
+
+// n floats rounded (to nearest even) to Lp: bf16 by float_to_bf16 (cpu/simd.h: c10::BFloat16's rounding, written so
+// that the loop vectorises; a NaN stays a quiet NaN), fp16 by c10::Half.
+template <typename Lp>
+inline void to_lowp(int64_t n, const float* __restrict x, Lp* __restrict dst) {
+  if constexpr (std::is_same_v<Lp, c10::BFloat16>) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+    for (int64_t e = 0; e < n; ++e) o[e] = float_to_bf16(x[e]);
+  } else {
+#pragma omp simd
+    for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<Lp>(x[e]);
+  }
+}
+
+// X [n][cols] (row stride xs) rounded to Lp and transposed: dst[c * ldd + r] = Lp(X[r][c]) (rounding, then
+// transposing: the same bits). 8 x 8 blocks transposed as floats (transpose_block), then rounded a row at a time.
+template <typename Lp>
+inline void to_lowp_transposed(int64_t n, int64_t cols, const float* X, int64_t xs, Lp* __restrict dst,
+                               int64_t ldd) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= n; r0 += 8) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) {
+      float t[64];
+      transpose_block<8>(X + r0 * xs + c0, xs, t, 8);
+      for (int c = 0; c < 8; ++c) to_lowp(8, t + c * 8, dst + (c0 + c) * ldd + r0);
+    }
+    for (int64_t r = r0; r < r0 + 8; ++r)
+      for (int64_t c = c0; c < cols; ++c) to_lowp(1, X + r * xs + c, dst + c * ldd + r);
+  }
+  for (int64_t r = r0; r < n; ++r)
+    for (int64_t c = 0; c < cols; ++c) to_lowp(1, X + r * xs + c, dst + c * ldd + r);
+}
 
 // B [k][ldb] (k, n > 0) reordered as [kp / 2][n][2], kp = k rounded up to even: dst[(r / 2) * 2n + 2c + r % 2] =
 // B[r][c], the row past an odd k zero. The layout of torch's at::vec::pack_vnni2 and oneDNN's VNNI-2 B operand.
@@ -222,6 +286,24 @@ inline void lowp_gemm(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda,
   }
 }
 
+// C[m][n] = (C if add else 0) + A[m][k] Bt^T: lowp_gemm with B given by its rows transposed, Bt [n][k] (row stride
+// ldbt; e.g. the keys of q k^T). On the VNNI routes Bt is packed straight into the VNNI-2 layout, which for a
+// transposed operand is Bt's rows cut into pairs of features, transposed as 32-bit words (gather_pairs_t,
+// cpu/simd.h); on the plain route it is transposed into row-major B. scratch: ceil(k / 2) * 2 * n values of the
+// calling task.
+template <typename Lp>
+inline void lowp_gemm_bt(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* bt, int64_t ldbt,
+                         float* c, int64_t ldc, bool add, Lp* __restrict scratch) {
+  const LowpRoute route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
+  if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) {
+    gather_pairs_t(n, k, reinterpret_cast<const uint16_t*>(bt), ldbt, reinterpret_cast<uint32_t*>(scratch), n);
+    lowp_gemm_vnni_packed(m, n, k, a, lda, scratch, c, ldc, add, route == LowpRoute::kVnniEmulated);
+  } else {
+    transpose_rows(n, k, bt, ldbt, scratch, n);
+    at::native::cpublas::brgemm(m, n, k, lda, n, ldc, add, a, scratch, c, /*is_vnni=*/false);
+  }
+}
+
 // A B operand [k][n] (row stride ldb) that several lowp_gemm products share, e.g. the keys or values of a (batch,
 // head) against each of its query tiles: on the VNNI routes packed once by set() (as torch's CPU flash attention
 // packs a head's keys and values once for all its query blocks), each product then running on the packed copy; on
@@ -232,12 +314,28 @@ struct LowpOperand {
   const Lp* b = nullptr;
   int64_t k = 0, n = 0, ldb = 0;
   LowpRoute route = LowpRoute::kGemm;
-  std::vector<Lp> packed;  // [kp / 2][n][2] on the VNNI routes
+  std::vector<Lp> packed;  // [kp / 2][n][2] on the VNNI routes; set_transposed's B [k][n] on the plain route
 
   void set(int64_t k_, int64_t n_, const Lp* b_, int64_t ldb_) {
     k = k_, n = n_, b = b_, ldb = ldb_;
     route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
     if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) pack_vnni2_into(packed, k, n, b, ldb);
+  }
+
+  // B = Bt^T, Bt [n][k] (row stride ldbt; e.g. a head's keys for q k^T): on the VNNI routes packed straight from Bt
+  // (lowp_gemm_bt's packing), on the plain route transposed into a buffer of its own ([k][n]).
+  void set_transposed(int64_t k_, int64_t n_, const Lp* bt, int64_t ldbt) {
+    k = k_, n = n_;
+    route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
+    const int64_t kp = (k + 1) / 2 * 2;
+    if (static_cast<int64_t>(packed.size()) < kp * n) packed.resize(kp * n);
+    if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) {
+      gather_pairs_t(n, k, reinterpret_cast<const uint16_t*>(bt), ldbt, reinterpret_cast<uint32_t*>(packed.data()),
+                     n);
+    } else {
+      transpose_rows(n, k, bt, ldbt, packed.data(), n);
+      b = packed.data(), ldb = n;
+    }
   }
 };
 
@@ -271,22 +369,6 @@ inline void dispatch_lowp(at::ScalarType t, F&& f) {
   } else {
     f(c10::Half{});
   }
-}
-
-// dst[c * ldd + r] = src[r * ss + c] for r < n, c < cols: rows of an [n][cols] operand transposed.
-template <typename T>
-inline void transpose_rows(int64_t n, int64_t cols, const T* src, int64_t ss, T* __restrict dst, int64_t ldd) {
-  for (int64_t r = 0; r < n; ++r) {
-    const T* s = src + r * ss;
-    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = s[c];
-  }
-}
-
-// n floats rounded (to nearest even) to Lp.
-template <typename Lp>
-inline void to_lowp(int64_t n, const float* __restrict x, Lp* __restrict dst) {
-#pragma omp simd
-  for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<Lp>(x[e]);
 }
 
 }  // namespace cpu

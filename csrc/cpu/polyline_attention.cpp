@@ -550,7 +550,7 @@ void forward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const
   parallel_tasks(
       D.B * G * nqb,
       [&] {
-        return LowpScratch<Lp>{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<Lp>(d * N + 2 * TQ * N)};
+        return LowpScratch<Lp>{std::vector<float>(2 * TQ * N + 2 * TQ * dv), std::vector<Lp>(2 * TQ * N)};
       },
       [&](int64_t task, LowpScratch<Lp>& S) {
     with_lanes([&](auto ln) {
@@ -558,14 +558,12 @@ void forward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, const
       float* X2 = X1 + TQ * N;
       float* O1 = X2 + TQ * N;
       float* O2 = O1 + TQ * dv;
-      Lp* Kt = S.h.data();     // [d][N]
-      Lp* Pb1 = Kt + d * N;    // [tq][N] P1 rounded
+      Lp* Pb1 = S.h.data();    // [tq][N] P1 rounded
       Lp* Pb2 = Pb1 + TQ * N;  // [tq][N] P2 rounded
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G;
       if (S.kt_bg != bg) {
-        transpose_rows(N, d, k + token_index(N, G, b, 0, g) * d, G * d, Kt, N);
-        S.kt.set(d, N, Kt, N);
+        S.kt.set_transposed(d, N, k + token_index(N, G, b, 0, g) * d, G * d);
         S.vals.set(N, dv, v + token_index(N, G, b, 0, g) * dv, G * dv);
         S.kt_bg = bg;
       }
@@ -596,19 +594,17 @@ void forward_inference_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp
   const int64_t nqb = ceil_div(N, TQ);
   parallel_tasks(
       D.B * G * nqb,
-      [&] { return LowpScratch<Lp>{std::vector<float>(TQ * N + N + TQ * dv), std::vector<Lp>(d * N + TQ * N)}; },
+      [&] { return LowpScratch<Lp>{std::vector<float>(TQ * N + N + TQ * dv), std::vector<Lp>(TQ * N)}; },
       [&](int64_t task, LowpScratch<Lp>& S) {
     with_lanes([&](auto ln) {
       float* X = S.f.data();  // [tq][N]: the V2H logits, then the averaged map
       float* x2 = X + TQ * N;  // [N]: one row of H2V logits
       float* O = x2 + N;       // [tq][dv]: P v before its rounding
-      Lp* Kt = S.h.data();     // [d][N]
-      Lp* Pb = Kt + d * N;     // [tq][N] the map rounded
+      Lp* Pb = S.h.data();     // [tq][N] the map rounded
       const int64_t bg = task / nqb, p0 = (task % nqb) * TQ, tq = std::min(TQ, N - p0);
       const int64_t b = bg / G, g = bg % G, row0 = token_index(N, G, b, p0, g);
       if (S.kt_bg != bg) {
-        transpose_rows(N, d, k + token_index(N, G, b, 0, g) * d, G * d, Kt, N);
-        S.kt.set(d, N, Kt, N);
+        S.kt.set_transposed(d, N, k + token_index(N, G, b, 0, g) * d, G * d);
         S.vals.set(N, dv, v + token_index(N, G, b, 0, g) * dv, G * dv);
         S.kt_bg = bg;
       }
@@ -1066,7 +1062,7 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
       D.B * G * nchunk,
       [&] {
         return LowpScratch<Lp>{std::vector<T>(4 * TQ * N + short_sums),
-                               std::vector<Lp>((d + dv) * N + 3 * TQ * N)};
+                               std::vector<Lp>(3 * TQ * N)};
       },
       [&](int64_t task, LowpScratch<Lp>& S) {
     with_lanes([&](auto ln) {
@@ -1075,9 +1071,7 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
     T* X2 = X1 + TQ * N;
     T* DP = X2 + TQ * N;
     T* G1 = DP + TQ * N;
-    Lp* Kt = S.h.data();      // the keys of the task's (batch, head) transposed, [d][N]
-    Lp* Vt = Kt + d * N;      // its values transposed, [dv][N]
-    Lp* DS = Vt + dv * N;     // [tq][N] scale * dS rounded
+    Lp* DS = S.h.data();      // [tq][N] scale * dS rounded
     Lp* DSt = DS + TQ * N;    // [N][TQ] the same, transposed
     Lp* PSt = DSt + TQ * N;   // [N][TQ] 0.5 (P1 + P2) rounded, transposed
     constexpr bool masked_path = L == ShortSums::L;
@@ -1092,10 +1086,8 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
     T* gcc = gcr + N;
     const Lp* kb = k + token_index(N, G, b, 0, g) * d;
     const Lp* vb = v + token_index(N, G, b, 0, g) * dv;
-    transpose_rows(N, d, kb, G * d, Kt, N);
-    transpose_rows(N, dv, vb, G * dv, Vt, N);
-    S.kt.set(d, N, Kt, N);
-    S.vals.set(dv, N, Vt, N);
+    S.kt.set_transposed(d, N, kb, G * d);  // the keys of the task's (batch, head) transposed, [d][N]
+    S.vals.set_transposed(dv, N, vb, G * dv);  // its values transposed, [dv][N]
     S.keys.set(N, d, kb, G * d);
     const int64_t qb_end = std::min(nqb, (chunk + 1) * qb_per_chunk);
     for (int64_t qb = chunk * qb_per_chunk; qb < qb_end; ++qb) {
@@ -1119,13 +1111,12 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
         const T Dg[2] = {out_v2h ? Dr1[a] : T(0), out_v2h ? Dr2[a] : T(0)};
         softmax_grads_row(ln, N, lse[o * 2 + 0], lse[o * 2 + 1], out_v2h ? Dg : nullptr, T(0.5), x1, x2, dp, g1);
 #pragma omp simd
-        for (int64_t c = 0; c < N; ++c) ds[c] = static_cast<Lp>(scale * dp[c]);  // scale dS
-        for (int64_t c = 0; c < N; ++c) {
-          DSt[c * TQ + a] = ds[c];
-          PSt[c * TQ + a] = static_cast<Lp>(x1[c]);
-        }
+        for (int64_t c = 0; c < N; ++c) dp[c] *= scale;
+        to_lowp(N, dp, ds);  // scale dS
         query_bias_grads(ln, D, p0 + a, g1, x2, gcr, gcc, sums, short_rows);
       }
+      transpose_rows(tq, N, DS, N, DSt, TQ);
+      to_lowp_transposed(tq, N, X1, N, PSt, TQ);  // 0.5 (P1 + P2), rounded
       // dq = (scale dS) k; dk += (scale dS)^T q; dv += (0.5 (P1 + P2))^T dO
       lowp_gemm(tq, DS, N, S.keys, dq + row0 * d, G * d, false);
       lowp_gemm(N, d, tq, DSt, TQ, q + row0 * d, G * d, pdk, d, true);
