@@ -54,10 +54,11 @@ namespace {
 // and the exp in one pass for float (the same values as the two passes); with inv too, that times inv[j * ls]
 // (lse then holds the rows' maxima: the map line_softmax forms, recomputed bit for bit). float: each row in
 // vectors (for_lanes), the branch chosen lane by lane (a - b is -(b - a) exactly: the same values as the hoisted
-// loops of double).
+// loops of double). xs: X is taken as xs X (the logit scale of products that cannot apply it, lowp_gemm's; 1 is
+// exact).
 template <int L, typename T>
 inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const T* lse = nullptr,
-                          int64_t ls = 0, const T* inv = nullptr) {
+                          int64_t ls = 0, const T* inv = nullptr, T xs = T(1)) {
   for (int64_t j = 0; j < n; ++j) {
     T* __restrict x = X + j * n;
     const T cj = c[j];
@@ -66,7 +67,7 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const
       auto biased = [&](auto lm, int64_t l) {  // x[l ..] + bias(j, l ..), the width of lm
         constexpr int M = decltype(lm)::value;
         const vec<M> cl = load<M>(c + l);
-        return load<M>(x + l) + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
+        return load<M>(x + l) * xs + (lane_indices<M>() + static_cast<int32_t>(l) < j32 ? cj - cl : cl - cj);
       };
       if (lse) {
         const float sh = lse[j * ls];
@@ -103,9 +104,9 @@ inline void add_line_bias(Lanes<L> ln, int64_t n, const T* c, T* X, T* mx, const
       }
     } else {
 #pragma omp simd
-      for (int64_t l = 0; l < j; ++l) x[l] += cj - c[l];
+      for (int64_t l = 0; l < j; ++l) x[l] = x[l] * xs + (cj - c[l]);
 #pragma omp simd
-      for (int64_t l = j; l < n; ++l) x[l] += c[l] - cj;
+      for (int64_t l = j; l < n; ++l) x[l] = x[l] * xs + (c[l] - cj);
       if (mx) mx[j] = max_of(n, x);
       if (lse) exp_shift(ln, n, x, lse[j * ls]);
       if (inv) scale_inplace(n, x, inv[j * ls]);
@@ -816,8 +817,7 @@ inline void line_scores_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line
                              const float* inv = nullptr) {
   const int64_t n = li.n, d = D.d;
   lowp_gemm_bt(n, n, d, li.at(D.q, d), li.ld(d), li.at(D.k, d), li.ld(d), X, n, false, S.kt);
-  scale_inplace(n * n, X, D.scale);
-  add_line_bias(ln, n, li.c, X, maxima ? S.mx : nullptr, lse, ls, inv);
+  add_line_bias(ln, n, li.c, X, maxima ? S.mx : nullptr, lse, ls, inv, D.scale);
 }
 
 // The map X [n][n] rounded to Lp into pb, and transposed into pbt where given.
