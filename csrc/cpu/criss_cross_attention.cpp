@@ -820,11 +820,11 @@ inline void line_scores_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line
   add_line_bias(ln, n, li.c, X, maxima ? S.mx : nullptr, lse, ls, inv, D.scale);
 }
 
-// The map X [n][n] rounded to Lp into pb, and transposed into pbt where given.
+// The map X [n][n] (times a) rounded to Lp into pb, and transposed into pbt where given.
 template <typename Lp>
-inline void map_to_lowp(int64_t n, const float* X, Lp* pb, Lp* pbt = nullptr) {
-  to_lowp(n * n, X, pb);
-  if (pbt) to_lowp_transposed(n, n, X, n, pbt, n);
+inline void map_to_lowp(int64_t n, const float* X, Lp* pb, Lp* pbt = nullptr, float a = 1.f) {
+  to_lowp(n * n, X, pb, a);
+  if (pbt) to_lowp_transposed(n, n, X, n, pbt, n, a);
 }
 
 // z (n rows of dv at stride zs, Lp) = P src (P [n][n] in Lp; src: n rows at stride ss), the float32 product (in O,
@@ -879,8 +879,7 @@ void forward_kernel_lowp(const CCData<float, Lp>& D, float* lse, Lp* out) {
         }
         gather_rows(r.n, dv, zr.at(O1.get(), dv), zr.ld(dv), S.O, dv);
         lowp_gemm(r.n, dv, r.n, pb, r.n, zr.at(Z.get(), dv), zr.ld(dv), S.O, dv, true);
-        scale_inplace(r.n * dv, S.O, 0.5f);
-        for (int64_t j = 0; j < r.n; ++j) to_lowp(dv, S.O + j * dv, r.at(out, dv) + j * r.ld(dv));
+        for (int64_t j = 0; j < r.n; ++j) to_lowp(dv, S.O + j * dv, r.at(out, dv) + j * r.ld(dv), 0.5f);
       });
 }
 
@@ -920,8 +919,7 @@ inline void line_grads_lowp(Lanes<L> ln, const CCData<float, Lp>& D, const Line<
   gather_rows(n, dv, li.at(D.v, dv), li.ld(dv), S.zv + dv, 2 * dv);
   lowp_gemm_bt(n, n, 2 * dv, S.gu, 2 * dv, S.zv, 2 * dv, S.DX, n, false, S.ut);  // dP = [g | dz] [z | v]^T
   line_softmax_backward(ln, n, X, S.DX, S.gc);
-  scale_inplace(n * n, S.DX, D.scale);
-  map_to_lowp(n, S.DX, S.ds, S.dst);  // scale dX, and transposed
+  map_to_lowp(n, S.DX, S.ds, S.dst, D.scale);  // scale dX, and transposed
   lowp_gemm(n, d, n, S.ds, n, li.at(D.k, d), li.ld(d), li.at(dq, d), li.ld(d), accumulate);
   lowp_gemm(n, d, n, S.dst, n, li.at(D.q, d), li.ld(d), li.at(dk, d), li.ld(d), accumulate);
   lowp_gemm(n, dv, n, S.pbt, n, S.gu + dv, 2 * dv, li.at(gv, dv), li.ld(dv), accumulate);

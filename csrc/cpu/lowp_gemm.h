@@ -64,38 +64,40 @@ inline void transpose_rows(int64_t n, int64_t cols, const T* src, int64_t ss, T*
   }
 }
 
-// n floats rounded (to nearest even) to Lp: bf16 by float_to_bf16 (cpu/simd.h: c10::BFloat16's rounding, written so
-// that the loop vectorises; a NaN stays a quiet NaN), fp16 by c10::Half.
+// n floats times a (float32 products; a = 1: the floats themselves) rounded (to nearest even) to Lp: bf16 by
+// float_to_bf16 (cpu/simd.h: c10::BFloat16's rounding, written so that the loop vectorises; a NaN stays a quiet
+// NaN), fp16 by c10::Half.
 template <typename Lp>
-inline void to_lowp(int64_t n, const float* __restrict x, Lp* __restrict dst) {
+inline void to_lowp(int64_t n, const float* __restrict x, Lp* __restrict dst, float a = 1.f) {
   if constexpr (std::is_same_v<Lp, c10::BFloat16>) {
     uint16_t* o = reinterpret_cast<uint16_t*>(dst);
 #pragma omp simd
-    for (int64_t e = 0; e < n; ++e) o[e] = float_to_bf16(x[e]);
+    for (int64_t e = 0; e < n; ++e) o[e] = float_to_bf16(x[e] * a);
   } else {
 #pragma omp simd
-    for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<Lp>(x[e]);
+    for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<Lp>(x[e] * a);
   }
 }
 
-// X [n][cols] (row stride xs) rounded to Lp and transposed: dst[c * ldd + r] = Lp(X[r][c]) (rounding, then
-// transposing: the same bits). 8 x 8 blocks transposed as floats (transpose_block), then rounded a row at a time.
+// X [n][cols] (row stride xs) times a, rounded to Lp and transposed: dst[c * ldd + r] = Lp(a X[r][c]) (rounding,
+// then transposing: the same bits). 8 x 8 blocks transposed as floats (transpose_block), then rounded a row at a
+// time.
 template <typename Lp>
-inline void to_lowp_transposed(int64_t n, int64_t cols, const float* X, int64_t xs, Lp* __restrict dst,
-                               int64_t ldd) {
+inline void to_lowp_transposed(int64_t n, int64_t cols, const float* X, int64_t xs, Lp* __restrict dst, int64_t ldd,
+                               float a = 1.f) {
   int64_t r0 = 0;
   for (; r0 + 8 <= n; r0 += 8) {
     int64_t c0 = 0;
     for (; c0 + 8 <= cols; c0 += 8) {
       float t[64];
       transpose_block<8>(X + r0 * xs + c0, xs, t, 8);
-      for (int c = 0; c < 8; ++c) to_lowp(8, t + c * 8, dst + (c0 + c) * ldd + r0);
+      for (int c = 0; c < 8; ++c) to_lowp(8, t + c * 8, dst + (c0 + c) * ldd + r0, a);
     }
     for (int64_t r = r0; r < r0 + 8; ++r)
-      for (int64_t c = c0; c < cols; ++c) to_lowp(1, X + r * xs + c, dst + c * ldd + r);
+      for (int64_t c = c0; c < cols; ++c) to_lowp(1, X + r * xs + c, dst + c * ldd + r, a);
   }
   for (int64_t r = r0; r < n; ++r)
-    for (int64_t c = 0; c < cols; ++c) to_lowp(1, X + r * xs + c, dst + c * ldd + r);
+    for (int64_t c = 0; c < cols; ++c) to_lowp(1, X + r * xs + c, dst + c * ldd + r, a);
 }
 
 // B [k][ldb] (k, n > 0) reordered as [kp / 2][n][2], kp = k rounded up to even: dst[(r / 2) * 2n + 2c + r % 2] =

@@ -1110,9 +1110,7 @@ void backward_kernel_lowp(const PAData<float>& D, const Lp* q, const Lp* k, cons
         Lp* __restrict ds = DS + a * N;
         const T Dg[2] = {out_v2h ? Dr1[a] : T(0), out_v2h ? Dr2[a] : T(0)};
         softmax_grads_row(ln, N, lse[o * 2 + 0], lse[o * 2 + 1], out_v2h ? Dg : nullptr, T(0.5), x1, x2, dp, g1);
-#pragma omp simd
-        for (int64_t c = 0; c < N; ++c) dp[c] *= scale;
-        to_lowp(N, dp, ds);  // scale dS
+        to_lowp(N, dp, ds, scale);  // scale dS
         query_bias_grads(ln, D, p0 + a, g1, x2, gcr, gcc, sums, short_rows);
       }
       transpose_rows(tq, N, DS, N, DSt, TQ);
