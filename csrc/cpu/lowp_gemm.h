@@ -288,20 +288,33 @@ inline void lowp_gemm(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda,
   }
 }
 
+// Whether route r multiplies VNNI-packed B operands.
+inline bool vnni_route(LowpRoute r) { return r == LowpRoute::kVnni || r == LowpRoute::kVnniEmulated; }
+
+// B = Bt^T, Bt [n][k] (row stride ldbt), as route r's B operand in dst (ceil(k / 2) * 2 * n values): on the VNNI
+// routes packed straight into the VNNI-2 layout, which for a transposed operand is Bt's rows cut into pairs of
+// features, transposed as 32-bit words (gather_pairs_t, cpu/simd.h); on the plain route transposed into row-major
+// B [k][n].
+template <typename Lp>
+inline void pack_transposed(LowpRoute r, int64_t n, int64_t k, const Lp* bt, int64_t ldbt, Lp* __restrict dst) {
+  if (vnni_route(r)) {
+    gather_pairs_t(n, k, reinterpret_cast<const uint16_t*>(bt), ldbt, reinterpret_cast<uint32_t*>(dst), n);
+  } else {
+    transpose_rows(n, k, bt, ldbt, dst, n);
+  }
+}
+
 // C[m][n] = (C if add else 0) + A[m][k] Bt^T: lowp_gemm with B given by its rows transposed, Bt [n][k] (row stride
-// ldbt; e.g. the keys of q k^T). On the VNNI routes Bt is packed straight into the VNNI-2 layout, which for a
-// transposed operand is Bt's rows cut into pairs of features, transposed as 32-bit words (gather_pairs_t,
-// cpu/simd.h); on the plain route it is transposed into row-major B. scratch: ceil(k / 2) * 2 * n values of the
-// calling task.
+// ldbt; e.g. the keys of q k^T), packed by pack_transposed into scratch (ceil(k / 2) * 2 * n values of the calling
+// task).
 template <typename Lp>
 inline void lowp_gemm_bt(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* bt, int64_t ldbt,
                          float* c, int64_t ldc, bool add, Lp* __restrict scratch) {
   const LowpRoute route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
-  if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) {
-    gather_pairs_t(n, k, reinterpret_cast<const uint16_t*>(bt), ldbt, reinterpret_cast<uint32_t*>(scratch), n);
+  pack_transposed(route, n, k, bt, ldbt, scratch);
+  if (vnni_route(route)) {
     lowp_gemm_vnni_packed(m, n, k, a, lda, scratch, c, ldc, add, route == LowpRoute::kVnniEmulated);
   } else {
-    transpose_rows(n, k, bt, ldbt, scratch, n);
     at::native::cpublas::brgemm(m, n, k, lda, n, ldc, add, a, scratch, c, /*is_vnni=*/false);
   }
 }
@@ -321,23 +334,18 @@ struct LowpOperand {
   void set(int64_t k_, int64_t n_, const Lp* b_, int64_t ldb_) {
     k = k_, n = n_, b = b_, ldb = ldb_;
     route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
-    if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) pack_vnni2_into(packed, k, n, b, ldb);
+    if (vnni_route(route)) pack_vnni2_into(packed, k, n, b, ldb);
   }
 
-  // B = Bt^T, Bt [n][k] (row stride ldbt; e.g. a head's keys for q k^T): on the VNNI routes packed straight from Bt
-  // (lowp_gemm_bt's packing), on the plain route transposed into a buffer of its own ([k][n]).
+  // B = Bt^T, Bt [n][k] (row stride ldbt; e.g. a head's keys for q k^T), packed by pack_transposed into a buffer of
+  // its own.
   void set_transposed(int64_t k_, int64_t n_, const Lp* bt, int64_t ldbt) {
     k = k_, n = n_;
     route = lowp_route(c10::CppTypeToScalarType<Lp>::value);
     const int64_t kp = (k + 1) / 2 * 2;
     if (static_cast<int64_t>(packed.size()) < kp * n) packed.resize(kp * n);
-    if (route == LowpRoute::kVnni || route == LowpRoute::kVnniEmulated) {
-      gather_pairs_t(n, k, reinterpret_cast<const uint16_t*>(bt), ldbt, reinterpret_cast<uint32_t*>(packed.data()),
-                     n);
-    } else {
-      transpose_rows(n, k, bt, ldbt, packed.data(), n);
-      b = packed.data(), ldb = n;
-    }
+    pack_transposed(route, n, k, bt, ldbt, packed.data());
+    b = packed.data(), ldb = n;  // read on the plain route only
   }
 };
 
@@ -345,13 +353,10 @@ struct LowpOperand {
 template <typename Lp>
 inline void lowp_gemm(int64_t m, const Lp* a, int64_t lda, const LowpOperand<Lp>& B, float* c, int64_t ldc,
                       bool add) {
-  switch (B.route) {
-    case LowpRoute::kVnni:
-    case LowpRoute::kVnniEmulated:
-      lowp_gemm_vnni_packed(m, B.n, B.k, a, lda, B.packed.data(), c, ldc, add, B.route == LowpRoute::kVnniEmulated);
-      break;
-    default:
-      at::native::cpublas::brgemm(m, B.n, B.k, lda, B.ldb, ldc, add, a, B.b, c, /*is_vnni=*/false);
+  if (vnni_route(B.route)) {
+    lowp_gemm_vnni_packed(m, B.n, B.k, a, lda, B.packed.data(), c, ldc, add, B.route == LowpRoute::kVnniEmulated);
+  } else {
+    at::native::cpublas::brgemm(m, B.n, B.k, lda, B.ldb, ldc, add, a, B.b, c, /*is_vnni=*/false);
   }
 }
 
