@@ -255,7 +255,7 @@ def test_stem_and_merging_channels_last_training():
     """In CPU training with the "fused" implementation ConvStem and PatchMerging run their convolutions on
     channels-last maps (``ppma.nn.layers._channels_last_convs``); with "reference" on NCHW maps, as the official
     code; PatchMerging only where its map has at least as many elements as its weight (else NCHW in both). Outputs
-    and parameter gradients agree up to float32 rounding, and the outputs are contiguous."""
+    and parameter gradients agree up to float32 rounding, and the outputs and input gradients are contiguous."""
     from ppma.nn.layers import ConvStem, PatchMerging
 
     torch.manual_seed(0)
@@ -273,9 +273,15 @@ def test_stem_and_merging_channels_last_training():
             seen.clear()
             with ppma.ops.use_impl(impl):
                 xi = x.clone().requires_grad_()
-                y = module(xi)
+                h = xi * 1.0  # not a leaf: a leaf's .grad is made contiguous whatever arrives
+                h.register_hook(lambda g: seen_grads.append(g))
+                y = module(h)
             assert y.is_contiguous()
+            seen_grads = []
             (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            # the merging's input gradient contiguous on every path (ppma.nn.layers._contiguous_grad): a strided one
+            # would make every residual sum of the stage before run strided (the stem's input is the image)
+            assert len(seen_grads) == 1 and (module is stem or seen_grads[0].is_contiguous())
             runs[impl] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in module.named_parameters()})
             # NCHW-contiguous input to the first convolution only with the reference implementation
             assert seen == [impl == "reference" or not channels_last]
