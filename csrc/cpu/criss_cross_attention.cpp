@@ -778,6 +778,7 @@ struct LineScratchLowp {
   Lp *kt, *pb;        // the keys as the B operand of q k^T (lowp_gemm_bt's scratch), the map rounded [n][n]
   Lp *pbt, *ds, *dst, *gu, *zv, *ut;  // backward: pb transposed, scale dX [n][n] and transposed, [g | dz] and
                                       // [z | v] [n][2 dv], [z | v] as the B operand of dP (lowp_gemm_bt's scratch)
+  VnniHold hold;  // the micro-kernel's context kept over the worker's products (cpu/lowp_gemm.h)
   LineScratchLowp(int64_t n, int64_t d, int64_t dv, bool backward) {
     constexpr int64_t kAlign = 64;
     const int64_t nn = n * n, bw = backward ? 1 : 0, f = sizeof(float), h = sizeof(Lp);

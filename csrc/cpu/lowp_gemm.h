@@ -142,10 +142,48 @@ inline void vnni_gemm_emulated(int64_t m, int64_t n, int64_t kp, const Lp* a, in
   }
 }
 
+// Keeps the VNNI micro-kernel's hardware context (AMX's tile configuration) on this thread from one product to the
+// next while alive, and releases it when the last one on the thread goes. Each worker of the lowp kernels holds one
+// in its scratch (created and destroyed on the worker's thread, around its loop over tasks), as torch's own CPU flash
+// attention releases once after its loop: between two products of a worker only ppma's own code runs, and torch's
+// brgemm reconfigures the tiles itself when a product's shape differs from the previous one's. Without a hold (the
+// probe, a product outside the kernels' tasks) every product releases after itself, so nothing of it outlives the
+// call (a oneDNN primitive on the same thread may release or reconfigure the tiles between two calls). Not copyable:
+// its scratch is made in place (a returned temporary).
+class VnniHold {
+ public:
+  VnniHold() { ++depth(); }
+  ~VnniHold() {
+    if (--depth() == 0 && used()) {
+      used() = false;
+      at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    }
+  }
+  VnniHold(const VnniHold&) = delete;
+  VnniHold& operator=(const VnniHold&) = delete;
+
+  // After a product on the micro-kernel: release now where no hold is alive on this thread, else at its end.
+  static void after_product() {
+    if (depth() > 0)
+      used() = true;
+    else
+      at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  }
+
+ private:
+  static int& depth() {
+    thread_local int n = 0;
+    return n;
+  }
+  static bool& used() {
+    thread_local bool u = false;
+    return u;
+  }
+};
+
 // The product on the VNNI route with B packed already (pack_vnni2, kp = k rounded up to even rows): A copied into a
-// buffer of the calling thread with a zero column where k is odd. The real micro-kernel's hardware context (AMX's
-// tile configuration) is released after each call, so nothing of it outlives the call (a oneDNN primitive on the
-// same thread may release or reconfigure the tiles between two calls).
+// buffer of the calling thread with a zero column where k is odd. The micro-kernel's hardware context is released
+// after the call, or at the end of the thread's VnniHold.
 template <typename Lp>
 inline void lowp_gemm_vnni_packed(int64_t m, int64_t n, int64_t k, const Lp* a, int64_t lda, const Lp* bp, float* c,
                                   int64_t ldc, bool add, bool emulate) {
@@ -163,7 +201,7 @@ inline void lowp_gemm_vnni_packed(int64_t m, int64_t n, int64_t k, const Lp* a, 
     vnni_gemm_emulated(m, n, kp, a, lda, bp, c, ldc, add);
   } else {
     at::native::cpublas::brgemm(m, n, kp, lda, n, ldc, add, a, bp, c, /*is_vnni=*/true);
-    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    VnniHold::after_product();
   }
 }
 

@@ -527,6 +527,7 @@ struct LowpScratch {
   int64_t kt_bg = -1;  // the (batch, head) whose keys Kt holds
   LowpOperand<Lp> kt, vals, keys;  // the keys transposed [d][N]; the values [N][dv] (backward: transposed,
                                    // [dv][N]); backward: the keys [N][d]
+  VnniHold hold;  // the micro-kernel's context kept over the worker's products (cpu/lowp_gemm.h)
 };
 
 // The logits of a query tile: X1 = scale q k^T (then the biases, as logits_block); Kt: the keys [d][N].
