@@ -6,7 +6,8 @@ ResNet-50 (``pretrained=False``), all measured in ONE run on the same machine:
 
 * batch 8 at 224²: inference (``eval()``, ``torch.inference_mode()``; eager PPMA-T entries other than the plain
   modules after ``ppma.nn.fuse_for_inference``, compiled ones without it) and training (forward, cross-entropy,
-  backward, AdamW step);
+  backward, AdamW step: torch's fused step, as ppma's trainer takes; tables before 2026-11-29 evening ran torch's
+  default step, about 30 ms more per step for PPMA-T on a 2-core CPU);
 * batch 1 at 512²: the same two, with peak memory.
 
 Every (model, case, phase) runs in a fresh subprocess with ``--threads`` threads: it builds the model (seed 0),
@@ -130,7 +131,8 @@ def run_child(spec: dict) -> dict:
 
         fwd = (torch.compile(model) if name.startswith("timm:") else compile_model(model, inference=not train))
     amp_ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if train else None
+    # torch's fused AdamW step, as ppma's trainer takes on the CPU (docs/training.md), for every model alike
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
 
     def step():
         import contextlib
