@@ -295,6 +295,26 @@ def test_stem_and_merging_channels_last_training():
             torch.testing.assert_close(g, gp_ref[n], rtol=1e-4, atol=1e-5 * scale, msg=n)
 
 
+def test_merging_contiguous_grad_compiles():
+    """PatchMerging's NCHW path (the "reference" implementation here; CUDA takes it too) traces whole under
+    ``torch.compile(fullgraph=True, dynamic=True)`` with its contiguous-gradient step (an autograd.Function), and
+    the compiled input gradient equals the eager one."""
+    from ppma.nn.layers import PatchMerging
+
+    torch.manual_seed(0)
+    merge = PatchMerging(8, 12).train()
+    x = torch.randn(2, 9, 7, 8)
+    compiled = torch.compile(lambda t: merge(t * 1.0), backend="aot_eager", fullgraph=True, dynamic=True)
+    grads = []
+    with ppma.ops.use_impl("reference"):
+        for fn in (lambda t: merge(t * 1.0), compiled):
+            xi = x.clone().requires_grad_()
+            y = fn(xi)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            grads.append(xi.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
 def test_model_inference_matches_training_path():
     """PPMA-T's logits unfused under ``inference_mode`` equal those of the graph-recording forward up to float32
     rounding (the attention ops' statistics-free inference), and so do the fused model's (oneDNN's linears)."""
