@@ -311,6 +311,34 @@ def test_flop_formulas_of_fused_ops_match_reference():
         assert fused == count_macs(model, (1, 3, 96, 72))
 
 
+def test_cpu_fp16_autocast_warns_once(monkeypatch):
+    """Under CPU float16 autocast on a CPU without oneDNN's float16 kernels the model warns once per process (torch's
+    fallback kernels run it about 10x slower than float32); not in float32, not under bf16 autocast, not where the
+    kernels exist."""
+    import warnings
+
+    import ppma.models.ppma as pm
+
+    model = small_model(depths=(1, 1, 1, 1)).eval()
+    x = torch.randn(1, 3, 32, 32)
+
+    def fp16_warnings(onednn_fp16: bool) -> int:
+        monkeypatch.setattr(pm, "_FP16_WARNED", False)
+        monkeypatch.setattr(pm, "_onednn_fp16", lambda: onednn_fp16)
+        with warnings.catch_warnings(record=True) as seen, torch.inference_mode():
+            warnings.simplefilter("always")
+            model(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(x)
+                model(x)
+        return sum("CPU autocast to float16" in str(w.message) for w in seen)
+
+    assert fp16_warnings(False) == 1
+    assert fp16_warnings(True) == 0
+
+
 def test_low_precision_model_keeps_fp32_rope():
     """A bf16 model computes its rotary tables in fp32 (raster positions reach thousands: bf16 phases would put
     the sin tables off by up to 0.27): every stage's (sin, cos) is fp32 and within 1e-3 of the fp64 tables."""

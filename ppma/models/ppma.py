@@ -166,13 +166,46 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
 
 
 def _check_input(x: torch.Tensor, in_chans: int) -> torch.Tensor:
-    """``x`` if it is an image batch ``[B, in_chans, H, W]`` with ``H, W >= 1``; else ``ValueError``."""
+    """``x`` if it is an image batch ``[B, in_chans, H, W]`` with ``H, W >= 1``; else ``ValueError``. Warns once per
+    process on the CPU under float16 autocast where torch has no fast float16 kernels (:func:`_warn_cpu_fp16`)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != in_chans:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"PPMA: x must be [B, {in_chans}, H, W], got {got}")
     if x.shape[2] == 0 or x.shape[3] == 0:
         raise ValueError(f"PPMA: the image must be at least 1x1, got x of shape {tuple(x.shape)}")
+    if not torch.compiler.is_compiling() and not _FP16_WARNED and x.device.type == "cpu":
+        _warn_cpu_fp16()
     return x
+
+
+_FP16_WARNED = False  # _warn_cpu_fp16 has looked (and warned where it should) in this process
+
+
+def _onednn_fp16() -> bool:
+    """Whether torch's oneDNN has float16 kernels on this CPU."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def _warn_cpu_fp16() -> None:
+    """Warns (once per process) when the CPU runs under float16 autocast and torch's oneDNN has no float16 kernels on
+    this CPU (no AVX512-FP16 or AMX-FP16: ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``). torch then runs the
+    model's convolutions and linear layers in float16 on its fallback kernels (``_slow_conv2d_forward`` for every
+    depthwise convolution, a reference GEMM): PPMA-T b8@224 inference took 4.2-4.9 s against 0.47-0.52 s in float32
+    and 0.27-0.30 s under bfloat16 autocast on an AMD EPYC Zen 4 (2 threads, docs/performance.md "bf16 and fp16 on
+    the CPU"). The numbers are right, only slow, so it warns instead of refusing."""
+    global _FP16_WARNED
+    if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16):
+        return
+    _FP16_WARNED = True
+    if _onednn_fp16():
+        return
+    import warnings
+
+    warnings.warn(
+        "PPMA: CPU autocast to float16 on a CPU without oneDNN's float16 kernels (no AVX512-FP16 or AMX-FP16): torch "
+        "runs the convolutions and linear layers on fallback kernels, about 10x slower than float32 for PPMA-T; "
+        "torch.autocast('cpu', dtype=torch.bfloat16) runs faster than float32 on CPUs with AVX512-BF16 or AMX "
+        "(docs/performance.md, 'bf16 and fp16 on the CPU').", RuntimeWarning, stacklevel=3)
 
 
 # FX symbolic tracing (timm's FX feature extraction) records the check as one call instead of tracing into its
