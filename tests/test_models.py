@@ -313,7 +313,7 @@ def test_flop_formulas_of_fused_ops_match_reference():
 
 def test_cpu_fp16_autocast_warns_once(monkeypatch):
     """Under CPU float16 autocast on a CPU without oneDNN's float16 kernels the model warns once per process (torch's
-    fallback kernels run it about 10x slower than float32); not in float32, not under bf16 autocast, not where the
+    fallback kernels run it about 9x slower than float32); not in float32, not under bf16 autocast, not where the
     kernels exist."""
     import warnings
 

@@ -203,7 +203,7 @@ def _warn_cpu_fp16() -> None:
 
     warnings.warn(
         "PPMA: CPU autocast to float16 on a CPU without oneDNN's float16 kernels (no AVX512-FP16 or AMX-FP16): torch "
-        "runs the convolutions and linear layers on fallback kernels, about 10x slower than float32 for PPMA-T; "
+        "runs the convolutions and linear layers on fallback kernels, about 9x slower than float32 for PPMA-T; "
         "torch.autocast('cpu', dtype=torch.bfloat16) runs faster than float32 on CPUs with AVX512-BF16 or AMX "
         "(docs/performance.md, 'bf16 and fp16 on the CPU').", RuntimeWarning, stacklevel=3)
 
