@@ -131,10 +131,9 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     fused step on the devices that have one, CPU and CUDA (one pass over each parameter group and dtype instead of
     a loop of element-wise ops per tensor; the same update up to float rounding; on a 2-core AMD EPYC Zen 4 14
     against 46 ms for PPMA-T's parameters), the default step elsewhere."""
-    from ppma.train.build import _FUSED_ADAM_DEVICES
+    from ppma.train.build import fused_adam_available
 
-    fused = all(p.is_floating_point() and p.device.type in _FUSED_ADAM_DEVICES for p in model.parameters())
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if fused else None)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if fused_adam_available(model) else None)
 
 
 def measure(model: torch.nn.Module, *, batch_size: int, img_size: int, in_chans: int, num_classes: int,

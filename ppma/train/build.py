@@ -76,6 +76,12 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 _FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 
+def fused_adam_available(model: nn.Module) -> bool:
+    """Whether torch's fused Adam / AdamW step takes every parameter of ``model``: floating tensors on a device that
+    has it (``_FUSED_ADAM_DEVICES``)."""
+    return all(p.is_floating_point() and p.device.type in _FUSED_ADAM_DEVICES for p in model.parameters())
+
+
 def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optimizer:
     """timm ``create_optimizer_v2`` over the parameter groups of ``weight_decay_groups``; Adam and AdamW take torch's
     fused step (``fused=True``) where ``optim_cfg.fused`` is True, or None and every parameter is a floating tensor on
@@ -90,7 +96,7 @@ def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optim
     if fused and opt not in ("adamw", "adam"):
         raise ValueError(f"optim.fused=True needs optim.opt adamw or adam, got {optim_cfg.opt!r}")
     if fused is None and opt in ("adamw", "adam"):
-        fused = all(p.is_floating_point() and p.device.type in _FUSED_ADAM_DEVICES for p in model.parameters())
+        fused = fused_adam_available(model)
     if fused:
         kwargs["fused"] = True
     wd = float(optim_cfg.weight_decay)
