@@ -1,4 +1,5 @@
-"""Whole-model CPU benchmark: PPMA-T with the fused ops (fp32 and bf16 autocast, eager and compiled with ``ppma.compile.compile_model``)
+"""Whole-model CPU benchmark: PPMA-T with the fused ops (fp32 and bf16 autocast, eager and compiled with ``ppma.compile.compile_model``;
+fp16 autocast on the unfused model, which ``fuse_for_inference`` does not take, on request: ``--entries "PPMA-T fp16"``)
 beside the official formulation (the same model and weights with ``ppma.ops.use_impl("reference")``, i.e. the
 dense-mask reference ops; "plain modules": also without the deployment step ``ppma.nn.fuse_for_inference``, i.e.
 torch's modules as the official code runs them) and timm's Swin-T and ConvNeXt-T (fp32 and bf16 autocast) and
@@ -48,6 +49,7 @@ START, END = "<!-- cpu-model:start -->", "<!-- cpu-model:end -->"
 ENTRIES = {
     "PPMA-T fused fp32": ("ppma_tiny", "fused", None, False),
     "PPMA-T fused bf16": ("ppma_tiny", "fused", "bf16", False),
+    "PPMA-T fp16": ("ppma_tiny", "fused", "fp16", False),
     "PPMA-T fused fp32 compiled": ("ppma_tiny", "fused", None, True),
     "PPMA-T fused bf16 compiled": ("ppma_tiny", "fused", "bf16", True),
     "PPMA-T official formulation": ("ppma_tiny", "reference", None, False),
@@ -120,7 +122,7 @@ def run_child(spec: dict) -> dict:
         model = ppma.create_model(name)
     train = spec["phase"] == "train"
     model.train(train)
-    if not (train or compiled or name.startswith("timm:") or impl.endswith("-plain")):
+    if not (train or compiled or name.startswith("timm:") or impl.endswith("-plain") or amp == "fp16"):
         ppma.nn.fuse_for_inference(model)  # the deployment step for CPU inference (docs/design.md)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, size, size, generator=g)
@@ -130,7 +132,8 @@ def run_child(spec: dict) -> dict:
         from ppma.compile import compile_model
 
         fwd = (torch.compile(model) if name.startswith("timm:") else compile_model(model, inference=not train))
-    amp_ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else None
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    amp_ctx = (lambda: torch.autocast("cpu", dtype=amp_dtype)) if amp_dtype else None
     # torch's fused AdamW step, as ppma's trainer takes on the CPU (docs/training.md), for every model alike
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if train else None
 

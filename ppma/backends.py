@@ -32,6 +32,7 @@ Intel Cooper Lake), or an emulation on plain AVX-512 (bf16 widened to float32, t
     ppma.backends.cpu_matrix_unit()         # "amx", "avx512_bf16", "avx512", "avx2" or "none"
     ppma.backends.cpu_matrix_units()        # the flags behind it, and what ppma's own kernels use for bf16
     ppma.backends.cpu_summary()             # one line of all that: ppma-benchmark --device cpu prints it
+    ppma.backends.cpu_fp16_widened()        # whether fp16 autocast's products run as float32 on fp16-rounded values
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ppma import _ext, config
 
 __all__ = ["CPU_CAPABILITIES", "LOWP_ROUTES", "MATRIX_UNITS", "cpu_capability", "cpu_capability_supported",
            "cpu_capabilities_available", "cpu_bf16_dot", "cpu_bf16_dot_supported", "cpu_lowp_gemm", "cpu_lowp_route",
-           "cpu_lowp_vnni_available", "cpu_bf16_widened", "cpu_name",
+           "cpu_lowp_vnni_available", "cpu_bf16_widened", "cpu_fp16_widened", "cpu_name",
            "cpu_matrix_unit", "cpu_matrix_units", "cpu_summary"]
 
 #: The SIMD paths of the CPU kernels, lowest first.
@@ -271,6 +272,18 @@ def cpu_bf16_widened() -> bool:
     return cpu_matrix_unit() in ("avx512", "avx2")
 
 
+def cpu_fp16_widened() -> bool:
+    """Whether the model's linear layers and convolutions run fp16 autocast on float32 kernels fed the fp16-rounded
+    values (``ppma.nn.layers.linear``, ``conv2d`` and the unfused ``DWConv2d``, inference and training): where torch's
+    oneDNN has no fp16 kernels on this CPU (no AVX512-FP16 or AMX-FP16, ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``
+    false, or oneDNN off), torch runs fp16 convolutions and linear layers on fallback kernels (``_slow_conv2d_forward``
+    for every depthwise convolution, a reference GEMM), about 9x slower than float32 for PPMA-T. The product of two fp16
+    values is exact in float32, so both compute the same up to the order of the float32 sums (docs/performance.md
+    "bf16 and fp16 on the CPU")."""
+    return not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+
+
 def cpu_matrix_units() -> dict:
     """What this CPU has for low-precision matrix products and what runs on it, as a dict: ``cpu`` (:func:`cpu_name`),
     ``matrix_unit`` (:func:`cpu_matrix_unit`), the flags ``amx_bf16``, ``amx_fp16``, ``amx_usable`` (AMX bf16 tiles
@@ -278,7 +291,7 @@ def cpu_matrix_units() -> dict:
     (whether torch's oneDNN has bf16 / fp16 kernels on this CPU); and, where ``ppma._C`` is built,
     ``ppma_kernels`` (:func:`cpu_capability`), ``ppma_bf16_dot`` (:func:`cpu_bf16_dot`), ``ppma_lowp_gemm``
     (:func:`cpu_lowp_gemm` for bf16) and ``ppma_lowp_route`` (:func:`cpu_lowp_route` for bf16), else None; and
-    ``ppma_bf16_widened`` (:func:`cpu_bf16_widened`)."""
+    ``ppma_bf16_widened`` (:func:`cpu_bf16_widened`) and ``ppma_fp16_widened`` (:func:`cpu_fp16_widened`)."""
     flags = _cpu_flags()
     mkldnn = torch.backends.mkldnn.is_available()
     info = {
@@ -297,6 +310,7 @@ def cpu_matrix_units() -> dict:
         "ppma_lowp_gemm": None,
         "ppma_lowp_route": None,
         "ppma_bf16_widened": cpu_bf16_widened(),
+        "ppma_fp16_widened": cpu_fp16_widened(),
     }
     if _ext.has_ext():
         info["ppma_kernels"] = cpu_capability()
@@ -331,4 +345,6 @@ def cpu_summary() -> str:
         line += f"; ppma kernels: {info['ppma_kernels']}, attention bf16 products via {dot}"
     if info["ppma_bf16_widened"]:
         line += "; fused bf16 linear layers and convolutions: oneDNN float32 on bf16-rounded values"
+    if info["ppma_fp16_widened"]:
+        line += "; fp16 autocast linear layers and convolutions: float32 on fp16-rounded values"
     return line

@@ -87,6 +87,15 @@ def test_cpu_name_and_summary():
     assert backends.cpu_bf16_widened() == (backends.cpu_matrix_unit() in ("avx512", "avx2"))
     assert backends.cpu_matrix_units()["ppma_bf16_widened"] == backends.cpu_bf16_widened()
     assert ("oneDNN float32 on bf16-rounded values" in summary) == backends.cpu_bf16_widened()
+    # fp16 autocast without oneDNN's fp16 kernels: the model widens its products (ppma.nn.layers.fp16_products_widened)
+    info = backends.cpu_matrix_units()
+    assert backends.cpu_fp16_widened() == (not info["onednn_fp16"]) == info["ppma_fp16_widened"]
+    assert ("float32 on fp16-rounded values" in summary) == backends.cpu_fp16_widened()
+
+
+def test_fp16_widened_without_onednn(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert backends.cpu_fp16_widened()
 
 
 

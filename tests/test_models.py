@@ -311,10 +311,12 @@ def test_flop_formulas_of_fused_ops_match_reference():
         assert fused == count_macs(model, (1, 3, 96, 72))
 
 
-def test_cpu_fp16_autocast_warns_once(monkeypatch):
-    """Under CPU float16 autocast on a CPU without oneDNN's float16 kernels the model warns once per process (torch's
-    fallback kernels run it about 9x slower than float32); not in float32, not under bf16 autocast, not where the
-    kernels exist."""
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_cpu_fp16_autocast_warns_once(impl, monkeypatch):
+    """Under CPU float16 autocast on a CPU without oneDNN's float16 kernels the model warns once per process where it
+    runs torch's fallback kernels (about 9x slower than float32): with the "reference" implementation; the "fused" one
+    widens the products (``ppma.nn.layers.fp16_products_widened``) and does not warn. Never in float32, under bf16
+    autocast, or where the kernels exist."""
     import warnings
 
     import ppma.models.ppma as pm
@@ -325,7 +327,7 @@ def test_cpu_fp16_autocast_warns_once(monkeypatch):
     def fp16_warnings(onednn_fp16: bool) -> int:
         monkeypatch.setattr(pm, "_FP16_WARNED", False)
         monkeypatch.setattr(pm, "_onednn_fp16", lambda: onednn_fp16)
-        with warnings.catch_warnings(record=True) as seen, torch.inference_mode():
+        with warnings.catch_warnings(record=True) as seen, torch.inference_mode(), ppma.ops.use_impl(impl):
             warnings.simplefilter("always")
             model(x)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -335,7 +337,7 @@ def test_cpu_fp16_autocast_warns_once(monkeypatch):
                 model(x)
         return sum("CPU autocast to float16" in str(w.message) for w in seen)
 
-    assert fp16_warnings(False) == 1
+    assert fp16_warnings(False) == (1 if impl == "reference" else 0)
     assert fp16_warnings(True) == 0
 
 

@@ -456,8 +456,8 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
     """``ppma.nn.layers.conv2d`` (the stem's and patch merging's convolutions) in CPU training under bf16 autocast
     where the bf16 products are widened (forced): float32 convolutions with autocast's roundings, so output and
     gradients equal autocast's own bf16 convolution up to the order of the float32 sums, in the inputs' dtypes, and
-    the channels-last layout is kept; off the gate (widening off, no gradients, the reference implementation, a
-    grouped convolution, a hook) the convolution itself runs."""
+    the channels-last layout is kept; off the gate (widening off, no gradients, the reference implementation, a padding
+    other than zeros, a hook) the convolution itself runs."""
     from ppma.nn import layers
 
     monkeypatch.setattr(layers, "_WIDENED", True)
@@ -486,7 +486,8 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
         assert not widened()
     with ppma.ops.use_impl("reference"):
         assert not widened()
-    assert not widened(torch.nn.Conv2d(6, 6, 3, 1, 1, groups=2))
+    assert widened(torch.nn.Conv2d(6, 6, 3, 1, 1, groups=2))  # grouped: widened too
+    assert not widened(torch.nn.Conv2d(6, 6, 3, 1, 1, padding_mode="reflect"))
     h = conv.register_forward_hook(lambda *a: None)
     try:
         assert not widened()
@@ -496,6 +497,160 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
     assert not widened()
     monkeypatch.setattr(layers, "_WIDENED", True)
     assert widened()
+
+
+def _spy(monkeypatch, owner, name: str = "apply") -> list:
+    """Records the last argument (the dtype) of each call of ``owner.name`` (``apply`` of an autograd.Function of
+    ppma.nn.layers, or a function of that module), which still runs."""
+    calls, orig = [], getattr(owner, name)
+
+    def spy(*args):
+        calls.append(args[-1])
+        return orig(*args)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_widened_fp16_linear(grad, monkeypatch):
+    """``ppma.nn.layers.linear`` / ``linears`` under CPU fp16 autocast where the CPU has no fp16 kernels
+    (``fp16_products_widened``, forced), in training and inference: float32 GEMMs of the fp16-rounded values with
+    autocast's roundings, so output and gradients equal autocast's own fp16 linear layer up to the order of the float32
+    sums (within one fp16 rounding); off the gate (widening off, the reference implementation, a hook, no autocast)
+    the layer itself runs."""
+    from ppma.nn import layers
+
+    monkeypatch.setattr(layers, "_WIDENED_FP16", True)
+    calls = _spy(monkeypatch, layers._WidenedLinear)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 24)
+    x = torch.randn(3, 5, 40).requires_grad_(grad)
+    go = torch.randn(3, 5, 24).half()
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+        want = lin(x)
+        got = layers.linear(x, lin)
+        q, k = layers.linears(x, lin, lin)
+    assert calls == [torch.float16] * 3 and got.dtype == torch.float16
+    assert torch.equal(q, got) and torch.equal(k, got)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-5)
+    if grad:
+        gw = torch.autograd.grad(want, [x, lin.weight, lin.bias], go)
+        gg = torch.autograd.grad(got, [x, lin.weight, lin.bias], go)
+        for a, b in zip(gg, gw):
+            assert a.dtype == b.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=2 ** -9, atol=1e-4)
+    del calls[:]
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+        with ppma.ops.use_impl("reference"):
+            layers.linear(x, lin)
+        h = lin.register_forward_hook(lambda *a: None)
+        try:
+            layers.linear(x, lin)
+        finally:
+            h.remove()
+        monkeypatch.setattr(layers, "_WIDENED_FP16", False)
+        layers.linears(x, lin)
+    layers.linear(x, lin)  # no autocast
+    assert calls == []
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("groups", [1, 6], ids=["dense", "depthwise"])
+def test_widened_fp16_conv2d(groups, grad, monkeypatch):
+    """``ppma.nn.layers.conv2d`` (dense and depthwise) and the unfused ``DWConv2d`` (plain, residual, added to a map)
+    under CPU fp16 autocast where the CPU has no fp16 kernels (forced): float32 convolutions of the fp16-rounded values
+    with autocast's roundings, output and gradients equal to autocast's fp16 convolution up to the order of the
+    float32 sums; the channels-last layout is kept."""
+    from ppma.nn import layers
+    from ppma.nn.layers import DWConv2d
+
+    monkeypatch.setattr(layers, "_WIDENED_FP16", True)
+    calls = _spy(monkeypatch, layers._WidenedConv2d)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(6, 12 if groups == 1 else 6, 3, 2 if groups == 1 else 1, 1, groups=groups)
+    x = torch.randn(2, 6, 9, 11).contiguous(memory_format=torch.channels_last).requires_grad_(grad)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+        want = conv(x)
+        got = layers.conv2d(x, conv)
+    assert calls == [torch.float16] and got.dtype == torch.float16
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-5)
+    if grad:
+        # against float64 sums of the same fp16-rounded values: each widened gradient is that rounded to fp16 once
+        # (torch's fp16 fallback kernels sum in fp16 in places and are further off)
+        go = torch.randn(want.shape).half()
+        params = [x, conv.weight, conv.bias]
+        x64 = x.detach().half().double().requires_grad_()
+        w64 = conv.weight.detach().half().double().requires_grad_()
+        b64 = conv.bias.detach().half().double().requires_grad_()
+        exact = torch.autograd.grad(F.conv2d(x64, w64, b64, conv.stride, conv.padding, 1, groups), [x64, w64, b64],
+                                    go.double())
+        for a, e in zip(torch.autograd.grad(got, params, go), exact):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a.double(), e.half().double(), rtol=2 ** -10, atol=1e-6)
+
+    dw = DWConv2d(6, 5)
+    m = torch.randn(2, 7, 9, 6).requires_grad_(grad)
+    add = torch.randn(2, 7, 9, 6).half()
+
+    def dw_calls():
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+            return [dw(m), dw(m, residual=True), dw(m, add=add)]
+
+    del calls[:]
+    outs = dw_calls()
+    assert calls == [torch.float16] * 3
+    monkeypatch.setattr(layers, "_WIDENED_FP16", False)
+    refs = dw_calls()  # torch's fp16 convolution
+    monkeypatch.setattr(layers, "_WIDENED_FP16", True)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == ref.dtype and out.is_contiguous()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -9, atol=2e-3)
+    if grad:
+        outs[1].float().sum().backward()
+        assert dw.conv.weight.grad is not None and m.grad is not None
+    del calls[:]
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+        with ppma.ops.use_impl("reference"):
+            layers.conv2d(x, conv)
+            dw(m)
+        monkeypatch.setattr(layers, "_WIDENED_FP16", False)
+        layers.conv2d(x, conv)
+        dw(m)
+    assert calls == []
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_widened_fp16_model(grad, monkeypatch):
+    """The tiny PPMA-T under CPU fp16 autocast with the widened products (forced) against torch's fp16 kernels: the
+    same logits, loss and gradients up to fp16 rounding of the sums' order."""
+    import ppma
+    from ppma.nn import layers
+
+    torch.manual_seed(0)
+    model = ppma.create_model("ppma_tiny", num_classes=10, embed_dims=(32, 64, 96, 128), depths=(1, 1, 2, 1),
+                              num_heads=(2, 2, 4, 4), drop_path_rate=0.0).train(grad)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    y = torch.tensor([1, 3])
+
+    def run(widened):
+        monkeypatch.setattr(layers, "_WIDENED_FP16", widened)
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.float16):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float(), y)
+        if not grad:
+            return logits.float(), None
+        loss.backward()
+        return logits.float().detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    calls = _spy(monkeypatch, layers._WidenedLinear)
+    (l0, g0), (l1, g1) = run(False), run(True)
+    assert calls and set(calls) == {torch.float16}
+    torch.testing.assert_close(l1, l0, rtol=0, atol=2e-2)
+    if grad:
+        assert F.cosine_similarity(g0.double(), g1.double(), dim=0).item() > 0.999
 
 
 def test_widened_bf16_training_step(monkeypatch):

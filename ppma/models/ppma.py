@@ -167,7 +167,8 @@ MODEL_CONFIGS: dict[str, PPMAConfig] = {
 
 def _check_input(x: torch.Tensor, in_chans: int) -> torch.Tensor:
     """``x`` if it is an image batch ``[B, in_chans, H, W]`` with ``H, W >= 1``; else ``ValueError``. Warns once per
-    process on the CPU under float16 autocast where torch has no fast float16 kernels (:func:`_warn_cpu_fp16`)."""
+    process on the CPU under float16 autocast where the model runs torch's slow float16 kernels
+    (:func:`_warn_cpu_fp16`)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != in_chans:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"PPMA: x must be [B, {in_chans}, H, W], got {got}")
@@ -178,7 +179,7 @@ def _check_input(x: torch.Tensor, in_chans: int) -> torch.Tensor:
     return x
 
 
-_FP16_WARNED = False  # _warn_cpu_fp16 has looked (and warned where it should) in this process
+_FP16_WARNED = False  # _warn_cpu_fp16 has warned in this process, or found torch's float16 kernels fast here
 
 
 def _onednn_fp16() -> bool:
@@ -187,25 +188,34 @@ def _onednn_fp16() -> bool:
 
 
 def _warn_cpu_fp16() -> None:
-    """Warns (once per process) when the CPU runs under float16 autocast and torch's oneDNN has no float16 kernels on
-    this CPU (no AVX512-FP16 or AMX-FP16: ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``). torch then runs the
-    model's convolutions and linear layers in float16 on its fallback kernels (``_slow_conv2d_forward`` for every
-    depthwise convolution, a reference GEMM): PPMA-T b8@224 inference took 4.2-4.9 s against 0.47-0.52 s in float32
-    and 0.27-0.30 s under bfloat16 autocast on an AMD EPYC Zen 4 (2 threads, docs/performance.md "bf16 and fp16 on
-    the CPU"). The numbers are right, only slow, so it warns instead of refusing."""
+    """Warns (once per process) when the CPU runs the model under float16 autocast on torch's fallback float16
+    kernels: torch's oneDNN has no float16 kernels on this CPU (no AVX512-FP16 or AMX-FP16:
+    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``) and the "reference" implementation is chosen
+    (``ppma.ops.set_impl``). torch then runs the convolutions and linear layers in float16 on ``_slow_conv2d_forward``
+    (every depthwise convolution) and a reference GEMM: PPMA-T b8@224 inference took 4.2-5.5 s against 0.47-0.60 s in
+    float32 on an AMD EPYC Zen 4 (2 threads, docs/performance.md "fp16 autocast on a CPU without fp16 kernels"). The
+    "fused" implementation (the default) runs them as float32 products of the float16-rounded values there
+    (``ppma.nn.layers.fp16_products_widened``) and does not warn. The numbers are right, only slow, so it warns instead
+    of refusing."""
     global _FP16_WARNED
     if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16):
         return
-    _FP16_WARNED = True
     if _onednn_fp16():
+        _FP16_WARNED = True
         return
+    from ppma import ops
+
+    if ops.get_impl() == "fused":
+        return
+    _FP16_WARNED = True
     import warnings
 
     warnings.warn(
-        "PPMA: CPU autocast to float16 on a CPU without oneDNN's float16 kernels (no AVX512-FP16 or AMX-FP16): torch "
-        "runs the convolutions and linear layers on fallback kernels, about 9x slower than float32 for PPMA-T; "
-        "torch.autocast('cpu', dtype=torch.bfloat16) runs faster than float32 on CPUs with AVX512-BF16 or AMX "
-        "(docs/performance.md, 'bf16 and fp16 on the CPU').", RuntimeWarning, stacklevel=3)
+        "PPMA: CPU autocast to float16 with the 'reference' implementation on a CPU without oneDNN's float16 kernels "
+        "(no AVX512-FP16 or AMX-FP16): torch runs the convolutions and linear layers on fallback kernels, about 9x "
+        "slower than float32 for PPMA-T; the 'fused' implementation (the default) runs them as float32 products of "
+        "the float16-rounded values (docs/performance.md, 'fp16 autocast on a CPU without fp16 kernels').",
+        RuntimeWarning, stacklevel=3)
 
 
 # FX symbolic tracing (timm's FX feature extraction) records the check as one call instead of tracing into its

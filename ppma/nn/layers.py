@@ -69,6 +69,26 @@ def bf16_products_widened() -> bool:
 
 _WIDENED: bool | None = None  # bf16_products_widened(), read once
 
+
+@torch.compiler.assume_constant_result  # traced: called, not traced
+def fp16_products_widened() -> bool:
+    """Whether fp16 autocast runs the model's linear layers and convolutions (the depthwise ones too) on float32 kernels
+    fed the fp16-rounded values, in inference and training (:func:`linear`, :func:`linears`, :func:`conv2d`,
+    :class:`DWConv2d`): where torch's oneDNN has no fp16 kernels on this CPU (``ppma.backends.cpu_fp16_widened()``),
+    torch's fp16 convolutions and linear layers run on fallback kernels, about 9x slower than float32 for PPMA-T
+    (docs/performance.md "fp16 autocast on a CPU without fp16 kernels"). The product of two fp16 values is exact in
+    float32 (11-bit significands, a 22-bit product) and torch's fp16 kernels sum in float32 too, so the widened
+    products compute what they compute, up to the order of the sums."""
+    global _WIDENED_FP16
+    if _WIDENED_FP16 is None:
+        from ppma import backends
+
+        _WIDENED_FP16 = backends.cpu_fp16_widened()
+    return _WIDENED_FP16
+
+
+_WIDENED_FP16: bool | None = None  # fp16_products_widened(), read once
+
 # The first words of every error of a fused module's guard (:func:`_fused_dtype`).
 FUSED_FOR_INFERENCE = "this model was fused for CPU inference by ppma.nn.fuse_for_inference"
 
@@ -226,15 +246,16 @@ def compiled_onednn_dtype(x: torch.Tensor, *layers: nn.Module) -> torch.dtype | 
 
 def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
     """``conv(x)``: the dense convolutions of the unfused :class:`ConvStem` and :class:`PatchMerging`, on a CPU without
-    bf16 instructions under bf16 autocast (:func:`bf16_products_widened`) as float32 convolutions of the bf16-rounded
-    values, what autocast's bf16 convolution computes up to the order of the float32 sums:
+    bf16 instructions under bf16 autocast (:func:`bf16_products_widened`) and on one without fp16 kernels under fp16
+    autocast (:func:`fp16_products_widened`) as float32 convolutions of the rounded values, what autocast's
+    convolution computes up to the order of the float32 sums:
 
     - traced for frozen CPU inference (:func:`compiled_onednn_dtype`'s bf16 case): input, weight and bias rounded to
       bf16 (the weight's rounding a constant of the frozen graph), the output rounded once, as the eager fused
       modules run them (:func:`_fused_conv`);
-    - in CPU training (grad mode on; eager or traced by ``torch.compile``, not ``torch.export``; the "fused"
-      implementation; an ``nn.Conv2d`` without groups or hooks, zero-padded): :class:`_WidenedConv2d`, with
-      autocast's roundings of the gradients too.
+    - else where :func:`_widened_dtype` says so (bf16: CPU training; fp16: CPU inference and training; eager or traced
+      by ``torch.compile``, not ``torch.export``; the "fused" implementation; an ``nn.Conv2d`` without hooks,
+      zero-padded): :class:`_WidenedConv2d`, with autocast's roundings of the gradients too.
 
     Anywhere else the convolution itself runs."""
     if type(conv) is not nn.Conv2d or _has_hooks(conv):
@@ -243,21 +264,29 @@ def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
         bf16 = torch.bfloat16
         return _conv_of_rounded(x.to(bf16), conv.weight.to(bf16), conv.bias, conv.stride, conv.padding, conv.dilation,
                                 conv.groups)
-    if (conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
-            and _widened_training(x, conv, kind=nn.Conv2d)):
-        return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation)
+    dt = _widened_conv_dtype(x, conv)
+    if dt is not None:
+        return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups, dt)
     return conv(x)
+
+
+def _widened_conv_dtype(x: torch.Tensor, conv: nn.Module) -> torch.dtype | None:
+    """:func:`_widened_dtype` for a zero-padded ``nn.Conv2d`` ``conv`` (None for other padding)."""
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return None
+    return _widened_dtype(x, conv, kind=nn.Conv2d)
 
 
 def _conv_of_rounded(xb: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,
                      groups: int = 1) -> torch.Tensor:
-    """The float32 convolution of bf16 ``xb`` and ``wb`` with ``bias`` rounded to bf16, the output rounded to bf16:
-    what autocast's bf16 convolution computes, up to the order of the float32 sums (:func:`bf16_products_widened`)."""
-    bf16 = torch.bfloat16
+    """The float32 convolution of bf16 (fp16) ``xb`` and ``wb`` with ``bias`` rounded to their dtype, the output
+    rounded to it: what autocast's convolution computes, up to the order of the float32 sums
+    (:func:`bf16_products_widened`, :func:`fp16_products_widened`)."""
+    lp = xb.dtype
     with torch.autocast("cpu", enabled=False):
-        y = F.conv2d(xb.float(), wb.float(), None if bias is None else bias.to(bf16).float(), stride, padding,
+        y = F.conv2d(xb.float(), wb.float(), None if bias is None else bias.to(lp).float(), stride, padding,
                      dilation, groups)
-    return y.to(bf16)
+    return y.to(lp)
 
 
 def _frozen_trace() -> bool:
@@ -337,99 +366,115 @@ def _fused_eager_cpu(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """``layer(x)``; in CPU training under bf16 autocast on a CPU without bf16 instructions
-    (:func:`bf16_products_widened`), for an ``nn.Linear`` without hooks, the same function on float32 GEMMs of the
-    bf16-rounded values (:class:`_WidenedLinear`), eager or traced by ``torch.compile`` (not ``torch.export``), with
-    the "fused" implementation."""
-    if _widened_training(x, layer):
-        return _WidenedLinear.apply(x, layer.weight, layer.bias)
+    """``layer(x)``; for an ``nn.Linear`` without hooks where :func:`_widened_dtype` says so (CPU training under bf16
+    autocast on a CPU without bf16 instructions, :func:`bf16_products_widened`; CPU inference and training under fp16
+    autocast on a CPU without fp16 kernels, :func:`fp16_products_widened`), the same function on float32 GEMMs of the
+    rounded values (:class:`_WidenedLinear`), eager or traced by ``torch.compile`` (not ``torch.export``), with the
+    "fused" implementation."""
+    dt = _widened_dtype(x, layer)
+    if dt is not None:
+        return _WidenedLinear.apply(x, layer.weight, layer.bias, dt)
     return layer(x)
 
 
-def _widened_training(x: torch.Tensor, *layers: nn.Module, kind: type = nn.Linear) -> bool:
-    """The gate of :func:`linear`'s widened products (and :func:`linears`', :func:`conv2d`'s in training; ``layers``
-    of type ``kind`` exactly). ``x`` is read last, and only as a tensor: torch.fx's symbolic tracing passes proxies,
-    whose attributes cannot decide a branch."""
-    return (torch.is_grad_enabled() and autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-            and _dispatch.get_impl() == "fused" and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
+def _widened_dtype(x: torch.Tensor, *layers: nn.Module, kind: type = nn.Linear) -> torch.dtype | None:
+    """The CPU autocast dtype (bf16 or fp16) in which ``layers`` (of type ``kind`` exactly: :func:`linear`,
+    :func:`linears`, :func:`conv2d`, :class:`DWConv2d`) run on float32 kernels fed the rounded values, or None: bf16
+    in training (grad mode on) where :func:`bf16_products_widened` (bf16 inference has the fused model and the frozen
+    compile for that, :func:`ppma.nn.fuse_for_inference`), fp16 with or without gradients where
+    :func:`fp16_products_widened`; the "fused" implementation, not under ``torch.export`` or ``torch.jit.trace``,
+    float32 weights without hooks, a CPU tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic
+    tracing passes proxies, whose attributes cannot decide a branch."""
+    if not autocast_enabled("cpu"):
+        return None
+    dt = torch.get_autocast_dtype("cpu")
+    if dt == torch.bfloat16:
+        if not (torch.is_grad_enabled() and bf16_products_widened()):
+            return None
+    elif dt != torch.float16 or not fp16_products_widened():
+        return None
+    if (_dispatch.get_impl() == "fused" and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
             and all(type(m) is kind and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers)
-            and bf16_products_widened() and isinstance(x, torch.Tensor) and x.device.type == "cpu")
+            and isinstance(x, torch.Tensor) and x.device.type == "cpu"):
+        return dt
+    return None
 
 
 class _WidenedLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` as CPU bf16 autocast computes it, on float32 GEMMs (:func:`bf16_products_widened`:
-    oneDNN's bf16 kernels widen every operand in their loops on CPUs without bf16 instructions, 2.5-3.4x slower than
-    its float32 ones on PPMA-T's shapes). Autocast rounds x, weight and bias to bf16 and runs a bf16 GEMM with float32
-    sums whose output is rounded to bf16; its backward's GEMMs round grad_x and grad_weight to bf16, and the bias
-    gradient's sum too, before they return to the inputs' dtypes. Here the same roundings on float32 products of the
-    rounded values (exact: a product of two bf16 values fits in float32), so the results equal autocast's up to the
-    order of the float32 sums."""
+    """``F.linear(x, weight, bias)`` as CPU autocast to ``dt`` (bf16 or fp16) computes it, on float32 GEMMs
+    (:func:`bf16_products_widened`: oneDNN's bf16 kernels widen every operand in their loops on CPUs without bf16
+    instructions, 2.5-3.4x slower than its float32 ones on PPMA-T's shapes; :func:`fp16_products_widened`: without
+    oneDNN's fp16 kernels torch runs a reference fp16 GEMM). Autocast rounds x, weight and bias to ``dt`` and runs a
+    ``dt`` GEMM with float32 sums whose output is rounded to ``dt``; its backward's GEMMs round grad_x and grad_weight
+    to ``dt``, and the bias gradient's sum too, before they return to the inputs' dtypes. Here the same roundings on
+    float32 products of the rounded values (exact: a product of two bf16 or two fp16 values fits in float32), so the
+    results equal autocast's up to the order of the float32 sums."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        bf16 = torch.bfloat16
-        xb, wb = x.to(bf16), weight.to(bf16)
+    def forward(ctx, x, weight, bias, dt):
+        xb, wb = x.to(dt), weight.to(dt)
         ctx.save_for_backward(xb, wb)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         with torch.autocast("cpu", enabled=False):
             x2 = xb.reshape(-1, xb.shape[-1]).float()
             w = wb.float().t()
-            y = x2.mm(w) if bias is None else torch.addmm(bias.to(bf16).float(), x2, w)
-        return y.to(bf16).view(*x.shape[:-1], weight.shape[0])
+            y = x2.mm(w) if bias is None else torch.addmm(bias.to(dt).float(), x2, w)
+        return y.to(dt).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        bf16 = torch.bfloat16
         xb, wb = ctx.saved_tensors
+        dt = xb.dtype
         need = ctx.needs_input_grad
         with torch.autocast("cpu", enabled=False):
-            g2 = g.reshape(-1, g.shape[-1]).to(bf16).float()
+            g2 = g.reshape(-1, g.shape[-1]).to(dt).float()
             gx = gw = gb = None
             if need[0]:
-                gx = g2.mm(wb.float()).to(bf16).view(xb.shape).to(ctx.x_dtype)
+                gx = g2.mm(wb.float()).to(dt).view(xb.shape).to(ctx.x_dtype)
             if need[1]:
-                gw = g2.t().mm(xb.reshape(-1, xb.shape[-1]).float()).to(bf16).to(ctx.w_dtype)
+                gw = g2.t().mm(xb.reshape(-1, xb.shape[-1]).float()).to(dt).to(ctx.w_dtype)
             if ctx.b_dtype is not None and need[2]:
-                gb = g2.sum(0).to(bf16).to(ctx.b_dtype)
-        return gx, gw, gb
+                gb = g2.sum(0).to(dt).to(ctx.b_dtype)
+        return gx, gw, gb, None
 
 
 class _WidenedConv2d(torch.autograd.Function):
-    """``F.conv2d(x, weight, bias, stride, padding, dilation)`` (no groups) as CPU bf16 autocast computes it, on float32
-    convolutions (:func:`bf16_products_widened`: oneDNN's bf16 convolutions widen every operand in their loops on
-    CPUs without bf16 instructions; forward and backward of PPMA-T's stem and patch-merging convolutions ran 2.0x
-    slower than the float32 ones at b8@224 on an Ice Lake Xeon, 2 threads, docs/performance.md "bf16 and fp16 on the
-    CPU"). The roundings of :class:`_WidenedLinear`: x, weight and bias rounded to bf16, the output rounded to bf16,
-    and in the backward the output's gradient, then grad_x, grad_weight and grad_bias each rounded to bf16 before
-    they return to the inputs' dtypes; the products of bf16 values are exact in float32, so the results equal
-    autocast's up to the order of the float32 sums. The memory format of ``x`` (channels-last in training) is kept."""
+    """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` as CPU autocast to ``dt`` (bf16 or fp16)
+    computes it, on float32 convolutions (:func:`bf16_products_widened`: oneDNN's bf16 convolutions widen every operand
+    in their loops on CPUs without bf16 instructions; forward and backward of PPMA-T's stem and patch-merging
+    convolutions ran 2.0x slower than the float32 ones at b8@224 on an Ice Lake Xeon, 2 threads, docs/performance.md
+    "bf16 and fp16 on the CPU"; :func:`fp16_products_widened`: without oneDNN's fp16 kernels torch runs every fp16
+    depthwise convolution as one slow convolution per channel). The roundings of :class:`_WidenedLinear`: x, weight and
+    bias rounded to ``dt``, the output rounded to ``dt``, and in the backward the output's gradient, then grad_x,
+    grad_weight and grad_bias each rounded to ``dt`` before they return to the inputs' dtypes; the products of bf16
+    (fp16) values are exact in float32, so the results equal autocast's up to the order of the float32 sums. The
+    memory format of ``x`` (channels-last in training) is kept."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation):
-        bf16 = torch.bfloat16
-        xb, wb = x.to(bf16), weight.to(bf16)
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, dt):
+        xb, wb = x.to(dt), weight.to(dt)
         ctx.save_for_backward(xb, wb)
-        ctx.conv = (stride, padding, dilation)
+        ctx.conv = (stride, padding, dilation, groups)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return _conv_of_rounded(xb, wb, bias, stride, padding, dilation)
+        return _conv_of_rounded(xb, wb, bias, stride, padding, dilation, groups)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        bf16 = torch.bfloat16
         xb, wb = ctx.saved_tensors
-        stride, padding, dilation = ctx.conv
+        dt = xb.dtype
+        stride, padding, dilation, groups = ctx.conv
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need = ctx.needs_input_grad
         mask = [need[0], need[1], b_dtype is not None and need[2]]
         with torch.autocast("cpu", enabled=False):
             gx, gw, gb = torch.ops.aten.convolution_backward(
-                g.to(bf16).float(), xb.float(), wb.float(), None if b_dtype is None else [wb.shape[0]], list(stride),
-                list(padding), list(dilation), False, [0] * len(stride), 1, mask)
-        return (None if gx is None else gx.to(bf16).to(x_dtype), None if gw is None else gw.to(bf16).to(w_dtype),
-                None if gb is None else gb.to(bf16).to(b_dtype), None, None, None)
+                g.to(dt).float(), xb.float(), wb.float(), None if b_dtype is None else [wb.shape[0]], list(stride),
+                list(padding), list(dilation), False, [0] * len(stride), groups, mask)
+        return (None if gx is None else gx.to(dt).to(x_dtype), None if gw is None else gw.to(dt).to(w_dtype),
+                None if gb is None else gb.to(dt).to(b_dtype), None, None, None, None, None)
 
 
 def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -441,13 +486,15 @@ def linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
     products (``addmm`` into the first product's result) instead of autograd adding one map of ``x``'s size per
     layer: one pass over ``x``'s gradient per layer fewer. The gradients equal the separate layers' up to float
     rounding (the sum's order). Layers with forward hooks keep their calls. In frozen inference under
-    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_dtype`); in training under bf16 autocast
-    on a CPU without bf16 instructions, float32 GEMMs with autocast's roundings (:func:`linear`)."""
+    ``torch.compile`` they run oneDNN's linear op (:func:`compiled_onednn_dtype`); where :func:`_widened_dtype` says
+    so (bf16 autocast training on a CPU without bf16 instructions, fp16 autocast on one without fp16 kernels),
+    float32 GEMMs with autocast's roundings (:func:`linear`)."""
     dt = compiled_onednn_dtype(x, *layers)
     if dt is not None:
         return tuple(_fused_linear(x, m, dt) for m in layers)
-    if _widened_training(x, *layers):
-        return tuple(_WidenedLinear.apply(x, m.weight, m.bias) for m in layers)
+    wdt = _widened_dtype(x, *layers)
+    if wdt is not None:
+        return tuple(_WidenedLinear.apply(x, m.weight, m.bias, wdt) for m in layers)
     if not (torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64) and not autocast_enabled("cpu")
             and _fused_eager_cpu(x)
             and all(type(m) is nn.Linear and m.bias is not None and not _has_hooks(m) for m in layers)):
@@ -529,6 +576,13 @@ class DWConv2d(nn.Module):
             # ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
         xc = x.permute(0, 3, 1, 2)
+        if _widened_conv_dtype(x, conv) == torch.float16:
+            # fp16 autocast on a CPU without fp16 kernels: the float32 depthwise convolution of the fp16-rounded
+            # values (fp16_products_widened), not torch's per-channel fallback; bf16 keeps autocast's convolution
+            # (oneDNN's bf16 kernels) or ppma's kernel above
+            y = _WidenedConv2d.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
+                                     torch.float16).permute(0, 2, 3, 1).contiguous()
+            return x + y if residual else y
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
             weight = conv.weight.clone()
@@ -884,4 +938,4 @@ class ClassifierHead(nn.Module):
         if self.global_pool == "avg":
             x = x.flatten(2).mean(-1)
         x = self.drop(x)
-        return x if pre_logits else self.fc(x)
+        return x if pre_logits else linear(x, self.fc)
