@@ -419,7 +419,8 @@ def test_widened_bf16_training_linear(x_dtype, monkeypatch):
     (``bf16_products_widened``, forced): float32 GEMMs of the bf16-rounded values with autocast's roundings (output,
     grad_x, grad_weight and the bias gradient each rounded to bf16), so output and gradients equal autocast's own bf16
     linear layer up to the order of the float32 sums (within one bf16 rounding), in the inputs' dtypes; off the gate
-    (widening off, no autocast, no gradients, the reference implementation) the layer itself runs."""
+    (widening off, no autocast, the reference implementation) the layer itself runs (inference:
+    test_widened_lowp_linear)."""
     from ppma.nn import layers
 
     monkeypatch.setattr(layers, "_WIDENED", True)
@@ -443,8 +444,6 @@ def test_widened_bf16_training_linear(x_dtype, monkeypatch):
         monkeypatch.setattr(layers, "_WIDENED", False)
         assert type(layers.linear(x, lin).grad_fn).__name__ != "_WidenedLinearBackward"
         monkeypatch.setattr(layers, "_WIDENED", True)
-        with torch.no_grad():
-            assert layers.linear(x, lin).grad_fn is None
         with ppma.ops.use_impl("reference"):
             assert type(layers.linear(x, lin).grad_fn).__name__ != "_WidenedLinearBackward"
     assert type(layers.linear(x.float(), lin).grad_fn).__name__ != "_WidenedLinearBackward"  # no autocast
@@ -456,8 +455,8 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
     """``ppma.nn.layers.conv2d`` (the stem's and patch merging's convolutions) in CPU training under bf16 autocast
     where the bf16 products are widened (forced): float32 convolutions with autocast's roundings, so output and
     gradients equal autocast's own bf16 convolution up to the order of the float32 sums, in the inputs' dtypes, and
-    the channels-last layout is kept; off the gate (widening off, no gradients, the reference implementation, a padding
-    other than zeros, a hook) the convolution itself runs."""
+    the channels-last layout is kept; off the gate (widening off, the reference implementation, a padding other than
+    zeros, a hook) the convolution itself runs (inference: test_widened_lowp_conv2d)."""
     from ppma.nn import layers
 
     monkeypatch.setattr(layers, "_WIDENED", True)
@@ -482,8 +481,6 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return type(layers.conv2d(inp, module).grad_fn).__name__ == "_WidenedConv2dBackward"
 
-    with torch.no_grad():
-        assert not widened()
     with ppma.ops.use_impl("reference"):
         assert not widened()
     assert widened(torch.nn.Conv2d(6, 6, 3, 1, 1, groups=2))  # grouped: widened too
@@ -512,36 +509,44 @@ def _spy(monkeypatch, owner, name: str = "apply") -> list:
     return calls
 
 
+# the flag that forces each dtype's widening (ppma.nn.layers.bf16_products_widened / fp16_products_widened), and one
+# rounding of that dtype
+_WIDEN_FLAG = {torch.bfloat16: ("_WIDENED", 2 ** -7), torch.float16: ("_WIDENED_FP16", 2 ** -10)}
+_LOWP = pytest.mark.parametrize("lp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+@_LOWP
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
-def test_widened_fp16_linear(grad, monkeypatch):
-    """``ppma.nn.layers.linear`` / ``linears`` under CPU fp16 autocast where the CPU has no fp16 kernels
-    (``fp16_products_widened``, forced), in training and inference: float32 GEMMs of the fp16-rounded values with
-    autocast's roundings, so output and gradients equal autocast's own fp16 linear layer up to the order of the float32
-    sums (within one fp16 rounding); off the gate (widening off, the reference implementation, a hook, no autocast)
-    the layer itself runs."""
+def test_widened_lowp_linear(grad, lp, monkeypatch):
+    """``ppma.nn.layers.linear`` / ``linears`` under CPU bf16 (fp16) autocast where the CPU has no bf16 instructions
+    (fp16 kernels; ``bf16_products_widened`` / ``fp16_products_widened``, forced), in training and inference: float32
+    GEMMs of the rounded values with autocast's roundings, so output and gradients equal autocast's own linear layer
+    up to the order of the float32 sums (within one rounding); off the gate (widening off, the reference
+    implementation, a hook, no autocast) the layer itself runs."""
     from ppma.nn import layers
 
-    monkeypatch.setattr(layers, "_WIDENED_FP16", True)
+    flag, ulp = _WIDEN_FLAG[lp]
+    monkeypatch.setattr(layers, flag, True)
     calls = _spy(monkeypatch, layers._WidenedLinear)
     torch.manual_seed(0)
     lin = torch.nn.Linear(40, 24)
     x = torch.randn(3, 5, 40).requires_grad_(grad)
-    go = torch.randn(3, 5, 24).half()
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+    go = torch.randn(3, 5, 24).to(lp)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=lp):
         want = lin(x)
         got = layers.linear(x, lin)
         q, k = layers.linears(x, lin, lin)
-    assert calls == [torch.float16] * 3 and got.dtype == torch.float16
+    assert calls == [lp] * 3 and got.dtype == lp
     assert torch.equal(q, got) and torch.equal(k, got)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=1e-5)
     if grad:
         gw = torch.autograd.grad(want, [x, lin.weight, lin.bias], go)
         gg = torch.autograd.grad(got, [x, lin.weight, lin.bias], go)
         for a, b in zip(gg, gw):
             assert a.dtype == b.dtype == torch.float32
-            torch.testing.assert_close(a, b, rtol=2 ** -9, atol=1e-4)
+            torch.testing.assert_close(a, b, rtol=2 * ulp, atol=1e-4)
     del calls[:]
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=lp):
         with ppma.ops.use_impl("reference"):
             layers.linear(x, lin)
         h = lin.register_forward_hook(lambda *a: None)
@@ -549,82 +554,87 @@ def test_widened_fp16_linear(grad, monkeypatch):
             layers.linear(x, lin)
         finally:
             h.remove()
-        monkeypatch.setattr(layers, "_WIDENED_FP16", False)
+        monkeypatch.setattr(layers, flag, False)
         layers.linears(x, lin)
     layers.linear(x, lin)  # no autocast
     assert calls == []
 
 
+@_LOWP
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 @pytest.mark.parametrize("groups", [1, 6], ids=["dense", "depthwise"])
-def test_widened_fp16_conv2d(groups, grad, monkeypatch):
-    """``ppma.nn.layers.conv2d`` (dense and depthwise) and the unfused ``DWConv2d`` (plain, residual, added to a map)
-    under CPU fp16 autocast where the CPU has no fp16 kernels (forced): float32 convolutions of the fp16-rounded values
-    with autocast's roundings, output and gradients equal to autocast's fp16 convolution up to the order of the
-    float32 sums; the channels-last layout is kept."""
+def test_widened_lowp_conv2d(groups, grad, lp, monkeypatch):
+    """``ppma.nn.layers.conv2d`` (dense and depthwise) and, for fp16, the unfused ``DWConv2d`` (plain, residual, added
+    to a map) under CPU bf16 (fp16) autocast where the CPU has no bf16 instructions (fp16 kernels; forced): float32
+    convolutions of the rounded values with autocast's roundings, output and gradients equal to autocast's convolution
+    up to the order of the float32 sums; the channels-last layout is kept."""
     from ppma.nn import layers
     from ppma.nn.layers import DWConv2d
 
-    monkeypatch.setattr(layers, "_WIDENED_FP16", True)
+    flag, ulp = _WIDEN_FLAG[lp]
+    monkeypatch.setattr(layers, flag, True)
     calls = _spy(monkeypatch, layers._WidenedConv2d)
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(6, 12 if groups == 1 else 6, 3, 2 if groups == 1 else 1, 1, groups=groups)
     x = torch.randn(2, 6, 9, 11).contiguous(memory_format=torch.channels_last).requires_grad_(grad)
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=lp):
         want = conv(x)
         got = layers.conv2d(x, conv)
-    assert calls == [torch.float16] and got.dtype == torch.float16
+    assert calls == [lp] and got.dtype == lp
     assert got.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -10, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=1e-5)
     if grad:
-        # against float64 sums of the same fp16-rounded values: each widened gradient is that rounded to fp16 once
-        # (torch's fp16 fallback kernels sum in fp16 in places and are further off)
-        go = torch.randn(want.shape).half()
+        # against float64 sums of the same rounded values: each widened gradient is that rounded once (torch's fp16
+        # fallback kernels sum in fp16 in places and are further off)
+        go = torch.randn(want.shape).to(lp)
         params = [x, conv.weight, conv.bias]
-        x64 = x.detach().half().double().requires_grad_()
-        w64 = conv.weight.detach().half().double().requires_grad_()
-        b64 = conv.bias.detach().half().double().requires_grad_()
+        x64 = x.detach().to(lp).double().requires_grad_()
+        w64 = conv.weight.detach().to(lp).double().requires_grad_()
+        b64 = conv.bias.detach().to(lp).double().requires_grad_()
         exact = torch.autograd.grad(F.conv2d(x64, w64, b64, conv.stride, conv.padding, 1, groups), [x64, w64, b64],
                                     go.double())
         for a, e in zip(torch.autograd.grad(got, params, go), exact):
             assert a.dtype == torch.float32
-            torch.testing.assert_close(a.double(), e.half().double(), rtol=2 ** -10, atol=1e-6)
+            torch.testing.assert_close(a.double(), e.to(lp).double(), rtol=ulp, atol=1e-6)
 
     dw = DWConv2d(6, 5)
-    m = torch.randn(2, 7, 9, 6).requires_grad_(grad)
-    add = torch.randn(2, 7, 9, 6).half()
+    m = torch.randn(2, 7, 9, 6).to(lp).requires_grad_(grad)  # the model's maps under autocast
+    add = torch.randn(2, 7, 9, 6).to(lp)
 
     def dw_calls():
-        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=lp):
             return [dw(m), dw(m, residual=True), dw(m, add=add)]
 
     del calls[:]
     outs = dw_calls()
-    assert calls == [torch.float16] * 3
-    monkeypatch.setattr(layers, "_WIDENED_FP16", False)
-    refs = dw_calls()  # torch's fp16 convolution
-    monkeypatch.setattr(layers, "_WIDENED_FP16", True)
+    # bf16 keeps autocast's depthwise convolution (oneDNN's bf16 kernel was the faster even where it emulates bf16)
+    # and, in training, ppma's depthwise kernel (ppma.ops.cpu.depthwise_conv2d)
+    assert calls == ([] if lp == torch.bfloat16 else [lp] * 3)
+    monkeypatch.setattr(layers, flag, False)
+    refs = dw_calls()  # autocast's convolution
+    monkeypatch.setattr(layers, flag, True)
     for out, ref in zip(outs, refs):
         assert out.dtype == ref.dtype and out.is_contiguous()
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -9, atol=2e-3)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * ulp, atol=16 * ulp)
     if grad:
         outs[1].float().sum().backward()
         assert dw.conv.weight.grad is not None and m.grad is not None
     del calls[:]
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=lp):
         with ppma.ops.use_impl("reference"):
             layers.conv2d(x, conv)
             dw(m)
-        monkeypatch.setattr(layers, "_WIDENED_FP16", False)
+        monkeypatch.setattr(layers, flag, False)
         layers.conv2d(x, conv)
         dw(m)
     assert calls == []
 
 
+@_LOWP
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
-def test_widened_fp16_model(grad, monkeypatch):
-    """The tiny PPMA-T under CPU fp16 autocast with the widened products (forced) against torch's fp16 kernels: the
-    same logits, loss and gradients up to fp16 rounding of the sums' order."""
+def test_widened_lowp_model(grad, lp, monkeypatch):
+    """The tiny PPMA-T (unfused) under CPU bf16 (fp16) autocast with the widened products (forced) against autocast's
+    own kernels: the same logits, loss and gradients up to rounding of the sums' order."""
     import ppma
     from ppma.nn import layers
 
@@ -633,11 +643,12 @@ def test_widened_fp16_model(grad, monkeypatch):
                               num_heads=(2, 2, 4, 4), drop_path_rate=0.0).train(grad)
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
     y = torch.tensor([1, 3])
+    flag, _ = _WIDEN_FLAG[lp]
 
     def run(widened):
-        monkeypatch.setattr(layers, "_WIDENED_FP16", widened)
+        monkeypatch.setattr(layers, flag, widened)
         model.zero_grad(set_to_none=True)
-        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.float16):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", lp):
             logits = model(x)
             loss = F.cross_entropy(logits.float(), y)
         if not grad:
@@ -647,8 +658,8 @@ def test_widened_fp16_model(grad, monkeypatch):
 
     calls = _spy(monkeypatch, layers._WidenedLinear)
     (l0, g0), (l1, g1) = run(False), run(True)
-    assert calls and set(calls) == {torch.float16}
-    torch.testing.assert_close(l1, l0, rtol=0, atol=2e-2)
+    assert calls and set(calls) == {lp}
+    torch.testing.assert_close(l1, l0, rtol=0, atol=2e-2 if lp == torch.float16 else 8e-2)
     if grad:
         assert F.cosine_similarity(g0.double(), g1.double(), dim=0).item() > 0.999
 

@@ -52,7 +52,8 @@ _ONEDNN_BF16 = _ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 def bf16_products_widened() -> bool:
     """Whether bf16 autocast runs the model's products on float32 kernels fed the bf16-rounded values: the linear
     layers and convolutions of a model fused by :func:`ppma.nn.fuse_for_inference` and of ``compile_model``'s frozen
-    graphs (oneDNN's), and the linear layers in training (:func:`linear`, float32 GEMMs): where this CPU has no
+    graphs (oneDNN's), and of the unfused model in inference and training (:func:`linear`, :func:`linears`,
+    :func:`conv2d`; float32 GEMMs and convolutions; not the depthwise ones): where this CPU has no
     bf16 instructions (``ppma.backends.cpu_matrix_unit()`` is ``"avx512"`` or ``"avx2"``), oneDNN's bf16 kernels
     widen every bf16 operand to float32 inside their loops and ran 2.5-3.4x slower than its float32 kernels on
     PPMA-T's shapes (docs/performance.md "bf16 and fp16 on the CPU"). The product of two bf16 values is exact in
@@ -253,9 +254,9 @@ def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
     - traced for frozen CPU inference (:func:`compiled_onednn_dtype`'s bf16 case): input, weight and bias rounded to
       bf16 (the weight's rounding a constant of the frozen graph), the output rounded once, as the eager fused
       modules run them (:func:`_fused_conv`);
-    - else where :func:`_widened_dtype` says so (bf16: CPU training; fp16: CPU inference and training; eager or traced
-      by ``torch.compile``, not ``torch.export``; the "fused" implementation; an ``nn.Conv2d`` without hooks,
-      zero-padded): :class:`_WidenedConv2d`, with autocast's roundings of the gradients too.
+    - else where :func:`_widened_dtype` says so (CPU inference and training, eager or traced by ``torch.compile``, not
+      ``torch.export``; the "fused" implementation; an ``nn.Conv2d`` without hooks, zero-padded):
+      :class:`_WidenedConv2d`, with autocast's roundings of the gradients too.
 
     Anywhere else the convolution itself runs."""
     if type(conv) is not nn.Conv2d or _has_hooks(conv):
@@ -366,8 +367,8 @@ def _fused_eager_cpu(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """``layer(x)``; for an ``nn.Linear`` without hooks where :func:`_widened_dtype` says so (CPU training under bf16
-    autocast on a CPU without bf16 instructions, :func:`bf16_products_widened`; CPU inference and training under fp16
+    """``layer(x)``; for an ``nn.Linear`` without hooks where :func:`_widened_dtype` says so (CPU inference and
+    training under bf16 autocast on a CPU without bf16 instructions, :func:`bf16_products_widened`, and under fp16
     autocast on a CPU without fp16 kernels, :func:`fp16_products_widened`), the same function on float32 GEMMs of the
     rounded values (:class:`_WidenedLinear`), eager or traced by ``torch.compile`` (not ``torch.export``), with the
     "fused" implementation."""
@@ -379,19 +380,15 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 def _widened_dtype(x: torch.Tensor, *layers: nn.Module, kind: type = nn.Linear) -> torch.dtype | None:
     """The CPU autocast dtype (bf16 or fp16) in which ``layers`` (of type ``kind`` exactly: :func:`linear`,
-    :func:`linears`, :func:`conv2d`, :class:`DWConv2d`) run on float32 kernels fed the rounded values, or None: bf16
-    in training (grad mode on) where :func:`bf16_products_widened` (bf16 inference has the fused model and the frozen
-    compile for that, :func:`ppma.nn.fuse_for_inference`), fp16 with or without gradients where
-    :func:`fp16_products_widened`; the "fused" implementation, not under ``torch.export`` or ``torch.jit.trace``,
-    float32 weights without hooks, a CPU tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic
-    tracing passes proxies, whose attributes cannot decide a branch."""
+    :func:`linears`, :func:`conv2d`, and :class:`DWConv2d` for fp16) run on float32 kernels fed the rounded values, with or without
+    gradients, or None: bf16 where :func:`bf16_products_widened`, fp16 where :func:`fp16_products_widened`; the
+    "fused" implementation, not under ``torch.export`` or ``torch.jit.trace``, float32 weights without hooks, a CPU
+    tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic tracing passes proxies, whose
+    attributes cannot decide a branch."""
     if not autocast_enabled("cpu"):
         return None
     dt = torch.get_autocast_dtype("cpu")
-    if dt == torch.bfloat16:
-        if not (torch.is_grad_enabled() and bf16_products_widened()):
-            return None
-    elif dt != torch.float16 or not fp16_products_widened():
+    if not ((dt == torch.bfloat16 and bf16_products_widened()) or (dt == torch.float16 and fp16_products_widened())):
         return None
     if (_dispatch.get_impl() == "fused" and not torch.compiler.is_exporting() and not torch.jit.is_tracing()
             and all(type(m) is kind and m.weight.dtype == torch.float32 and not _has_hooks(m) for m in layers)
@@ -578,8 +575,9 @@ class DWConv2d(nn.Module):
         xc = x.permute(0, 3, 1, 2)
         if _widened_conv_dtype(x, conv) == torch.float16:
             # fp16 autocast on a CPU without fp16 kernels: the float32 depthwise convolution of the fp16-rounded
-            # values (fp16_products_widened), not torch's per-channel fallback; bf16 keeps autocast's convolution
-            # (oneDNN's bf16 kernels) or ppma's kernel above
+            # values (fp16_products_widened), not torch's per-channel fallback. bf16 keeps autocast's convolution:
+            # oneDNN's bf16 depthwise kernel ran faster than the widened one even where it emulates bf16
+            # (docs/performance.md "bf16 and fp16 on the CPU")
             y = _WidenedConv2d.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
                                      torch.float16).permute(0, 2, 3, 1).contiguous()
             return x + y if residual else y
