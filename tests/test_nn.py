@@ -664,6 +664,32 @@ def test_widened_lowp_model(grad, lp, monkeypatch):
         assert F.cosine_similarity(g0.double(), g1.double(), dim=0).item() > 0.999
 
 
+@_LOWP
+def test_widened_lowp_model_compiles(lp, monkeypatch):
+    """The widened products trace whole under ``torch.compile`` (aot_eager, fullgraph), in inference and training, and
+    the compiled model equals the eager one."""
+    import ppma
+    from ppma.nn import layers
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(layers, _WIDEN_FLAG[lp][0], True)
+    calls = _spy(monkeypatch, layers._WidenedLinear)
+    torch.manual_seed(0)
+    model = ppma.create_model("ppma_tiny", num_classes=10, embed_dims=(32, 64, 96, 128), depths=(1, 1, 1, 1),
+                              num_heads=(2, 2, 4, 4), drop_path_rate=0.0)
+    x = torch.randn(2, 3, 64, 64)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for grad in (False, True):
+        model.train(grad)
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=lp):
+            want, got = model(x), compiled(x)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-3)
+        if grad:
+            got.float().sum().backward()
+    assert calls and set(calls) == {lp}
+    torch._dynamo.reset()
+
+
 def test_widened_bf16_training_step(monkeypatch):
     """A bf16-autocast training step of the tiny PPMA-T with the widened products (forced) against the bf16 kernels:
     the same loss and gradients up to bf16 rounding of the sums' order."""
