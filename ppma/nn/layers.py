@@ -267,7 +267,8 @@ def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
                                 conv.groups)
     dt = _widened_conv_dtype(x, conv)
     if dt is not None:
-        return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups, dt)
+        return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
+                                    dt)
     return conv(x)
 
 
@@ -380,10 +381,10 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 def _widened_dtype(x: torch.Tensor, *layers: nn.Module, kind: type = nn.Linear) -> torch.dtype | None:
     """The CPU autocast dtype (bf16 or fp16) in which ``layers`` (of type ``kind`` exactly: :func:`linear`,
-    :func:`linears`, :func:`conv2d`, and :class:`DWConv2d` for fp16) run on float32 kernels fed the rounded values, with or without
-    gradients, or None: bf16 where :func:`bf16_products_widened`, fp16 where :func:`fp16_products_widened`; the
-    "fused" implementation, not under ``torch.export`` or ``torch.jit.trace``, float32 weights without hooks, a CPU
-    tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic tracing passes proxies, whose
+    :func:`linears`, :func:`conv2d`, and :class:`DWConv2d` for fp16) run on float32 kernels fed the rounded values,
+    with or without gradients, or None: bf16 where :func:`bf16_products_widened`, fp16 where
+    :func:`fp16_products_widened`; the "fused" implementation, not under ``torch.export`` or ``torch.jit.trace``,
+    float32 weights without hooks, a CPU tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic tracing passes proxies, whose
     attributes cannot decide a branch."""
     if not autocast_enabled("cpu"):
         return None
