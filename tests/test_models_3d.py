@@ -33,6 +33,42 @@ def test_video_model_forward_backward(kw):
     assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
 
 
+@needs_ext
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_video_model_fp16_widened(grad, monkeypatch):
+    """Under CPU fp16 autocast on a CPU without fp16 kernels (``ppma.nn.layers.fp16_products_widened``, forced) the
+    video model's linear layers and 3-D convolutions (depthwise too) run as float32 products of the fp16-rounded
+    values (torch's fp16 fallback ``slow_conv3d`` otherwise): the same logits and gradients up to the sums' order."""
+    import torch.nn.functional as F
+
+    from ppma.nn import layers
+
+    torch.manual_seed(0)
+    m = _small().train(grad)
+    x = torch.randn(2, 1, 8, 32, 32)
+    y = torch.tensor([1, 3])
+    calls = []
+    orig = layers._WidenedConv.apply
+    monkeypatch.setattr(layers._WidenedConv, "apply", lambda *a: (calls.append(a[1].dim()), orig(*a))[1])
+
+    def run(widened):
+        monkeypatch.setattr(layers, "_WIDENED_FP16", widened)
+        m.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.float16):
+            logits = m(x)
+            loss = F.cross_entropy(logits.float(), y)
+        if grad:
+            loss.backward()
+            return logits.float().detach(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        return logits.float(), None
+
+    (l0, g0), (l1, g1) = run(False), run(True)
+    assert calls and set(calls) == {5}  # 3-D convolutions: the embedding, CPE, LePE, the downsamplings
+    torch.testing.assert_close(l1, l0, rtol=0, atol=2e-2)
+    if grad:
+        assert F.cosine_similarity(g0.double(), g1.double(), dim=0).item() > 0.999
+
+
 def test_create_model_lists_and_rejects():
     from ppma.models.video import VIDEO_MODEL_CONFIGS
 

@@ -467,7 +467,7 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = conv(x)
         got = layers.conv2d(x, conv)
-    assert type(got.grad_fn).__name__ == "_WidenedConv2dBackward" and got.dtype == torch.bfloat16
+    assert type(got.grad_fn).__name__ == "_WidenedConvBackward" and got.dtype == torch.bfloat16
     assert got.is_contiguous(memory_format=torch.channels_last)
     params = [x, conv.weight] + ([conv.bias] if bias else [])
     gw = torch.autograd.grad(want, params, go)
@@ -479,7 +479,7 @@ def test_widened_bf16_training_conv2d(x_dtype, bias, monkeypatch):
 
     def widened(module=conv, inp=x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return type(layers.conv2d(inp, module).grad_fn).__name__ == "_WidenedConv2dBackward"
+            return type(layers.conv2d(inp, module).grad_fn).__name__ == "_WidenedConvBackward"
 
     with ppma.ops.use_impl("reference"):
         assert not widened()
@@ -573,7 +573,7 @@ def test_widened_lowp_conv2d(groups, grad, lp, monkeypatch):
 
     flag, ulp = _WIDEN_FLAG[lp]
     monkeypatch.setattr(layers, flag, True)
-    calls = _spy(monkeypatch, layers._WidenedConv2d)
+    calls = _spy(monkeypatch, layers._WidenedConv)
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(6, 12 if groups == 1 else 6, 3, 2 if groups == 1 else 1, 1, groups=groups)
     x = torch.randn(2, 6, 9, 11).contiguous(memory_format=torch.channels_last).requires_grad_(grad)

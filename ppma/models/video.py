@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ppma.nn.attention_3d import DWConv3d, PPMAAttention3D
-from ppma.nn.layers import DropPath
+from ppma.nn.layers import DropPath, _has_hooks, conv3d, linear
 
 __all__ = ["VideoConfig", "PPMAVideo", "VideoBlock", "VIDEO_MODEL_CONFIGS", "create_video_model"]
 
@@ -80,7 +80,16 @@ class VideoBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.cpe(x)
         x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        return x + self.drop_path(self._mlp(self.norm2(x)))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        # the MLP's linear layers through ppma.nn.layers.linear (widened under CPU autocast where the CPU has no
+        # kernels for its dtype); a replaced or hooked MLP runs as it is
+        mlp = self.mlp
+        if (type(mlp) is not nn.Sequential or len(mlp) != 3 or any(_has_hooks(m) for m in (mlp, *mlp))
+                or not (type(mlp[0]) is nn.Linear and type(mlp[2]) is nn.Linear)):
+            return mlp(x)
+        return linear(mlp[1](linear(x, mlp[0])), mlp[2])
 
 
 class _Downsample(nn.Module):
@@ -92,7 +101,7 @@ class _Downsample(nn.Module):
         self.norm = nn.LayerNorm(out_dim, eps=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.conv(x.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1))
+        return self.norm(conv3d(x.permute(0, 4, 1, 2, 3), self.conv).permute(0, 2, 3, 4, 1))
 
 
 class PPMAVideo(nn.Module):
@@ -152,14 +161,14 @@ class PPMAVideo(nn.Module):
                 f"PPMAVideo: T, H, W = {tuple(x.shape[2:])} must be multiples of the tubelet {tuple(self.cfg.tubelet)} "
                 "(a remainder would be dropped); crop or pad the clip first"
             )
-        x = self.embed_norm(self.patch_embed(x).permute(0, 2, 3, 4, 1))
+        x = self.embed_norm(conv3d(x, self.patch_embed).permute(0, 2, 3, 4, 1))
         for stage, down in zip(self.stages, self.downsamples):
             x = down(stage(x))
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.forward_features(x)).mean(dim=(1, 2, 3))
-        return self.head(self.head_drop(x))
+        return linear(self.head_drop(x), self.head)
 
 
 _OVERRIDES = {f.name for f in dataclasses.fields(VideoConfig)} - {"num_classes", "drop_path_rate"}

@@ -27,6 +27,7 @@ from torch import nn
 
 import ppma.ops as ops
 from ppma.nn.decay import PathDecay
+from ppma.nn.layers import _WidenedConv, _widened_conv_dtype, linear, linears
 from ppma.nn.rope import apply_rotary, rotary_angle
 
 __all__ = ["PathDecay3D", "DWConv3d", "rotary_sin_cos_3d", "PPMAAttention3D", "MIXERS_3D", "MASKS_3D"]
@@ -59,7 +60,15 @@ class DWConv3d(nn.Module):
         self.conv = nn.Conv3d(dim, dim, kernel_size, padding=tuple(k // 2 for k in kernel_size), groups=dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x.permute(0, 4, 1, 2, 3)).permute(0, 2, 3, 4, 1)
+        xc, conv = x.permute(0, 4, 1, 2, 3), self.conv
+        if _widened_conv_dtype(x, conv) == torch.float16:
+            # fp16 autocast on a CPU without fp16 kernels: the float32 depthwise convolution of the fp16-rounded
+            # values, not torch's slow_conv3d (as ppma.nn.DWConv2d; bf16 keeps autocast's convolution)
+            y = _WidenedConv.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
+                                   torch.float16)
+        else:
+            y = conv(xc)
+        return y.permute(0, 2, 3, 4, 1)
 
 
 def rotary_sin_cos_3d(angle: torch.Tensor, T: int, H: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +137,7 @@ class PPMAAttention3D(nn.Module):
         B, T, H, W, C = x.shape
         angle = rotary_angle(self.head_dim, x.device).to(torch.promote_types(x.dtype, torch.float32))
         sin, cos = rotary_sin_cos_3d(angle, T, H, W)
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = linears(x, self.q, self.k, self.v)  # ppma.nn.layers.linears: one node in CPU training
         lepe = self.lepe(v)
         shape = (B, T, H, W, self.num_heads, self.head_dim)
         q = _rope(q.reshape(shape), sin, cos)
@@ -145,7 +154,7 @@ class PPMAAttention3D(nn.Module):
             zh = _line_attention(2, q, k, torch.cat([zt, zw], -1), lb)  # A_H on both
             d = self.head_dim
             out = 0.5 * _line_attention(3, q, k, zh[..., :d], la) + 0.5 * _line_attention(1, q, k, zh[..., d:], lg)
-        return self.proj(out.reshape(B, T, H, W, C).to(v.dtype) + lepe)
+        return linear(out.reshape(B, T, H, W, C).to(v.dtype) + lepe, self.proj)
 
     def extra_repr(self) -> str:
         extra = "" if self.mask == "polyline" else f", mask={self.mask!r}"

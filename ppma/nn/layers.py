@@ -256,7 +256,7 @@ def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
       modules run them (:func:`_fused_conv`);
     - else where :func:`_widened_dtype` says so (CPU inference and training, eager or traced by ``torch.compile``, not
       ``torch.export``; the "fused" implementation; an ``nn.Conv2d`` without hooks, zero-padded):
-      :class:`_WidenedConv2d`, with autocast's roundings of the gradients too.
+      :class:`_WidenedConv`, with autocast's roundings of the gradients too.
 
     Anywhere else the convolution itself runs."""
     if type(conv) is not nn.Conv2d or _has_hooks(conv):
@@ -265,29 +265,43 @@ def conv2d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
         bf16 = torch.bfloat16
         return _conv_of_rounded(x.to(bf16), conv.weight.to(bf16), conv.bias, conv.stride, conv.padding, conv.dilation,
                                 conv.groups)
+    return _widened_conv(x, conv)
+
+
+def conv3d(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """``conv(x)`` for the dense ``nn.Conv3d`` layers of the video model (``ppma.models.video``: the tubelet embedding
+    and the spatial downsampling), widened as :func:`conv2d` (:class:`_WidenedConv`) where :func:`_widened_dtype`
+    says so: float32 convolutions of the bf16 (fp16) rounded values on a CPU without bf16 instructions (fp16
+    kernels)."""
+    return _widened_conv(x, conv)
+
+
+def _widened_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """:class:`_WidenedConv` of ``conv`` where :func:`_widened_conv_dtype` gives a dtype, else ``conv(x)``."""
     dt = _widened_conv_dtype(x, conv)
-    if dt is not None:
-        return _WidenedConv2d.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
-                                    dt)
-    return conv(x)
+    if dt is None:
+        return conv(x)
+    return _WidenedConv.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups, dt)
 
 
 def _widened_conv_dtype(x: torch.Tensor, conv: nn.Module) -> torch.dtype | None:
-    """:func:`_widened_dtype` for a zero-padded ``nn.Conv2d`` ``conv`` (None for other padding)."""
-    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+    """:func:`_widened_dtype` for a zero-padded ``nn.Conv2d`` or ``nn.Conv3d`` ``conv`` (None for other padding or
+    modules)."""
+    if type(conv) not in (nn.Conv2d, nn.Conv3d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return None
-    return _widened_dtype(x, conv, kind=nn.Conv2d)
+    return _widened_dtype(x, conv, kind=type(conv))
 
 
 def _conv_of_rounded(xb: torch.Tensor, wb: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,
                      groups: int = 1) -> torch.Tensor:
-    """The float32 convolution of bf16 (fp16) ``xb`` and ``wb`` with ``bias`` rounded to their dtype, the output
-    rounded to it: what autocast's convolution computes, up to the order of the float32 sums
-    (:func:`bf16_products_widened`, :func:`fp16_products_widened`)."""
+    """The float32 convolution (2-D, or 3-D for a 5-D weight) of bf16 (fp16) ``xb`` and ``wb`` with ``bias`` rounded
+    to their dtype, the output rounded to it: what autocast's convolution computes, up to the order of the float32
+    sums (:func:`bf16_products_widened`, :func:`fp16_products_widened`)."""
     lp = xb.dtype
+    conv = F.conv3d if wb.dim() == 5 else F.conv2d
     with torch.autocast("cpu", enabled=False):
-        y = F.conv2d(xb.float(), wb.float(), None if bias is None else bias.to(lp).float(), stride, padding,
-                     dilation, groups)
+        y = conv(xb.float(), wb.float(), None if bias is None else bias.to(lp).float(), stride, padding, dilation,
+                 groups)
     return y.to(lp)
 
 
@@ -438,9 +452,9 @@ class _WidenedLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-class _WidenedConv2d(torch.autograd.Function):
-    """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` as CPU autocast to ``dt`` (bf16 or fp16)
-    computes it, on float32 convolutions (:func:`bf16_products_widened`: oneDNN's bf16 convolutions widen every operand
+class _WidenedConv(torch.autograd.Function):
+    """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` (``F.conv3d`` for a 5-D weight) as CPU autocast
+    to ``dt`` (bf16 or fp16) computes it, on float32 convolutions (:func:`bf16_products_widened`: oneDNN's bf16 convolutions widen every operand
     in their loops on CPUs without bf16 instructions; forward and backward of PPMA-T's stem and patch-merging
     convolutions ran 2.0x slower than the float32 ones at b8@224 on an Ice Lake Xeon, 2 threads, docs/performance.md
     "bf16 and fp16 on the CPU"; :func:`fp16_products_widened`: without oneDNN's fp16 kernels torch runs every fp16
@@ -579,8 +593,8 @@ class DWConv2d(nn.Module):
             # values (fp16_products_widened), not torch's per-channel fallback. bf16 keeps autocast's convolution:
             # oneDNN's bf16 depthwise kernel ran faster than the widened one even where it emulates bf16
             # (docs/performance.md "bf16 and fp16 on the CPU")
-            y = _WidenedConv2d.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
-                                     torch.float16).permute(0, 2, 3, 1).contiguous()
+            y = _WidenedConv.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
+                                   torch.float16).permute(0, 2, 3, 1).contiguous()
             return x + y if residual else y
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
