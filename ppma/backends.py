@@ -266,9 +266,9 @@ def cpu_bf16_widened() -> bool:
     bf16-rounded values, and the unfused model's linear layers and convolutions bf16 autocast inference and training on
     float32 GEMMs and convolutions with autocast's roundings (``ppma.nn.layers.linear``, ``conv2d``): where bf16
     products have no instructions of their own (:func:`cpu_matrix_unit` is ``"avx512"`` or ``"avx2"``), oneDNN's bf16
-    kernels widen the operands inside their loops and run 2.5-3.4x slower than its float32 ones on PPMA-T's shapes; the product of two bf16 values is exact in
-    float32, so both compute the same up to the order of the float32 sums (docs/performance.md "bf16 and fp16 on the
-    CPU")."""
+    kernels widen the operands inside their loops and run 2.5-3.4x slower than its float32 ones on PPMA-T's shapes;
+    the product of two bf16 values is exact in float32, so both compute the same up to the order of the float32 sums
+    (docs/performance.md "bf16 and fp16 on the CPU")."""
     return cpu_matrix_unit() in ("avx512", "avx2")
 
 

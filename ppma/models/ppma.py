@@ -183,8 +183,11 @@ _FP16_WARNED = False  # _warn_cpu_fp16 has warned in this process, or found torc
 
 
 def _onednn_fp16() -> bool:
-    """Whether torch's oneDNN has float16 kernels on this CPU."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    """Whether torch's oneDNN has float16 kernels on this CPU (the converse of
+    ``ppma.nn.layers.fp16_products_widened``, read once)."""
+    from ppma.nn.layers import fp16_products_widened
+
+    return not fp16_products_widened()
 
 
 def _warn_cpu_fp16() -> None:

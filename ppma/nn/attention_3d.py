@@ -27,7 +27,7 @@ from torch import nn
 
 import ppma.ops as ops
 from ppma.nn.decay import PathDecay
-from ppma.nn.layers import _WidenedConv, _widened_conv_dtype, linear, linears
+from ppma.nn.layers import _widened_depthwise, linear, linears
 from ppma.nn.rope import apply_rotary, rotary_angle
 
 __all__ = ["PathDecay3D", "DWConv3d", "rotary_sin_cos_3d", "PPMAAttention3D", "MIXERS_3D", "MASKS_3D"]
@@ -60,14 +60,10 @@ class DWConv3d(nn.Module):
         self.conv = nn.Conv3d(dim, dim, kernel_size, padding=tuple(k // 2 for k in kernel_size), groups=dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc, conv = x.permute(0, 4, 1, 2, 3), self.conv
-        if _widened_conv_dtype(x, conv) == torch.float16:
-            # fp16 autocast on a CPU without fp16 kernels: the float32 depthwise convolution of the fp16-rounded
-            # values, not torch's slow_conv3d (as ppma.nn.DWConv2d; bf16 keeps autocast's convolution)
-            y = _WidenedConv.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
-                                   torch.float16)
-        else:
-            y = conv(xc)
+        xc = x.permute(0, 4, 1, 2, 3)
+        y = _widened_depthwise(xc, self.conv)  # fp16 autocast without fp16 kernels (as ppma.nn.DWConv2d)
+        if y is None:
+            y = self.conv(xc)
         return y.permute(0, 2, 3, 4, 1)
 
 

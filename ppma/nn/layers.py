@@ -284,6 +284,18 @@ def _widened_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
     return _WidenedConv.apply(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups, dt)
 
 
+def _widened_depthwise(xc: torch.Tensor, conv: nn.Module) -> torch.Tensor | None:
+    """The depthwise convolution ``conv(xc)`` of :class:`DWConv2d` / ``ppma.nn.attention_3d.DWConv3d`` (``xc``
+    channels-first) under fp16 autocast on a CPU without fp16 kernels: the float32 convolution of the fp16-rounded
+    values (:func:`fp16_products_widened`), not torch's per-channel fallback; None anywhere else. bf16 keeps autocast's
+    convolution: oneDNN's bf16 depthwise kernel ran faster than the widened one even where it emulates bf16
+    (docs/performance.md "bf16 and fp16 on the CPU")."""
+    if _widened_conv_dtype(xc, conv) != torch.float16:
+        return None
+    return _WidenedConv.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
+                              torch.float16)
+
+
 def _widened_conv_dtype(x: torch.Tensor, conv: nn.Module) -> torch.dtype | None:
     """:func:`_widened_dtype` for a zero-padded ``nn.Conv2d`` or ``nn.Conv3d`` ``conv`` (None for other padding or
     modules)."""
@@ -398,8 +410,8 @@ def _widened_dtype(x: torch.Tensor, *layers: nn.Module, kind: type = nn.Linear) 
     :func:`linears`, :func:`conv2d`, and :class:`DWConv2d` for fp16) run on float32 kernels fed the rounded values,
     with or without gradients, or None: bf16 where :func:`bf16_products_widened`, fp16 where
     :func:`fp16_products_widened`; the "fused" implementation, not under ``torch.export`` or ``torch.jit.trace``,
-    float32 weights without hooks, a CPU tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic tracing passes proxies, whose
-    attributes cannot decide a branch."""
+    float32 weights without hooks, a CPU tensor ``x``. ``x`` is read last, and only as a tensor: torch.fx's symbolic
+    tracing passes proxies, whose attributes cannot decide a branch."""
     if not autocast_enabled("cpu"):
         return None
     dt = torch.get_autocast_dtype("cpu")
@@ -454,15 +466,15 @@ class _WidenedLinear(torch.autograd.Function):
 
 class _WidenedConv(torch.autograd.Function):
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` (``F.conv3d`` for a 5-D weight) as CPU autocast
-    to ``dt`` (bf16 or fp16) computes it, on float32 convolutions (:func:`bf16_products_widened`: oneDNN's bf16 convolutions widen every operand
-    in their loops on CPUs without bf16 instructions; forward and backward of PPMA-T's stem and patch-merging
-    convolutions ran 2.0x slower than the float32 ones at b8@224 on an Ice Lake Xeon, 2 threads, docs/performance.md
-    "bf16 and fp16 on the CPU"; :func:`fp16_products_widened`: without oneDNN's fp16 kernels torch runs every fp16
-    depthwise convolution as one slow convolution per channel). The roundings of :class:`_WidenedLinear`: x, weight and
-    bias rounded to ``dt``, the output rounded to ``dt``, and in the backward the output's gradient, then grad_x,
-    grad_weight and grad_bias each rounded to ``dt`` before they return to the inputs' dtypes; the products of bf16
-    (fp16) values are exact in float32, so the results equal autocast's up to the order of the float32 sums. The
-    memory format of ``x`` (channels-last in training) is kept."""
+    to ``dt`` (bf16 or fp16) computes it, on float32 convolutions (:func:`bf16_products_widened`: oneDNN's bf16
+    convolutions widen every operand in their loops on CPUs without bf16 instructions; forward and backward of
+    PPMA-T's stem and patch-merging convolutions ran 2.0x slower than the float32 ones at b8@224 on an Ice Lake Xeon,
+    2 threads, docs/performance.md "bf16 and fp16 on the CPU"; :func:`fp16_products_widened`: without oneDNN's fp16
+    kernels torch runs every fp16 depthwise convolution as one slow convolution per channel). The roundings of
+    :class:`_WidenedLinear`: x, weight and bias rounded to ``dt``, the output rounded to ``dt``, and in the backward
+    the output's gradient, then grad_x, grad_weight and grad_bias each rounded to ``dt`` before they return to the
+    inputs' dtypes; the products of bf16 (fp16) values are exact in float32, so the results equal autocast's up to the
+    order of the float32 sums. The memory format of ``x`` (channels-last in training) is kept."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, dt):
@@ -588,13 +600,9 @@ class DWConv2d(nn.Module):
             # ppma's kernel (docs/ops.md "depthwise_conv2d")
             return depthwise_conv2d(x, conv.weight, conv.bias, residual)
         xc = x.permute(0, 3, 1, 2)
-        if _widened_conv_dtype(x, conv) == torch.float16:
-            # fp16 autocast on a CPU without fp16 kernels: the float32 depthwise convolution of the fp16-rounded
-            # values (fp16_products_widened), not torch's per-channel fallback. bf16 keeps autocast's convolution:
-            # oneDNN's bf16 depthwise kernel ran faster than the widened one even where it emulates bf16
-            # (docs/performance.md "bf16 and fp16 on the CPU")
-            y = _WidenedConv.apply(xc, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
-                                   torch.float16).permute(0, 2, 3, 1).contiguous()
+        y = _widened_depthwise(xc, conv)  # fp16 autocast without fp16 kernels
+        if y is not None:
+            y = y.permute(0, 2, 3, 1).contiguous()
             return x + y if residual else y
         if residual and x.dtype in (torch.float32, torch.float64) and not autocast_enabled(x.device.type):
             c = conv.kernel_size[0] // 2
