@@ -2,15 +2,16 @@
 same model run eagerly, in one process per case, the two alternating round by round.
 
 Cases: fp32 and bf16 autocast, inference and training (forward, cross-entropy, backward). Eager inference runs the
-deployment path (``ppma.nn.fuse_for_inference``); the compiled one freezes the weights of an unfused copy. Eager
-training runs the model, compiled training a copy with the same weights. Stochastic depth is off, so both compute
-the same function and the script also prints the largest logit difference of the first call.
+deployment path (``ppma.nn.fuse_for_inference``) and, beside it, the plain model as ``create_model`` returns it in
+eval mode (what a user who compiles instead of fusing would otherwise run); the compiled one freezes the weights of
+an unfused copy. Eager training runs the model, compiled training a copy with the same weights. Stochastic depth is
+off, so both compute the same function and the script also prints the largest logit difference of the first call.
 
-Each round runs one eager and one compiled iteration, timed in wall time (``time.perf_counter``: what images per
-second mean) and in the process's CPU time (``time.process_time``, which a busy machine disturbs less; with more than
-one thread it sums the threads' times, so it counts a part that runs on one thread for less than the wall time
-does). The ratio is eager / compiled per round (> 1: the compiled model is faster), reported as the median over
-rounds (wall and CPU time) and as the ratio of the two fastest iterations (wall).
+Each round runs one eager and one compiled iteration (inference: also one of the plain model), timed in wall time
+(``time.perf_counter``: what images per second mean) and in the process's CPU time (``time.process_time``, which a
+busy machine disturbs less; with more than one thread it sums the threads' times, so it counts a part that runs on
+one thread for less than the wall time does). The ratio is eager / compiled per round (> 1: the compiled model is
+faster), reported as the median over rounds (wall and CPU time) and as the ratio of the two fastest iterations (wall).
 The first call of each compiled graph (compilation, minutes for PPMA-T on 2 cores) is not timed.
 
 Usage::
@@ -59,6 +60,7 @@ def run_case(case: str, threads: int, rounds: int, depths: tuple[int, ...], batc
 
     if phase == "infer":
         model.eval()
+        plain = copy.deepcopy(model)
         eager = ppma.nn.fuse_for_inference(copy.deepcopy(model))
         compiled = compile_model(model)
 
@@ -68,7 +70,7 @@ def run_case(case: str, threads: int, rounds: int, depths: tuple[int, ...], batc
     else:
         model.train()
         twin = copy.deepcopy(model)
-        eager, compiled = model, compile_model(twin)
+        eager, compiled, plain = model, compile_model(twin), None
 
         def run(f):
             with autocast():
@@ -83,9 +85,10 @@ def run_case(case: str, threads: int, rounds: int, depths: tuple[int, ...], batc
     first = run(compiled)
     compile_s = time.perf_counter() - t0
     diff = (first - run(eager)).abs().max().item()
-    times: dict[str, list[float]] = {"eager": [], "compiled": [], "eager_cpu": [], "compiled_cpu": []}
+    runs = (("eager", eager), ("compiled", compiled)) + ((("plain", plain),) if plain is not None else ())
+    times: dict[str, list[float]] = {k: [] for name, _ in runs for k in (name, name + "_cpu")}
     for _ in range(rounds):
-        for name, f in (("eager", eager), ("compiled", compiled)):
+        for name, f in runs:
             c, w = time.process_time(), time.perf_counter()
             run(f)
             times[name].append(time.perf_counter() - w)
@@ -97,8 +100,10 @@ def _row(r: dict) -> str:
     e, c = r["eager"], r["compiled"]
     med = statistics.median(a / b for a, b in zip(e, c))
     med_cpu = statistics.median(a / b for a, b in zip(r["eager_cpu"], r["compiled_cpu"]))
+    pl = r.get("plain")
+    plain = (f"{min(pl) * 1e3:.0f} | {statistics.median(a / b for a, b in zip(pl, c)):.2f}x" if pl else "- | -")
     return (f"| {r['case']} | {min(e) * 1e3:.0f} | {min(c) * 1e3:.0f} | {med:.2f}x | {min(e) / min(c):.2f}x | "
-            f"{med_cpu:.2f}x | {r['compile_s']:.0f} | {r['max_diff']:.1e} |")
+            f"{med_cpu:.2f}x | {plain} | {r['compile_s']:.0f} | {r['max_diff']:.1e} |")
 
 
 def main(argv=None) -> int:
@@ -140,12 +145,14 @@ def main(argv=None) -> int:
     lines = [
         f"torch.compile vs eager on the CPU (`python benchmarks/bench_compile_cpu.py`): {ppma.backends.cpu_summary()}; "
         f"torch {torch.__version__}, {a.threads} thread(s), PPMA-T depths {depths}, b{a.batch}@{a.size}, {a.rounds} "
-        f"rounds (one eager and one compiled iteration each), {now}.",
+        f"rounds (one eager and one compiled iteration each), {now}. Eager inference is the fused deployment model "
+        "(`ppma.nn.fuse_for_inference`); plain eager the model as `create_model` returns it, in eval mode.",
         "",
         "| case | eager wall ms (fastest) | compiled wall ms (fastest) | eager / compiled, wall, median of rounds | "
-        "eager / compiled, wall, fastest | eager / compiled, CPU time, median of rounds | compile s | "
+        "eager / compiled, wall, fastest | eager / compiled, CPU time, median of rounds | "
+        "plain eager wall ms (fastest) | plain eager / compiled, wall, median of rounds | compile s | "
         "max abs logit diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(_row(r) for r in rows),
     ]
     if a.note:
