@@ -39,18 +39,23 @@ __all__ = ["main", "parse_args"]
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ppma-benchmark", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", nargs="+", default=["ppma_tiny"])
-    p.add_argument("--impl", nargs="+", default=["fused", "reference"], choices=["fused", "reference"])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--in-chans", type=int, default=3)
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--model", nargs="+", default=["ppma_tiny"],
+                   help="model names (ppma_tiny, ppma_small, ppma_base, or a timm name with --factory), each measured")
+    p.add_argument("--impl", nargs="+", default=["fused", "reference"], choices=["fused", "reference"],
+                   help="attention implementations to measure, in the same process on the same inputs "
+                        "(default: both; 'reference' is the official formulation with dense masks)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per iteration (default: 64, the paper's)")
+    p.add_argument("--img-size", type=int, default=224, help="square input side (default: 224)")
+    p.add_argument("--in-chans", type=int, default=3, help="input channels (default: 3)")
+    p.add_argument("--num-classes", type=int, default=1000, help="classifier outputs (default: 1000)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations before each phase (default: 10)")
+    p.add_argument("--iters", type=int, default=30, help="about this many timed iterations (default: 30)")
+    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none",
+                   help="autocast dtype for inference and training (default: none, float32); bf16 on the CPU")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda, cuda:1 ...")
     p.add_argument("--no-train", action="store_true", help="inference only")
-    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--channels-last", action="store_true",
+                   help="feed the images in channels-last memory format")
     p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="measure the model under torch.compile with this mode (default: 'default'; "

@@ -38,11 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--img-size", type=int, help="default: the checkpoint's config, else 224")
     p.add_argument("--crop-pct", type=float, help="default: the checkpoint's config, else 0.875")
     p.add_argument("--interpolation", default=None, help="default: the checkpoint's config, else bicubic")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="images per batch (default: 64)")
     p.add_argument("--num-workers", type=int,
                    help="data loading processes (default: 4, or fewer on a machine with fewer cores)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda, cuda:1 ...")
+    p.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none",
+                   help="autocast dtype (default: none, float32); bf16 on the CPU")
     p.add_argument("--output", help="write the result as JSON to this file")
     return p.parse_args(argv)
 

@@ -31,15 +31,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML config (configs/classification/*.yaml); defaults: the ImageNet recipe")
     p.add_argument("--data", help="'digits', 'synthetic', or an ImageFolder root with train/ and val/")
     p.add_argument("--model", help="model name (ppma_tiny, ppma_small, ppma_base)")
-    p.add_argument("--epochs", type=int)
+    p.add_argument("--epochs", type=int, help="training epochs (default: the config's)")
     p.add_argument("--batch-size", type=int, help="per process")
     p.add_argument("--lr", type=float, help="absolute peak lr (disables the linear scaling rule)")
     p.add_argument("--output", help="output folder")
     p.add_argument("--resume", help="checkpoint to resume from, or 'auto' (<output>/checkpoint.pth if present)")
-    p.add_argument("--amp", choices=["auto", "fp16", "bf16", "none"])
+    p.add_argument("--amp", choices=["auto", "fp16", "bf16", "none"],
+                   help="autocast dtype (default auto: fp16 with a GradScaler on CUDA, float32 on the CPU; bf16 "
+                        "also works on the CPU, fp16 needs CUDA)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--num-workers", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--num-workers", type=int, help="data loading processes per training process")
+    p.add_argument("--seed", type=int, help="seed of every generator (default: the config's, 0)")
     p.add_argument("--impl", choices=["fused", "reference"], help="attention implementation of the model")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
