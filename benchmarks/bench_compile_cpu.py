@@ -85,7 +85,7 @@ def run_case(case: str, threads: int, rounds: int, depths: tuple[int, ...], batc
     first = run(compiled)
     compile_s = time.perf_counter() - t0
     diff = (first - run(eager)).abs().max().item()
-    runs = (("eager", eager), ("compiled", compiled)) + ((("plain", plain),) if plain is not None else ())
+    runs = [(name, f) for name, f in (("eager", eager), ("compiled", compiled), ("plain", plain)) if f is not None]
     times: dict[str, list[float]] = {k: [] for name, _ in runs for k in (name, name + "_cpu")}
     for _ in range(rounds):
         for name, f in runs:
